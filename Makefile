@@ -1,0 +1,31 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, installs, makes the demo data and trains the CPU demo to its target
+#   make test   creates .venv, installs, runs the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of PyTorch; on a GPU machine use the NGC container (see Dockerfile) instead.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean-demo
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test,prep]'
+	touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash tools/run_demo.sh
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-demo:
+	rm -rf demo_data

@@ -1,0 +1,42 @@
+# shellcheck shell=bash
+# NVIDIA DGX A100, 128 nodes x 8 GPUs: the published MLPerf v2.0 closed configuration.
+# Batch arithmetic: 2 packs/GPU x ~2 sequences/pack x 8 GPUs x 128 nodes = 4,096 global batch.
+# Eval interval (REFERENCE formula): floor_25k(0.05 x (230.23 x 4096 + 3,000,000)) = 175,000 samples.
+# 820 steps x 4,096 = 3,358,720 samples of LR schedule; runs stop at 7M samples at the latest.
+export DGXSYSTEM=DGXA100_128x8
+export DGXNNODES=128
+export DGXNGPU=8
+export WALLTIME=15
+
+export BATCHSIZE=2
+export GRADIENT_STEPS=1
+export LR=0.00255
+export MAX_STEPS=820
+export WARMUP_STEPS=256
+export START_WARMUP_STEP=-76
+export OPT_LAMB_BETA_1=0.71
+export OPT_LAMB_BETA_2=0.88
+export WEIGHT_DECAY_RATE=0.0166629
+export OPTIMIZER=lamb
+export OPT_EPSILON=1e-6
+export MAX_GRAD_NORM=1.0
+# At scale the all-reduce must overlap the backward pass: clip after it (NVIDIA's clipafter configs).
+export CLIP_MODE=after_allreduce
+
+export EVAL_ITER_START_SAMPLES=175000
+export EVAL_ITER_SAMPLES=175000
+export MAX_SAMPLES_TERMINATION=7000000
+export TARGET_MLM_ACCURACY=0.720
+export NUM_EVAL_EXAMPLES=10000
+export EVAL_BATCH_SIZE=16
+export MAX_SEQ_LENGTH=512
+export MAX_PREDICTIONS_PER_SEQ=76
+
+export INPUT_LAYOUT=packed
+export BALANCE=none
+export PRECISION=bf16
+export CUDA_GRAPHS=1
+
+export DIVISION=closed
+export SUBMISSION_ORG=reference
+export SUBMISSION_PLATFORM=128xNVIDIA_DGX_A100

@@ -1,0 +1,244 @@
+"""The data preparation command line: `python data_prep/prepare.py STEP ...`.
+
+Steps (each skips the outputs that already exist and still match their MANIFEST.json, so an
+interrupted run is resumed by running the same command again):
+  samples             text parts -> one fixed-length hdf5 of masked pairs per part
+  reshard             per-part files -> N balanced shards, fixed and varlength, shuffled
+  eval                eval samples -> the 10,000-sample eval set, fixed and varlength
+  pack                shards -> packed shards + packing_report.json
+  stratify            shards -> stratum_0..3 shards + strata.json
+  verify              check dataset folders (same as data_prep/verify_dataset.py)
+  convert-checkpoint  TF1 / PyTorch / HuggingFace checkpoint conversion
+  all                 samples (train + eval), eval, reshard, pack, stratify, verify
+See data_prep/README.md for a full walk-through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository and the trainer package importable
+    _ROOT = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(_ROOT), str(_ROOT / "pytorch")]
+
+from data_prep import convert_checkpoint, verify_dataset  # noqa: E402
+from data_prep.eval_set import EvalParams, make_eval_set  # noqa: E402
+from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES, DataPrepError  # noqa: E402
+from data_prep.pack import PackParams, pack_dataset  # noqa: E402
+from data_prep.reshard import ReshardParams, reshard, shard_dir_name  # noqa: E402
+from data_prep.samples import SampleParams, create_samples  # noqa: E402
+from data_prep.sources import list_shards  # noqa: E402
+from data_prep.stratify import StratifyParams, stratify  # noqa: E402
+
+log = logging.getLogger("data_prep")
+
+EVAL_TEXT = "eval.txt"
+TEXT_GLOB = "part-*-of-*"
+
+
+def text_files(paths: list[Path]) -> list[Path]:
+    """Files given directly, plus the part-XXXXX-of-YYYYY files of given folders, sorted."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found += sorted(p for p in path.glob(TEXT_GLOB) if p.is_file())
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise DataPrepError(f"{path}: no such text file or folder (--text)")
+    return found
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max_seq_length", type=int, default=MAX_SEQ_LENGTH)
+    parser.add_argument("--max_predictions", type=int, default=MAX_PREDICTIONS, help="max_predictions_per_seq")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--compression", choices=("gzip", "lzf"), help="hdf5 filter of the outputs (default none)")
+
+
+def _sample_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vocab", type=Path, required=True, help="vocab.txt of the MLPerf checkpoint")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--dupe_factor", type=int, default=10)
+    parser.add_argument("--masked_lm_prob", type=float, default=0.15)
+    parser.add_argument("--short_seq_prob", type=float, default=0.1)
+    parser.add_argument("--encoding_errors", choices=("strict", "replace", "ignore"), default="strict",
+                        help="what to do with bytes that are not UTF-8 (default: stop with an error)")
+
+
+def _sample_params(args: argparse.Namespace) -> SampleParams:
+    return SampleParams(args.max_seq_length, args.max_predictions, args.masked_lm_prob, args.short_seq_prob,
+                        args.dupe_factor, args.seed, args.encoding_errors, args.compression)
+
+
+def cmd_samples(args: argparse.Namespace) -> None:
+    create_samples(text_files(args.text), args.out, args.vocab, _sample_params(args), args.workers, args.exclude_text)
+
+
+def _reshard_params(args: argparse.Namespace) -> ReshardParams:
+    return ReshardParams(args.num_shards, tuple(args.formats.split(",")), not args.no_shuffle, args.seed,
+                         args.max_seq_length, args.max_predictions, args.bucket_samples, args.compression)
+
+
+def cmd_reshard(args: argparse.Namespace) -> None:
+    params = _reshard_params(args)
+    out_dirs = {fmt: args.out / shard_dir_name(params.num_shards, fmt) for fmt in params.formats}
+    reshard(list_shards(args.input), out_dirs, params)
+
+
+def _eval_params(args: argparse.Namespace) -> EvalParams:
+    return EvalParams(args.num_eval_samples, not args.no_eval_shuffle, args.seed, args.max_seq_length,
+                      args.max_predictions, args.compression)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    out_dirs = {"fixed": args.out / "eval_fixed", "varlength": args.out / "eval_varlength"}
+    make_eval_set(list_shards(args.input), out_dirs, _eval_params(args))
+
+
+def _pack_params(args: argparse.Namespace) -> PackParams:
+    return PackParams(args.algorithm, args.max_seq_length, args.max_sequences_per_pack, args.num_pack_shards,
+                      args.group_samples, args.seed, args.compression)
+
+
+def cmd_pack(args: argparse.Namespace) -> None:
+    pack_dataset(list_shards(args.input), args.out, _pack_params(args))
+
+
+def _stratify_params(args: argparse.Namespace) -> StratifyParams:
+    return StratifyParams(shards_per_stratum=args.shards_per_stratum, fmt=args.format,
+                          max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
+                          compression=args.compression)
+
+
+def cmd_stratify(args: argparse.Namespace) -> None:
+    stratify(list_shards(args.input), args.out, _stratify_params(args))
+
+
+def _verify(directories: list[Path], vocab: Path | None, args: argparse.Namespace) -> None:
+    namespace = argparse.Namespace(directory=directories, vocab=vocab, vocab_size=None,
+                                   max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
+                                   expect_samples=None, no_checksums=False)
+    if verify_dataset.run(namespace) != 0:
+        raise DataPrepError("verification failed (problems listed above)")
+
+
+def cmd_all(args: argparse.Namespace) -> None:
+    """Every step from the text folder to DATADIR / EVALDIR, then verification."""
+    out, params = args.out, _sample_params(args)
+    eval_text = args.text_dir / EVAL_TEXT
+    if not eval_text.is_file():
+        raise DataPrepError(f"{eval_text}: not found; --text_dir must hold eval.txt and the part-* files")
+    create_samples(text_files([args.text_dir]), out / "parts", args.vocab, params, args.workers, eval_text)
+    create_samples([eval_text], out / "eval_parts", args.vocab, params, 1)
+    make_eval_set(list_shards(out / "eval_parts"), {"fixed": out / "eval_fixed", "varlength": out / "eval_varlength"},
+                  _eval_params(args))
+    reshard_params = _reshard_params(args)
+    shard_dirs = {fmt: out / shard_dir_name(reshard_params.num_shards, fmt) for fmt in reshard_params.formats}
+    reshard(list_shards(out / "parts"), shard_dirs, reshard_params)
+    training = shard_dirs.get("varlength", next(iter(shard_dirs.values())))
+    finished = [*shard_dirs.values(), out / "eval_fixed", out / "eval_varlength"]
+    if not args.skip_pack:
+        finished.append(out / f"packed_{reshard_params.num_shards}_{args.algorithm}")
+        pack_dataset(list_shards(training), finished[-1], _pack_params(args))
+    if not args.skip_stratify:
+        finished.append(out / f"stratified_{reshard_params.num_shards}")
+        stratify(list_shards(training), finished[-1], _stratify_params(args))
+    _verify(finished, args.vocab, args)
+    log.info("done: DATADIR=%s EVALDIR=%s", training, out / "eval_varlength")
+
+
+def _samples_io(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", type=Path, nargs="+", required=True, help="part-* files or folders holding them")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--exclude_text", type=Path, help="eval.txt: its documents are kept out of these samples")
+
+
+def _io(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", type=Path, required=True, help="folder of input shards (or one shard)")
+    p.add_argument("--out", type=Path, required=True)
+
+
+def _all_io(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text_dir", type=Path, required=True, help="folder with part-XXXXX-of-00500 and eval.txt")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--skip_pack", action="store_true")
+    p.add_argument("--skip_stratify", action="store_true")
+
+
+def _reshard_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num_shards", type=int, default=4320)
+    p.add_argument("--formats", default="fixed,varlength", help="comma-separated: fixed, varlength")
+    p.add_argument("--no_shuffle", action="store_true", help="keep the input order instead of shuffling")
+    p.add_argument("--bucket_samples", type=int, default=2_000_000, help="samples in memory while shuffling")
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num_eval_samples", type=int, default=NUM_EVAL_SAMPLES)
+    p.add_argument("--no_eval_shuffle", action="store_true", help="pick from the input order (already shuffled)")
+
+
+def _pack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algorithm", choices=("nnlshp", "lpfhp", "spfhp"), default="nnlshp")
+    p.add_argument("--max_sequences_per_pack", type=int, default=3)
+    p.add_argument("--num_pack_shards", type=int, help="packed shards (default: as many as input shards)")
+    p.add_argument("--group_samples", type=int, default=1_000_000, help="sequences packed together")
+
+
+def _stratify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("varlength", "fixed"), default="varlength")
+    p.add_argument("--shards_per_stratum", type=int, help="default: as many as input shards")
+
+
+def _run_verify(args: argparse.Namespace) -> None:
+    code = verify_dataset.run(args)
+    if code:
+        raise SystemExit(code)
+
+
+# step: (help, function, argument groups)
+STEPS = {
+    "samples": ("text parts -> per-part fixed hdf5 samples", cmd_samples, (_samples_io, _sample_args, _common)),
+    "reshard": ("per-part files -> OUT/hdf5_N_shards_{fixed,varlength}", cmd_reshard, (_io, _reshard_args, _common)),
+    "eval": ("eval samples -> OUT/eval_fixed and OUT/eval_varlength", cmd_eval, (_io, _eval_args, _common)),
+    "pack": ("shards -> packed shards + packing_report.json", cmd_pack, (_io, _pack_args, _common)),
+    "stratify": ("shards -> stratum_0..3 shards + strata.json", cmd_stratify, (_io, _stratify_args, _common)),
+    "verify": ("check dataset folders", _run_verify, (verify_dataset.add_arguments,)),
+    "convert-checkpoint": ("TF1 / .pt / HuggingFace checkpoint conversion", convert_checkpoint.run,
+                           (convert_checkpoint.add_arguments,)),
+    "all": ("text folder -> every dataset folder, verified", cmd_all,
+            (_all_io, _sample_args, _common, _reshard_args, _eval_args, _pack_args, _stratify_args)),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="MLPerf BERT data preparation", epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="step", required=True)
+    for name, (help_text, func, groups) in STEPS.items():
+        step = sub.add_parser(name, help=help_text)
+        for add in groups:
+            add(step)
+        step.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except DataPrepError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Checks a dataset folder: `python data_prep/verify_dataset.py DIR [--vocab vocab.txt]`.
+
+For every shard (fixed, varlength or packed; stratum_k/ sub-folders included) it checks,
+vectorised over blocks of rows: the keys and their integer dtypes, equal row counts,
+widths, the padding layout (input_mask a prefix of ones, zeros after it, masked slots
+packed to the front), [CLS] A [SEP] B [SEP] structure and segment ids, token ids inside
+the vocabulary, lengths and prediction counts inside the limits, masked positions inside
+their sequence (never [CLS] or [SEP], ascending) and next-sentence labels. With a
+MANIFEST.json it compares sha256, size and sample count of every file; with strata.json
+and packing_report.json it checks the strata bounds and counts and that no sequence was
+dropped. Exits 0 when everything holds, 1 otherwise, printing one line per problem that
+names the file, the first bad row and what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
+
+from data_prep.fileio import Manifest, read_json, sha256_file  # noqa: E402
+from data_prep.formats import (  # noqa: E402
+    FORMAT_KEYS, MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError, detect_format,
+)
+from data_prep.h5io import open_h5  # noqa: E402
+from data_prep.ragged import Samples, from_fixed, from_packed, from_varlength, offsets  # noqa: E402
+from data_prep.vocab import load_vocab  # noqa: E402
+
+BLOCK_ROWS = 1 << 15
+MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token each in A and B
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_seq_length: int = MAX_SEQ_LENGTH
+    max_predictions: int = MAX_PREDICTIONS
+    vocab_size: int | None = None  # token ids must lie in [0, vocab_size) when given
+    cls_id: int | None = None  # known from --vocab: every sequence must start with it
+    sep_id: int | None = None
+
+
+@dataclass
+class ShardReport:
+    path: Path
+    fmt: str = "?"
+    rows: int = 0
+    sequences: int = 0
+    lengths: list[np.ndarray] = field(default_factory=list)  # per block, for the strata check
+    problems: list[str] = field(default_factory=list)
+
+    def flag(self, bad: np.ndarray, rows: np.ndarray, what: str) -> None:
+        """Records `what` once, naming the first bad row and how many rows are bad."""
+        if bad.any():
+            hit = np.unique(rows[np.flatnonzero(bad)])
+            more = f" (and {hit.shape[0] - 1} more rows)" if hit.shape[0] > 1 else ""
+            self.problems.append(f"{self.path}: row {hit[0]}{more}: {what}")
+
+
+def _any_per_row(bad: np.ndarray) -> np.ndarray:
+    return bad.reshape(bad.shape[0], -1).any(axis=1)
+
+
+def _fixed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tuple[np.ndarray, str]]:
+    """(bad rows, problem) for the padded layout itself."""
+    mask, real = a["input_mask"], a["masked_lm_positions"] != 0
+    return [
+        (_any_per_row((mask != 0) & (mask != 1)), "input_mask holds values other than 0 and 1"),
+        (_any_per_row(np.diff(mask.astype(np.int8), axis=1) > 0), "input_mask is not a prefix of ones"),
+        (_any_per_row((mask == 0) & ((a["input_ids"] != 0) | (a["segment_ids"] != 0))),
+         "input_ids or segment_ids are not 0 on padding"),
+        (_any_per_row(np.diff(real.astype(np.int8), axis=1) > 0), "a masked slot after an empty one (position 0)"),
+        (_any_per_row(~real & (a["masked_lm_ids"] != 0)), "masked_lm_ids is not 0 in an empty slot"),
+    ]
+
+
+def _packed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tuple[np.ndarray, str]]:
+    """(bad rows, problem) for the packed slot bookkeeping."""
+    input_len, mlm_len = a["packed_input_len"].astype(np.int64), a["packed_masked_lm_len"].astype(np.int64)
+    empty = input_len == 0
+    used = np.arange(a["input_ids"].shape[1]) < input_len.sum(axis=1, keepdims=True)
+    real = np.arange(a["masked_lm_positions"].shape[1]) < mlm_len.sum(axis=1, keepdims=True)
+    return [
+        (_any_per_row((input_len < 0) | (mlm_len < 0)), "negative packed length"),
+        (input_len.sum(axis=1) > a["input_ids"].shape[1], "packed_input_len sums beyond the row"),
+        (mlm_len.sum(axis=1) > a["masked_lm_positions"].shape[1], "packed_masked_lm_len sums beyond the columns"),
+        (empty.all(axis=1), "the row holds no sequence"),
+        (_any_per_row(empty[:, :-1] & ~empty[:, 1:]), "an empty slot before a full one"),
+        (_any_per_row(empty & ((mlm_len != 0) | (a["next_sentence_labels"] != -1))),
+         "an empty slot has predictions or a label other than -1"),
+        (_any_per_row(~used & ((a["input_ids"] != 0) | (a["segment_ids"] != 0))), "tokens after the packed sequences"),
+        (_any_per_row(~real & ((a["masked_lm_positions"] != 0) | (a["masked_lm_ids"] != 0))),
+         "masked slots after the packed predictions are not 0"),
+    ]
+
+
+def _per_sequence(bad: np.ndarray, owner: np.ndarray, count: int) -> np.ndarray:
+    """[count] True where sequence owner[i] has a bad entry i."""
+    return np.bincount(owner[bad], minlength=count)[:count] > 0
+
+
+def _structure_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str]]:
+    """(bad sequences, problem): lengths, [CLS]/[SEP] layout, segments, ids, labels."""
+    count, n = len(s), s.lengths
+    token_owner = np.repeat(np.arange(count), n)
+    start = offsets(n)[:-1]
+    nonempty = n > 0
+    first, last = start[nonempty], (start + n - 1)[nonempty]
+    seg = s.segment_ids.astype(np.int64)
+    in_seq = np.ones(seg.shape[0], bool)
+    in_seq[start[nonempty]] = False  # a segment may only grow inside a sequence
+    checks = [
+        (n < MIN_LENGTH, f"sequence shorter than {MIN_LENGTH} tokens ([CLS] A [SEP] B [SEP])"),
+        (n > limits.max_seq_length, f"sequence longer than max_seq_length={limits.max_seq_length}"),
+        (s.num_predictions > limits.max_predictions, f"more than max_predictions={limits.max_predictions} predictions"),
+        ((s.next_sentence_labels != 0) & (s.next_sentence_labels != 1), "next_sentence_labels is not 0 or 1"),
+        (_per_sequence((seg != 0) & (seg != 1), token_owner, count), "segment_ids other than 0 and 1"),
+        (_per_sequence(in_seq & (np.diff(seg, prepend=0) < 0), token_owner, count), "segment_ids decrease (1 then 0)"),
+        (_scatter(nonempty, (seg[first] != 0) | (seg[last] != 1)), "segment_ids do not start with 0 and end with 1"),
+    ]
+    if limits.vocab_size is not None:
+        outside = (s.input_ids < 0) | (s.input_ids >= limits.vocab_size)
+        checks.append((_per_sequence(outside, token_owner, count), f"input_ids outside [0, {limits.vocab_size})"))
+    if limits.cls_id is not None and limits.sep_id is not None:
+        a_len = np.bincount(token_owner, weights=(seg == 0), minlength=count).astype(np.int64)
+        sep_a = (start + np.maximum(a_len, 1) - 1)[nonempty]
+        wrong = (s.input_ids[first] != limits.cls_id) | (s.input_ids[last] != limits.sep_id) | (
+            s.input_ids[sep_a] != limits.sep_id)
+        checks.append((_scatter(nonempty, wrong), "not [CLS] A [SEP] B [SEP] (special tokens misplaced)"))
+    return checks
+
+
+def _scatter(where: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = np.zeros(where.shape[0], bool)
+    out[where] = values
+    return out
+
+
+def _prediction_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str]]:
+    """(bad sequences, problem): masked positions inside the sequence, ascending; labels in vocab."""
+    count = len(s)
+    owner = np.repeat(np.arange(count), s.num_predictions)
+    pos = s.masked_lm_positions.astype(np.int64)
+    a_len = np.bincount(np.repeat(np.arange(count), s.lengths), weights=(s.segment_ids == 0), minlength=count)
+    sep_a = a_len.astype(np.int64)[owner] - 1
+    same = np.concatenate([[False], owner[1:] == owner[:-1]])
+    checks = [
+        (_per_sequence((pos < 1) | (pos >= s.lengths[owner] - 1) | (pos == sep_a), owner, count),
+         "a masked position outside the sequence or on [CLS]/[SEP]"),
+        (_per_sequence(same & (np.diff(pos, prepend=0) <= 0), owner, count), "masked positions not ascending"),
+    ]
+    if limits.vocab_size is not None:
+        ids = s.masked_lm_ids
+        checks.append((_per_sequence((ids < 0) | (ids >= limits.vocab_size), owner, count),
+                       f"masked_lm_ids outside [0, {limits.vocab_size})"))
+    return checks
+
+
+def _check_keys(handle: h5py.File, fmt: str, report: ShardReport, limits: Limits) -> bool:
+    """Keys present, integer dtypes, equal row counts and the fixed widths; False stops the file."""
+    keys = FORMAT_KEYS[fmt]
+    missing = [k for k in keys if k not in handle]
+    if missing:
+        report.problems.append(f"{report.path}: {fmt} shard without key(s) {', '.join(missing)}")
+        return False
+    for key in keys:
+        dtype = h5py.check_vlen_dtype(handle[key].dtype) or handle[key].dtype
+        if not np.issubdtype(dtype, np.integer):
+            report.problems.append(f"{report.path}: key {key!r} has dtype {dtype}, expected integers")
+    rows = {k: handle[k].shape[0] if handle[k].shape else 0 for k in keys}
+    if len(set(rows.values())) > 1:
+        report.problems.append(f"{report.path}: keys have different row counts {rows}")
+    if fmt == "fixed":
+        widths = (handle["input_ids"].shape[1:], handle["masked_lm_positions"].shape[1:])
+        if widths != ((limits.max_seq_length,), (limits.max_predictions,)):
+            report.problems.append(f"{report.path}: rows are {widths[0]} tokens / {widths[1]} predictions wide, "
+                                   f"expected ({limits.max_seq_length},) / ({limits.max_predictions},)")
+    return not report.problems
+
+
+def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, report: ShardReport) -> None:
+    arrays = {k: handle[k][lo:hi] for k in FORMAT_KEYS[fmt]}
+    rows = np.arange(lo, hi)
+    if fmt == "fixed":
+        for bad, what in _fixed_layout_checks(arrays, limits):
+            report.flag(bad, rows, what)
+        samples, seq_rows = from_fixed(arrays), rows
+    elif fmt == "varlength":
+        try:
+            samples, seq_rows = from_varlength(arrays), rows
+        except DataPrepError as err:
+            report.problems.append(f"{report.path}: rows from {lo}: {err}")
+            return
+    else:
+        for bad, what in _packed_layout_checks(arrays, limits):
+            report.flag(bad, rows, what)
+        if report.problems:
+            return
+        samples, local_rows = from_packed(arrays)
+        seq_rows = rows[local_rows]
+    for bad, what in _structure_checks(samples, limits) + _prediction_checks(samples, limits):
+        report.flag(bad, seq_rows, what)
+    report.sequences += len(samples)
+    report.lengths.append(samples.lengths)
+
+
+def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> ShardReport:
+    """All checks of one shard; problems are collected in the report, never raised."""
+    report = ShardReport(Path(path))
+    try:
+        with open_h5(path) as handle:
+            report.fmt = detect_format(handle)
+            if not _check_keys(handle, report.fmt, report, limits):
+                return report
+            report.rows = int(handle["input_ids"].shape[0])
+            for lo in range(0, report.rows, block_rows):
+                _check_block(handle, report.fmt, lo, min(lo + block_rows, report.rows), limits, report)
+                if len(report.problems) > 20:
+                    break
+    except DataPrepError as err:
+        report.problems.append(str(err))
+    return report
+
+
+def _manifest_problems(directory: Path, manifest: Manifest, reports: dict[str, ShardReport], checksums: bool) -> list[str]:
+    problems = []
+    for name, entry in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: listed in {manifest.path.name} but missing")
+            continue
+        if path.stat().st_size != entry.get("bytes"):
+            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {entry.get('bytes')} (truncated?)")
+        elif checksums and sha256_file(path) != entry.get("sha256"):
+            problems.append(f"{path}: sha256 differs from the manifest (the file changed or is corrupt)")
+        report = reports.get(name)
+        if report is not None and report.fmt != "?" and report.rows != entry.get("samples"):
+            problems.append(f"{path}: {report.rows} rows, the manifest says {entry.get('samples')}")
+    problems += [f"{directory / name}: not listed in {manifest.path.name}" for name in sorted(set(reports) - set(manifest.files))]
+    return problems
+
+
+def _strata_problems(directory: Path, reports: dict[str, ShardReport]) -> list[str]:
+    path = directory / STRATA_NAME
+    strata = read_json(path)
+    bounds, counts = strata.get("bounds", []), strata.get("counts", [])
+    problems, found = [], []
+    for k, bound in enumerate(bounds):
+        low = bounds[k - 1] if k else 0
+        stratum = [r for name, r in reports.items() if name.startswith(f"stratum_{k}/")]
+        lengths = np.concatenate([x for r in stratum for x in r.lengths]) if stratum else np.zeros(0, np.int64)
+        if lengths.size and ((lengths <= low) | (lengths > bound)).any():
+            problems.append(f"{directory}/stratum_{k}: holds lengths outside ({low}, {bound}]")
+        found.append(int(lengths.shape[0]))
+    if found != counts:
+        problems.append(f"{path}: counts {counts}, but the stratum folders hold {found}")
+    total = max(sum(found), 1)
+    if not np.allclose(strata.get("shares", []), [c / total for c in found], atol=1e-9):
+        problems.append(f"{path}: shares do not equal counts / total")
+    return problems
+
+
+def _packing_problems(directory: Path, reports: dict[str, ShardReport]) -> list[str]:
+    path = directory / PACKING_REPORT_NAME
+    report = read_json(path)
+    rows, sequences = sum(r.rows for r in reports.values()), sum(r.sequences for r in reports.values())
+    problems = []
+    if report.get("sequences_dropped") != 0:
+        problems.append(f"{path}: {report.get('sequences_dropped')} sequences dropped; repack with another algorithm")
+    if report.get("packs") != rows or report.get("sequences") != sequences:
+        problems.append(f"{path}: reports {report.get('packs')} packs / {report.get('sequences')} sequences, "
+                        f"the shards hold {rows} / {sequences}")
+    return problems
+
+
+def find_shards(directory: Path) -> list[Path]:
+    """Shards directly in `directory` and in its stratum_k sub-folders."""
+    shards = [p for p in directory.glob("*") if p.suffix in (".hdf5", ".h5") and p.is_file()]
+    shards += [p for p in directory.glob("stratum_*/*") if p.suffix in (".hdf5", ".h5") and p.is_file()]
+    return sorted(shards)
+
+
+def verify_directory(directory: Path | str, limits: Limits, checksums: bool = True,
+                     expect_samples: int | None = None) -> tuple[list[str], dict[str, ShardReport]]:
+    """(problems, per-shard reports) of a dataset folder."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return [f"{directory}: not a folder"], {}
+    shards = find_shards(directory)
+    if not shards:
+        return [f"{directory}: no *.hdf5 shards here or in stratum_*/ folders"], {}
+    reports = {p.relative_to(directory).as_posix(): verify_shard(p, limits) for p in shards}
+    problems = [msg for r in reports.values() for msg in r.problems]
+    try:
+        manifest = Manifest.load(directory)
+        if manifest is not None:
+            problems += _manifest_problems(directory, manifest, reports, checksums)
+        if (directory / STRATA_NAME).is_file():
+            problems += _strata_problems(directory, reports)
+        if (directory / PACKING_REPORT_NAME).is_file():
+            problems += _packing_problems(directory, reports)
+    except DataPrepError as err:
+        problems.append(str(err))
+    total = sum(r.sequences for r in reports.values())
+    if expect_samples is not None and total != expect_samples:
+        problems.append(f"{directory}: {total} samples, expected {expect_samples}")
+    return problems, reports
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    if args.vocab:
+        vocab = load_vocab(args.vocab)
+        return Limits(args.max_seq_length, args.max_predictions, vocab.size, vocab.cls_id, vocab.sep_id)
+    return Limits(args.max_seq_length, args.max_predictions, args.vocab_size)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", type=Path, nargs="+", help="dataset folder(s) to check")
+    parser.add_argument("--vocab", type=Path, help="vocab.txt: checks ids and the [CLS]/[SEP] layout")
+    parser.add_argument("--vocab_size", type=int, help="checks ids against this size (without --vocab)")
+    parser.add_argument("--max_seq_length", type=int, default=MAX_SEQ_LENGTH)
+    parser.add_argument("--max_predictions", type=int, default=MAX_PREDICTIONS)
+    parser.add_argument("--expect_samples", type=int, help="total samples (sequences) the folder must hold")
+    parser.add_argument("--no_checksums", action="store_true", help="skip the sha256 comparison with MANIFEST.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Verifies every folder of `args.directory`; prints problems; 0 when all are valid."""
+    try:
+        limits = limits_from_args(args)
+    except DataPrepError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    failed = 0
+    for directory in args.directory:
+        problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        formats = sorted({r.fmt for r in reports.values()})
+        sequences = sum(r.sequences for r in reports.values())
+        status = "FAILED" if problems else "OK"
+        print(f"{status}: {directory}: {len(reports)} shards ({', '.join(formats)}), {sequences} samples"
+              + (f", {len(problems)} problems" if problems else ""))
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""MLPerf Training BERT phase-2 pretraining."""
+
+__version__ = "0.1.0"

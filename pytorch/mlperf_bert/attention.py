@@ -1,0 +1,145 @@
+"""Attention over a flat token stream: back-ends that never attend across sequences.
+
+Every back-end takes q, k, v as [T, heads, head_dim] plus `cu_seqlens` ([S+1] int32) and
+returns [T, heads, head_dim]. Sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1]; a token
+only attends to tokens of its own sequence, which is what makes packed rows exact.
+
+- `sdpa`: the reference. Scatters the tokens into a padded [S, heads, L, head_dim] tensor,
+  runs `torch.nn.functional.scaled_dot_product_attention` with a key-padding mask and
+  gathers the real tokens back. Runs anywhere and supports attention dropout.
+- `varlen`: GPU kernels that work on the flat tokens directly (flash-attn's
+  `flash_attn_varlen_func` when importable, else `torch.nn.attention.varlen.varlen_attn`).
+  PyTorch's kernel has no dropout, so it is only chosen when no attention dropout is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "varlen")
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Index maps between flat tokens [T] and the padded grid [S, L]."""
+
+    seq_index: torch.Tensor  # [T] which sequence each token belongs to
+    pos_index: torch.Tensor  # [T] position of each token inside its sequence
+    num_seqs: int
+    max_seqlen: int
+
+
+def flat_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> FlatLayout:
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    num_seqs = lengths.shape[0]
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=cu.device), lengths)
+    pos_index = torch.arange(seq_index.shape[0], device=cu.device) - cu[:-1][seq_index]
+    return FlatLayout(seq_index, pos_index, num_seqs, max_seqlen)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: FlatLayout,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Reference attention: pad per sequence, masked SDPA, unpad."""
+    t, heads, dim = q.shape
+    s, l = layout.num_seqs, layout.max_seqlen
+
+    def to_grid(x: torch.Tensor) -> torch.Tensor:
+        grid = x.new_zeros(s, l, heads, dim)
+        grid[layout.seq_index, layout.pos_index] = x
+        return grid.transpose(1, 2)  # [S, heads, L, dim]
+
+    valid = torch.zeros(s, l, dtype=torch.bool, device=q.device)
+    valid[layout.seq_index, layout.pos_index] = True
+    key_mask = valid[:, None, None, :]  # [S, 1, 1, L]: True = may attend
+    out = F.scaled_dot_product_attention(
+        to_grid(q), to_grid(k), to_grid(v), attn_mask=key_mask, dropout_p=dropout_p
+    )
+    return out.transpose(1, 2)[layout.seq_index, layout.pos_index]
+
+
+def _flash_attn_varlen() -> Callable | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def _torch_varlen() -> Callable | None:
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return None
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Varlen GPU kernel on the flat tokens; no padding is ever materialised."""
+    flash = _flash_attn_varlen()
+    if flash is not None:
+        return flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p)
+    if dropout_p > 0:
+        raise RuntimeError(
+            "torch varlen attention has no dropout; install flash-attn or use --attention_backend sdpa"
+        )
+    kernel = _torch_varlen()
+    if kernel is None:
+        raise RuntimeError("no varlen attention kernel: install flash-attn or use PyTorch >= 2.9")
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+
+
+def resolve_backend(requested: str, device: torch.device, attention_dropout: float) -> str:
+    """Picks a concrete back-end; `auto` prefers the varlen kernels on a GPU when they are exact."""
+    if requested not in BACKENDS:
+        raise ValueError(f"--attention_backend must be one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "sdpa"
+    if _flash_attn_varlen() is not None:
+        return "varlen"
+    if _torch_varlen() is not None and attention_dropout == 0.0:
+        return "varlen"
+    return "sdpa"
+
+
+class FlatAttention(torch.nn.Module):
+    """Dispatches to a back-end; holds no parameters (the projections live in the model)."""
+
+    def __init__(self, backend: str, dropout_p: float) -> None:
+        super().__init__()
+        if backend not in ("sdpa", "varlen"):
+            raise ValueError(f"unresolved attention backend {backend!r}; call resolve_backend first")
+        self.backend = backend
+        self.dropout_p = dropout_p
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        layout: FlatLayout,
+    ) -> torch.Tensor:
+        p = self.dropout_p if self.training else 0.0
+        if self.backend == "varlen":
+            return varlen_attention(q, k, v, cu_seqlens, layout.max_seqlen, p)
+        return sdpa_attention(q, k, v, layout, p)

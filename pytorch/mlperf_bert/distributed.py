@@ -1,0 +1,87 @@
+"""Process-group setup from torchrun's or SLURM's environment, and small collectives.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Under `srun`
+without torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID give the same facts; the
+rendezvous address then comes from MASTER_ADDR (set by run.sub) or the first node of the job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], *names: str, default: int) -> int:
+    for name in names:
+        if env.get(name, "") != "":
+            try:
+                return int(env[name].split("(")[0])  # SLURM_TASKS_PER_NODE may read "8(x2)"
+            except ValueError as err:
+                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from err
+    return default
+
+
+def dist_env_from(env: Mapping[str, str]) -> DistEnv:
+    """Reads rank facts from torchrun variables first, then SLURM's."""
+    world = _int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1)
+    rank = _int(env, "RANK", "SLURM_PROCID", default=0)
+    local_rank = _int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside world size {world}; check RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS")
+    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
+    return DistEnv(rank, world, local_rank, min(local_world, world), addr, _int(env, "MASTER_PORT", default=29500))
+
+
+def init_distributed(denv: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Starts the default process group (gloo on the CPU, NCCL on GPUs) when world > 1."""
+    if not denv.is_distributed or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{denv.master_addr}:{denv.master_port}",
+        rank=denv.rank,
+        world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sums `t` over ranks in place (no-op on a single process)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

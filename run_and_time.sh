@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Runs one MLPerf BERT phase-2 training run from the variables of a config_<SYSTEM>.sh file
+# and prints the MLPerf RESULT line. Launch it once per node (it starts DGXNGPU processes
+# with torchrun) or once per task under srun (the trainer then reads SLURM's variables).
+#
+#   source config_CPU_1x2.sh
+#   DATADIR_PHASE2=... EVALDIR=... OUTPUT_DIR=... ./run_and_time.sh
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PYTHON=${PYTHON:-python3}
+
+die() { echo "run_and_time.sh: $*" >&2; exit 2; }
+
+require() {
+  local name
+  for name in "$@"; do
+    [[ -n "${!name:-}" ]] || die "$name is not set; source a config_<SYSTEM>.sh file or export it"
+  done
+}
+
+require DGXNGPU DGXNNODES BATCHSIZE GRADIENT_STEPS LR MAX_STEPS OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 \
+  WEIGHT_DECAY_RATE MAX_SAMPLES_TERMINATION TARGET_MLM_ACCURACY INPUT_LAYOUT PRECISION \
+  DATADIR_PHASE2 EVALDIR
+
+[[ -d "$DATADIR_PHASE2" ]] || die "DATADIR_PHASE2=$DATADIR_PHASE2 is not a directory"
+[[ -e "$EVALDIR" ]] || die "EVALDIR=$EVALDIR does not exist"
+
+SEED=${SEED:-$RANDOM}
+OUTPUT_DIR=${OUTPUT_DIR:-${LOGDIR:-$here/results}/run_${SEED}}
+BERT_CONFIG=${BERT_CONFIG:-${CHECKPOINTDIR_PHASE1:-}/bert_config.json}
+INIT_CHECKPOINT=${INIT_CHECKPOINT:-${CHECKPOINTDIR_PHASE1:-}/model.ckpt-28252.pt}
+[[ -f "$BERT_CONFIG" ]] || die "BERT_CONFIG=$BERT_CONFIG not found (set BERT_CONFIG or CHECKPOINTDIR_PHASE1)"
+
+flags=(
+  --input_dir "$DATADIR_PHASE2"
+  --eval_dir "$EVALDIR"
+  --bert_config_path "$BERT_CONFIG"
+  --output_dir "$OUTPUT_DIR"
+  --seed "$SEED"
+  --do_train
+  --train_batch_size "$BATCHSIZE"
+  --gradient_accumulation_steps "$GRADIENT_STEPS"
+  --learning_rate "$LR"
+  --max_steps "$MAX_STEPS"
+  --opt_lamb_beta_1 "$OPT_LAMB_BETA_1"
+  --opt_lamb_beta_2 "$OPT_LAMB_BETA_2"
+  --weight_decay_rate "$WEIGHT_DECAY_RATE"
+  --max_samples_termination "$MAX_SAMPLES_TERMINATION"
+  --target_mlm_accuracy "$TARGET_MLM_ACCURACY"
+  --input_layout "$INPUT_LAYOUT"
+  --precision "$PRECISION"
+)
+
+# Optional variables: each maps to exactly one named flag when it is set.
+optional() {
+  local name=$1 flag=$2
+  if [[ -n "${!name:-}" ]]; then flags+=("$flag" "${!name}"); fi
+}
+optional WARMUP_STEPS --warmup_steps
+optional WARMUP_PROPORTION --warmup_proportion
+optional START_WARMUP_STEP --start_warmup_step
+optional OPTIMIZER --optimizer
+optional OPT_EPSILON --opt_epsilon
+optional MAX_GRAD_NORM --max_grad_norm
+optional CLIP_MODE --clip_mode
+optional BALANCE --balance
+optional EVAL_ITER_START_SAMPLES --eval_iter_start_samples
+optional EVAL_ITER_SAMPLES --eval_iter_samples
+optional NUM_EVAL_EXAMPLES --num_eval_examples
+optional EVAL_BATCH_SIZE --eval_batch_size
+optional MAX_SEQ_LENGTH --max_seq_length
+optional MAX_PREDICTIONS_PER_SEQ --max_predictions_per_seq
+optional ATTENTION_BACKEND --attention_backend
+optional DEVICE --device
+optional LOG_FREQ --log_freq
+optional DIVISION --submission_division
+optional SUBMISSION_ORG --submission_org
+optional SUBMISSION_PLATFORM --submission_platform
+optional SUBMISSION_STATUS --submission_status
+optional MLPERF_LOG_FILE --mlperf_log_file
+if [[ "${CUDA_GRAPHS:-0}" == 1 ]]; then flags+=(--cuda_graphs); fi
+if [[ "$INIT_CHECKPOINT" != none && -e "$INIT_CHECKPOINT" ]]; then
+  flags+=(--init_checkpoint "$INIT_CHECKPOINT")
+elif [[ "$INIT_CHECKPOINT" != none && -n "${CHECKPOINTDIR_PHASE1:-}" ]]; then
+  die "INIT_CHECKPOINT=$INIT_CHECKPOINT not found (set INIT_CHECKPOINT=none to start from random weights)"
+fi
+
+trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
+if [[ -z "${RANK:-}" && -z "${SLURM_PROCID:-}" && "$DGXNGPU" -gt 1 ]]; then
+  # Not started per task: start one process per GPU (or CPU worker) on this node.
+  trainer=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$DGXNGPU" \
+    "$here/pytorch/run_pretraining.py")
+fi
+
+start=$(date +%s)
+start_fmt=$(date +%Y-%m-%d\ %r)
+echo "STARTING TIMING RUN AT $start_fmt"
+status=0
+"${trainer[@]}" "${flags[@]}" || status=$?
+end=$(date +%s)
+echo "ENDING TIMING RUN AT $(date +%Y-%m-%d\ %r)"
+[[ $status -eq 0 ]] || exit "$status"
+if [[ "${SLURM_PROCID:-${RANK:-0}}" == 0 ]]; then
+  echo "RESULT,bert,$SEED,$((end - start)),${USER:-unknown},$start_fmt"
+fi

@@ -1,0 +1,44 @@
+"""Shared fixtures: a small demo dataset made once per test session with the real generator."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = REPO / "pytorch" / "run_pretraining.py"
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs a command the way a user would, from the repository root."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def make_demo_data(out: Path, *extra: str) -> Path:
+    result = run_cli([sys.executable, "data_prep/make_demo_data.py", "--output_dir", str(out), "--num_train", "2000",
+                      "--num_eval", "200", "--num_shards", "3", "--max_seq_length", "64",
+                      "--max_predictions_per_seq", "10", "--hidden_size", "32", "--intermediate_size", "64",
+                      "--vocab_size", "128", "--seed", "7", *extra])
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    return make_demo_data(tmp_path_factory.mktemp("demo_data"))
+
+
+def trainer_args(data: Path, out: Path, *extra: str) -> list[str]:
+    """Flags for a short run on the session's demo data."""
+    return [
+        "--input_dir", str(data / "train"), "--eval_dir", str(data / "eval"),
+        "--bert_config_path", str(data / "bert_config.json"), "--output_dir", str(out),
+        "--max_seq_length", "64", "--max_predictions_per_seq", "10", "--num_eval_examples", "200",
+        "--train_batch_size", "8", "--learning_rate", "1e-2", "--max_steps", "6", "--eval_iter_samples", "32",
+        "--submission_division", "open", "--log_freq", "2", *extra,
+    ]

