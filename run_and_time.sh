@@ -60,6 +60,8 @@ optional() {
 optional WARMUP_STEPS --warmup_steps
 optional WARMUP_PROPORTION --warmup_proportion
 optional START_WARMUP_STEP --start_warmup_step
+optional DECAY_STEPS --decay_steps
+optional END_LEARNING_RATE --end_learning_rate
 optional OPTIMIZER --optimizer
 optional OPT_EPSILON --opt_epsilon
 optional MAX_GRAD_NORM --max_grad_norm
@@ -80,6 +82,7 @@ optional SUBMISSION_PLATFORM --submission_platform
 optional SUBMISSION_STATUS --submission_status
 optional MLPERF_LOG_FILE --mlperf_log_file
 if [[ "${CUDA_GRAPHS:-0}" == 1 ]]; then flags+=(--cuda_graphs); fi
+if [[ "${DECAY_FROM_WARMUP_END:-0}" == 1 ]]; then flags+=(--decay_from_warmup_end); fi
 if [[ "$INIT_CHECKPOINT" != none && -e "$INIT_CHECKPOINT" ]]; then
   flags+=(--init_checkpoint "$INIT_CHECKPOINT")
 elif [[ "$INIT_CHECKPOINT" != none && -n "${CHECKPOINTDIR_PHASE1:-}" ]]; then

@@ -13,6 +13,8 @@
 - packing: sequences per second of planning + assigning (mlperf_bert.packing) on lengths
   drawn from the published Wikipedia histogram, and of the whole `pack` step (read shards,
   plan, write packed shards) on the samples made here.
+- shards: samples per second of the shuffled `reshard` and of `stratify`, and the bytes
+  per sample of each format (for the disk estimates in data_prep/README.md).
 Text is Python's documentation arranged as MLCommons documents (data_prep/corpus.py).
 """
 
@@ -36,8 +38,11 @@ import numpy as np  # noqa: E402
 
 from data_prep import reference_algorithm as ref  # noqa: E402
 from data_prep.corpus import installed_sentences, make_documents, train_vocab, write_documents  # noqa: E402
+from data_prep.fileio import Manifest  # noqa: E402
 from data_prep.pack import PackParams, pack_dataset, plan_packs  # noqa: E402
+from data_prep.reshard import ReshardParams, reshard  # noqa: E402
 from data_prep.samples import SampleJob, SampleParams, create_file_samples, create_samples  # noqa: E402
+from data_prep.stratify import StratifyParams, stratify  # noqa: E402
 from data_prep.vocab import load_vocab  # noqa: E402
 
 HISTOGRAM = ROOT / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"
@@ -108,6 +113,19 @@ def bench_packing_plan(sequences: int) -> dict:
     return results
 
 
+def bench_reshard_and_stratify(parts: list[Path], out: Path) -> dict:
+    """Samples per second of the shuffled reshard (fixed + varlength) and of stratify, plus bytes per sample."""
+    dirs = {"fixed": out / "fixed", "varlength": out / "varlength"}
+    total = sum(int(Manifest.load(parts[0].parent).files[p.name]["samples"]) for p in parts)
+    _, reshard_wall = timed(lambda: reshard(parts, dirs, ReshardParams(num_shards=8, bucket_samples=total // 3)))
+    shards = sorted(dirs["varlength"].glob("*.hdf5"))
+    _, stratify_wall = timed(lambda: stratify(shards, out / "strata", StratifyParams(shards_per_stratum=2)))
+    size = {fmt: sum(p.stat().st_size for p in d.glob("*.hdf5")) / total for fmt, d in dirs.items()}
+    size["per_part_fixed"] = sum(p.stat().st_size for p in parts) / total
+    return {"samples": total, "reshard_samples_per_s_wall": total / reshard_wall,
+            "stratify_samples_per_s_wall": total / stratify_wall, "bytes_per_sample": size}
+
+
 def bench_pack_step(shards: list[Path], out: Path) -> dict:
     cpu, wall = timed(lambda: pack_dataset(shards, out, PackParams(algorithm="lpfhp")))
     report = json.loads((out / "packing_report.json").read_text())
@@ -143,6 +161,7 @@ def main() -> None:
         results["pool"] = bench_pool(parts, vocab, work / "pool_out", os.cpu_count() or 1)
         results["packing_plan"] = bench_packing_plan(args.plan_sequences)
         results["pack_step"] = bench_pack_step(sorted((work / "pool_out").glob("*.hdf5")), work / "packed")
+        results["shards"] = bench_reshard_and_stratify(sorted((work / "pool_out").glob("*.hdf5")), work / "shards")
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

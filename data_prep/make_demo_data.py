@@ -2,7 +2,7 @@
 
 Output (DIR = --output_dir):
   DIR/train/part_00000_of_0000K.hdf5 ...  K training shards, sizes differ by at most one
-  DIR/eval/part_eval.hdf5                  the eval set
+  DIR/eval/part_eval_<M>.hdf5              the eval set (part_eval_10k.hdf5 for 10,000)
   DIR/bert_config.json                     a tiny BERT (Google BERT config keys only)
   DIR/vocab.txt                            one token per line, line i = token id i
   DIR/demo_data.json                       how the data was made, incl. the special token ids
@@ -45,8 +45,12 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HISTOGRAM = REPO / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"
-EVAL_FILE = "part_eval.hdf5"
 NUM_SPECIAL_AFTER_UNUSED = 4  # [UNK] [CLS] [SEP] [MASK]
+
+
+def eval_file_name(num_eval: int) -> str:
+    """The benchmark's naming, as data_prep/eval_set.py uses it: part_eval_10k.hdf5 or part_eval_<n>.hdf5."""
+    return "part_eval_10k.hdf5" if num_eval == 10_000 else f"part_eval_{num_eval}.hdf5"
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,9 @@ def make_cycles(order: np.ndarray, cycle_length: int) -> tuple[np.ndarray, ...]:
     return tuple(order[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def scaled_length_distribution(histogram: Path, max_seq_length: int, min_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+def scaled_length_distribution(
+    histogram: Path, max_seq_length: int, min_seq_length: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Maps every histogram length l to floor(l * max / hist_max + 0.5), clipped to [min, max].
 
     Returns (lengths, probabilities) over min..max.
@@ -141,7 +147,9 @@ def scaled_length_distribution(histogram: Path, max_seq_length: int, min_seq_len
     return lengths, mass / mass.sum()
 
 
-def mask_tokens(rng: np.random.Generator, tokens: np.ndarray, candidates: np.ndarray, gen: Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mask_tokens(
+    rng: np.random.Generator, tokens: np.ndarray, candidates: np.ndarray, gen: Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """MLPerf masking of `tokens` [n] at some of `candidates`; returns (inputs, positions, labels)."""
     count = min(gen.max_predictions, max(1, int(round(candidates.shape[0] * gen.masked_lm_prob))))
     positions = np.sort(rng.choice(candidates, size=count, replace=False))
@@ -189,7 +197,9 @@ def _id_dtype(vocab_size: int) -> type:
     return np.int16 if vocab_size <= np.iinfo(np.int16).max + 1 else np.int32
 
 
-def fixed_arrays(samples: list[DemoSample], max_seq_length: int, max_predictions: int, id_dtype: type) -> dict[str, np.ndarray]:
+def fixed_arrays(
+    samples: list[DemoSample], max_seq_length: int, max_predictions: int, id_dtype: type
+) -> dict[str, np.ndarray]:
     """The MLCommons layout: rows padded to max_seq_length, predictions padded with position 0."""
     n = len(samples)
     arrays = {
@@ -274,8 +284,9 @@ def to_arrays(samples: list[DemoSample], args: argparse.Namespace) -> dict[str, 
 def planned_files(args: argparse.Namespace) -> dict[Path, int]:
     """Every shard this run writes, with its number of samples, in generation order."""
     train = args.output_dir / "train"
-    names = {train / f"part_{i:05d}_of_{args.num_shards:05d}.hdf5": n for i, n in enumerate(shard_sizes(args.num_train, args.num_shards))}
-    return names | {args.output_dir / "eval" / EVAL_FILE: args.num_eval}
+    sizes = shard_sizes(args.num_train, args.num_shards)
+    names = {train / f"part_{i:05d}_of_{args.num_shards:05d}.hdf5": n for i, n in enumerate(sizes)}
+    return names | {args.output_dir / "eval" / eval_file_name(args.num_eval): args.num_eval}
 
 
 def refuse_foreign_shards(files: dict[Path, int]) -> None:
@@ -353,13 +364,15 @@ def check_args(args: argparse.Namespace) -> str:
     rules = [
         (args.num_shards >= 1 and args.num_train >= args.num_shards, "--num_train must be >= --num_shards >= 1"),
         (args.num_eval >= 1, "--num_eval must be >= 1"),
-        (5 <= args.min_seq_length <= args.max_seq_length, "need 5 <= --min_seq_length <= --max_seq_length ([CLS] A [SEP] B [SEP])"),
+        (5 <= args.min_seq_length <= args.max_seq_length,
+         "need 5 <= --min_seq_length <= --max_seq_length ([CLS] A [SEP] B [SEP])"),
         (args.max_predictions_per_seq >= 1, "--max_predictions_per_seq must be >= 1"),
         (0.0 < args.masked_lm_prob < 1.0, "--masked_lm_prob must lie in (0, 1)"),
         (args.num_unused >= 0, "--num_unused must be >= 0"),
         (args.cycle_length >= 2, "--cycle_length must be >= 2"),
         (args.vocab_size >= first_content + 2 * args.cycle_length,
-         f"--vocab_size must be >= {first_content + 2 * args.cycle_length}: the specials plus two cycles of --cycle_length"),
+         f"--vocab_size must be >= {first_content + 2 * args.cycle_length}: "
+         "the specials plus two cycles of --cycle_length"),
         (args.histogram.is_file(), f"--histogram {args.histogram} does not exist"),
         (args.hidden_size % args.num_attention_heads == 0, "--hidden_size must be a multiple of --num_attention_heads"),
         (args.max_position_embeddings == 0 or args.max_position_embeddings >= args.max_seq_length,
@@ -371,7 +384,8 @@ def check_args(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     generate(args)
-    print(f"wrote {args.num_train} training sequences in {args.num_shards} shards and {args.num_eval} eval sequences to {args.output_dir}")
+    print(f"wrote {args.num_train} training sequences in {args.num_shards} shards "
+          f"and {args.num_eval} eval sequences to {args.output_dir}")
     return 0
 
 

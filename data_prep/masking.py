@@ -80,13 +80,14 @@ def _draw_candidates(counts: np.ndarray, candidates: np.ndarray, rng: np.random.
     if candidates.size and candidates.max() >= 1 << _ROW_SHIFT:
         raise ValueError(f"sequences of up to {1 << _ROW_SHIFT} tokens are supported, got {candidates.max()}")
     finished, keys = [], np.zeros(0, dtype=np.int64)
-    need = counts.copy()
+    need, done = counts.copy(), counts == 0
     while (active := np.flatnonzero(need)).size:
         row = np.repeat(active, need[active])
         drawn = (rng.random(row.shape[0]) * candidates[row]).astype(np.int64)
         keys = _distinct(np.concatenate([keys, (row << _ROW_SHIFT) | drawn]))
-        need = counts - np.bincount(keys >> _ROW_SHIFT, minlength=counts.shape[0])
-        complete = need[keys >> _ROW_SHIFT] == 0
+        need = np.where(done, 0, counts - np.bincount(keys >> _ROW_SHIFT, minlength=counts.shape[0]))
+        done |= need == 0
+        complete = done[keys >> _ROW_SHIFT]
         finished.append(keys[complete])
         keys = keys[~complete]
     return np.sort(np.concatenate(finished)) if finished else keys

@@ -58,11 +58,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_predictions", type=int, default=MAX_PREDICTIONS, help="max_predictions_per_seq")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--compression", choices=("gzip", "lzf"), help="hdf5 filter of the outputs (default none)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="processes for samples and reshard (default: all cores)")
 
 
 def _sample_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=Path, required=True, help="vocab.txt of the MLPerf checkpoint")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
     parser.add_argument("--dupe_factor", type=int, default=10)
     parser.add_argument("--masked_lm_prob", type=float, default=0.15)
     parser.add_argument("--short_seq_prob", type=float, default=0.1)
@@ -81,7 +82,7 @@ def cmd_samples(args: argparse.Namespace) -> None:
 
 def _reshard_params(args: argparse.Namespace) -> ReshardParams:
     return ReshardParams(args.num_shards, tuple(args.formats.split(",")), not args.no_shuffle, args.seed,
-                         args.max_seq_length, args.max_predictions, args.bucket_samples, args.compression)
+                         args.max_seq_length, args.max_predictions, args.bucket_samples, args.compression, args.workers)
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:
@@ -174,7 +175,8 @@ def _reshard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num_shards", type=int, default=4320)
     p.add_argument("--formats", default="fixed,varlength", help="comma-separated: fixed, varlength")
     p.add_argument("--no_shuffle", action="store_true", help="keep the input order instead of shuffling")
-    p.add_argument("--bucket_samples", type=int, default=2_000_000, help="samples in memory while shuffling")
+    p.add_argument("--bucket_samples", type=int, default=1_000_000,
+                   help="samples a worker holds while shuffling (~1.5 KB each)")
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:

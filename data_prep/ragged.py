@@ -124,10 +124,9 @@ def from_fixed(arrays: dict[str, np.ndarray]) -> Samples:
 
 def _split_rows(values: np.ndarray, lengths: np.ndarray, dtype: type) -> np.ndarray:
     """Object array [N] of per-row arrays, the value form of an hdf5 variable-length dataset."""
-    rows = np.empty(lengths.shape[0], dtype=object)
-    for i, row in enumerate(np.split(values.astype(dtype), offsets(lengths)[1:-1])):
-        rows[i] = row
-    return rows
+    values, bounds = values.astype(dtype), offsets(lengths).tolist()
+    # fromiter keeps one object per row even when all rows have the same length
+    return np.fromiter((values[a:b] for a, b in zip(bounds[:-1], bounds[1:])), dtype=object, count=lengths.shape[0])
 
 
 def to_varlength(samples: Samples) -> dict[str, np.ndarray]:

@@ -23,10 +23,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.fileio import Manifest, temp_name
+from data_prep.fileio import Manifest, sha256_file, temp_name
 from data_prep.formats import DataPrepError, shard_name
 from data_prep.ragged import Samples
-from data_prep.sources import SourceSet, balanced_bounds, inputs_record, write_formats
+from data_prep.h5io import write_samples
+from data_prep.parallel import run_jobs
+from data_prep.sources import SourceSet, balanced_bounds, inputs_record
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,9 @@ class ReshardParams:
     seed: int = 12345
     max_seq_length: int = 512
     max_predictions: int = 76
-    bucket_samples: int = 2_000_000  # samples held in memory at once (about 1.5 KB each)
+    bucket_samples: int = 1_000_000  # samples a worker holds in memory at once (about 1.5 KB each)
     compression: str | None = None
+    workers: int = 1  # processes writing buckets in parallel
 
 
 def shard_dir_name(num_shards: int, fmt: str) -> str:
@@ -107,9 +110,40 @@ def _spill_inputs(sources: SourceSet, destination: np.ndarray, bucket_starts: np
 
 
 def _manifests(out_dirs: dict[str, Path], params: ReshardParams, sources: SourceSet) -> dict[str, Manifest]:
-    record = {k: v for k, v in asdict(params).items() if k not in ("formats", "bucket_samples")}
+    record = {k: v for k, v in asdict(params).items() if k not in ("formats", "bucket_samples", "workers")}
     record["inputs"] = inputs_record(sources.paths)
     return {fmt: Manifest.open(d, "reshard", {**record, "format": fmt}) for fmt, d in out_dirs.items()}
+
+
+@dataclass(frozen=True)
+class _BucketJob:
+    """Pass 2 of one bucket, self-contained so that a pool worker can run it."""
+
+    bucket: int
+    position_bounds: tuple[int, ...]  # output positions where each of the bucket's shards starts, and its end
+    names: tuple[str, ...]  # the bucket's shard names
+    todo: tuple[tuple[str, str], ...]  # (format, shard name) to write
+    out_dirs: tuple[tuple[str, Path], ...]
+    spill_dir: Path | None  # None: read the input range directly (no shuffle)
+    inputs: tuple[Path, ...]
+    params: ReshardParams
+
+
+def _write_bucket(job: _BucketJob) -> list[tuple[str, str, int, str]]:
+    """Writes the bucket's shards; returns (format, name, samples, sha256) of each written file."""
+    p, bounds = job.params, job.position_bounds
+    if job.spill_dir is not None:
+        samples, positions = _Spill(job.spill_dir).load(job.bucket)
+        samples = samples.take(np.argsort(positions, kind="stable"))
+    else:
+        samples = SourceSet(list(job.inputs)).read_range(bounds[0], bounds[-1])
+    written, dirs = [], dict(job.out_dirs)
+    for k, name in enumerate(job.names):
+        shard = samples.slice(bounds[k] - bounds[0], bounds[k + 1] - bounds[0])
+        for fmt in (f for f, n in job.todo if n == name):
+            write_samples(dirs[fmt] / name, shard, fmt, p.max_seq_length, p.max_predictions, p.compression)
+            written.append((fmt, name, len(shard), sha256_file(dirs[fmt] / name)))
+    return written
 
 
 def reshard(inputs: list[Path], out_dirs: dict[str, Path], params: ReshardParams) -> dict[str, Manifest]:
@@ -120,38 +154,31 @@ def reshard(inputs: list[Path], out_dirs: dict[str, Path], params: ReshardParams
         raise DataPrepError(f"{total} samples cannot fill --num_shards {n}; use fewer shards")
     manifests = _manifests(out_dirs, params, sources)
     bounds = balanced_bounds(total, n)
-    buckets = _buckets(n, total / n, params.bucket_samples)
     names = [shard_name(s, n) for s in range(n)]
-    todo = [b for b, (s0, s1) in enumerate(buckets)
-            if not all(m.is_done(names[s]) for s in range(s0, s1) for m in manifests.values())]
-    log.info("reshard: %d samples -> %d shards in %d buckets, %d to do", total, n, len(buckets), len(todo))
-    if not todo:
-        return manifests
-    spill_dir = temp_name(next(iter(out_dirs.values())) / "spill")
-    try:
-        if params.shuffle:
-            destination = np.random.default_rng([params.seed, total]).permutation(total)  # [total] int64
-            bucket_starts = bounds[[s0 for s0, _ in buckets]]
-            _spill_inputs(sources, destination, bucket_starts, set(todo), _Spill(spill_dir))
-        for b in tqdm(todo, desc="reshard write", unit="bucket"):
-            _write_bucket(b, buckets[b], bounds, names, sources, spill_dir, manifests, params)
-    finally:
-        shutil.rmtree(spill_dir, ignore_errors=True)
+    spill_dir = temp_name(next(iter(out_dirs.values())) / "spill") if params.shuffle else None
+    buckets = _buckets(n, total / n, params.bucket_samples)
+    jobs = []
+    for b, (s0, s1) in enumerate(buckets):
+        todo = tuple((fmt, names[s]) for s in range(s0, s1) for fmt, m in manifests.items() if not m.is_done(names[s]))
+        if todo:
+            jobs.append(_BucketJob(b, tuple(int(x) for x in bounds[s0:s1 + 1]), tuple(names[s0:s1]), todo,
+                                   tuple(out_dirs.items()), spill_dir, tuple(sources.paths), params))
+    log.info("reshard: %d samples -> %d shards, %d buckets to do", total, n, len(jobs))
+    if jobs:
+        try:
+            if spill_dir is not None:
+                _spill(sources, params, bounds[[s0 for s0, _ in buckets]], jobs, spill_dir)
+            for written in tqdm(run_jobs(_write_bucket, jobs, params.workers), total=len(jobs), desc="reshard write"):
+                for fmt, name, count, digest in written:
+                    manifests[fmt].record(name, count, fmt, sha256=digest)
+        finally:
+            if spill_dir is not None:
+                shutil.rmtree(spill_dir, ignore_errors=True)
     return manifests
 
 
-def _write_bucket(b: int, shards: tuple[int, int], bounds: np.ndarray, names: list[str], sources: SourceSet,
-                  spill_dir: Path, manifests: dict[str, Manifest], params: ReshardParams) -> None:
-    """Pass 2: the samples of one bucket, in output order, cut into its shards."""
-    s0, s1 = shards
-    if params.shuffle:
-        samples, positions = _Spill(spill_dir).load(b)
-        samples = samples.take(np.argsort(positions, kind="stable"))
-    else:
-        samples = sources.read_range(int(bounds[s0]), int(bounds[s1]))
-    for s in range(s0, s1):
-        lo, hi = int(bounds[s] - bounds[s0]), int(bounds[s + 1] - bounds[s0])
-        todo = {fmt: m for fmt, m in manifests.items() if not m.is_done(names[s])}
-        if todo:
-            write_formats(samples.slice(lo, hi), names[s], todo, params.max_seq_length, params.max_predictions,
-                          params.compression)
+def _spill(sources: SourceSet, params: ReshardParams, bucket_starts: np.ndarray, jobs: list[_BucketJob],
+           spill_dir: Path) -> None:
+    """Pass 1 for the buckets of `jobs`: draws the permutation and spills every input sample."""
+    destination = np.random.default_rng([params.seed, sources.total]).permutation(sources.total)  # [total] int64
+    _spill_inputs(sources, destination, bucket_starts, {j.bucket for j in jobs}, _Spill(spill_dir))

@@ -17,7 +17,6 @@ directory's MANIFEST.json, so an interrupted run resumes with the missing files.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import random
 import zlib
@@ -33,6 +32,7 @@ from data_prep.fileio import Manifest, atomic_output, sha256_file
 from data_prep.formats import DataPrepError, text_part_index
 from data_prep.h5io import ArrayAppender
 from data_prep.masking import MaskParams, assemble, mask_samples
+from data_prep.parallel import run_jobs
 from data_prep.pairs import A_END, A_START, IS_RANDOM, PairMaker, PairParams, truncate_pairs
 from data_prep.ragged import to_fixed
 from data_prep.text import TokenizedText, tokenize_file
@@ -180,18 +180,9 @@ def document_keys(text_path: Path, vocab_path: Path, encoding_errors: str = "str
     return frozenset(text.document_keys())
 
 
-def _init_worker() -> None:
-    # One Rust thread per worker: the pool, not the tokenizer, decides how many cores work.
+def _one_tokenizer_thread() -> None:
+    # The pool, not the tokenizer, decides how many cores work.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-def _run_jobs(jobs: list[SampleJob], workers: int) -> Iterator[FileStats]:
-    if workers <= 1:
-        yield from map(create_file_samples, jobs)
-        return
-    context = multiprocessing.get_context("spawn")  # fork would copy the parent's Rust thread pools
-    with context.Pool(min(workers, len(jobs)), initializer=_init_worker) as pool:
-        yield from pool.imap_unordered(create_file_samples, jobs)
 
 
 def sample_params_record(params: SampleParams, vocab_path: Path, exclude_path: Path | None) -> dict:
@@ -219,7 +210,7 @@ def create_samples(
     excluded = document_keys(exclude_path, vocab_path, params.encoding_errors) if exclude_path else frozenset()
     jobs = [SampleJob(p, out_dir / output_name(p), vocab_path, params, excluded) for p in todo]
     with tqdm(total=sum(p.stat().st_size for p in todo), unit="B", unit_scale=True, desc="samples") as bar:
-        for stats in _run_jobs(jobs, workers):
+        for stats in run_jobs(create_file_samples, jobs, workers, _one_tokenizer_thread):
             extra = {k: v for k, v in asdict(stats).items() if k not in ("name", "sha256", "samples")}
             manifest.record(stats.name, stats.samples, "fixed", sha256=stats.sha256, **extra)
             log.info("samples: %s: %d documents (%d excluded), %d samples", stats.name, stats.documents,

@@ -107,13 +107,13 @@ class _DocumentSplitter:
         A blank line before a skipped (token-less) sentence still separates the documents
         around it, so breaks are counted cumulatively and compared between kept sentences.
         """
-        seen = np.cumsum(breaks)
+        seen = np.cumsum(breaks)  # blank-line gaps up to and including each sentence
         kept_idx = np.flatnonzero(kept)
-        previous = np.concatenate([[0], seen[kept_idx[:-1]]]) if kept_idx.size else np.zeros(0, np.int64)
-        opens = seen[kept_idx] > previous
-        tail = seen[-1] - (seen[kept_idx[-1]] if kept_idx.size else 0) if seen.size else 0
-        self.pending_break = self.pending_break or bool(tail > 0)
-        return opens
+        before = np.concatenate([[0], seen[kept_idx[:-1]]])  # gaps up to the previous kept sentence
+        last_kept = seen[kept_idx[-1]] if kept_idx.size else 0
+        if seen.size and seen[-1] > last_kept:  # a gap before a skipped sentence at the block's end
+            self.pending_break = True
+        return seen[kept_idx] > before[: kept_idx.size]
 
 
 def tokenize_file(path: Path | str, encoder: LineEncoder, errors: str = "strict",

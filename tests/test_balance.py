@@ -127,7 +127,10 @@ def test_policies_keep_the_step_and_each_gpu_count(policy: str) -> None:
 
 def test_global_policies_balance_better_than_none(wikipedia: np.ndarray) -> None:
     lengths = draw(wikipedia, (20, 64, 16), seed=4)
-    worst = {p: balance.gpu_tokens(lengths, balance.balance(lengths, p, 8)).max(axis=-1).mean() for p in balance.POLICIES}
+    worst = {
+        policy: balance.gpu_tokens(lengths, balance.balance(lengths, policy, 8)).max(axis=-1).mean()
+        for policy in balance.POLICIES
+    }
     assert worst["global_greedy"] <= worst["global_snake"] < worst["global_presort"] < worst["none"]
     assert worst["local_greedy"] < worst["local_snake"] < worst["local_presort"] < worst["none"]
 

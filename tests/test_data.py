@@ -6,7 +6,8 @@ Every sample carries a unique id in input_ids[1] (= ID_BASE + id), so tests can 
 
 from __future__ import annotations
 
-from collections import Counter
+import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -238,11 +239,23 @@ def test_bad_input_raises_data_error_naming_file(tmp_path: Path, case: str) -> N
     assert "; " in message  # the problem is followed by a fix
 
 
-def test_error_names_the_offending_row(tmp_path: Path) -> None:
-    arrays = fixed_arrays(make_samples(0, 12))
-    arrays["next_sentence_labels"][9] = 5
-    with pytest.raises(DataError, match="row 9:"):
+@pytest.mark.parametrize("key, row, column, value", [
+    ("next_sentence_labels", 9, None, 5), ("input_ids", 7, 3, VOCAB + 3), ("masked_lm_positions", 10, 0, L),
+])
+def test_error_names_the_offending_row(tmp_path: Path, key: str, row: int, column: int | None, value: int) -> None:
+    arrays = fixed_arrays(make_samples(0, 12, min_predictions=1))
+    arrays[key][(row,) if column is None else (row, column)] = value
+    with pytest.raises(DataError, match=f"row {row}:"):
         read_shard(write(tmp_path / "s.hdf5", arrays), LIMITS)
+
+
+def test_packed_error_names_the_row(tmp_path: Path) -> None:
+    packed = pack(make_samples(0, 40, max_len=12, min_predictions=1))
+    arrays = packed_arrays(packed)
+    row = len(packed) - 2
+    arrays["input_ids"][row, int(arrays["packed_input_len"][row].sum()) - 1] = VOCAB
+    with pytest.raises(DataError, match=f"row {row}: input_ids outside"):
+        read_shard(write(tmp_path / "p.hdf5", arrays), LIMITS)
 
 
 def test_limits_from_config_are_enforced(tmp_path: Path) -> None:
@@ -354,9 +367,32 @@ def test_rows_inside_a_shard_are_shuffled_every_epoch(tmp_path: Path) -> None:
 def test_same_batches_without_read_ahead(tmp_path: Path) -> None:
     shards = write_shards(tmp_path, UNEVEN, fmt="varlength")
     kwargs = dict(rank=1, world_size=2, items_per_rank_step=3, seed=4)
-    with PretrainingDataset(shards, LIMITS, **kwargs) as a, PretrainingDataset(shards, LIMITS, read_ahead=False, **kwargs) as b:
-        for _ in range(20):
-            assert [uid(i) for i in a.next_batch()] == [uid(i) for i in b.next_batch()]
+    with PretrainingDataset(shards, LIMITS, **kwargs) as ahead:
+        with PretrainingDataset(shards, LIMITS, read_ahead=False, **kwargs) as plain:
+            for _ in range(20):
+                assert [uid(i) for i in ahead.next_batch()] == [uid(i) for i in plain.next_batch()]
+
+
+def test_next_shard_is_read_ahead_on_a_background_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlperf_bert.data as data
+
+    reads: list[tuple[str, str]] = []
+
+    def recording_read(path: Path, limits: DataLimits) -> list[Item]:
+        reads.append((path.name, threading.current_thread().name))
+        return read_shard(path, limits)
+
+    monkeypatch.setattr(data, "read_shard", recording_read)
+    shards = write_shards(tmp_path, [10, 10, 10])
+    with PretrainingDataset(shards, LIMITS, rank=0, world_size=1, items_per_rank_step=5, seed=2) as ds:
+        first = ds.next_batch()
+        deadline = time.monotonic() + 10
+        while len(reads) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # one step into the first shard, the second one is already being read
+        assert len(reads) == 2 and reads[0][0] != reads[1][0]
+        assert all(thread.startswith("shard-reader") for _, thread in reads)
+        assert {uid(i) // 10 for i in first} == {int(reads[0][0][5:10])}
 
 
 @pytest.mark.parametrize("resume_after", [1, 5, 13])

@@ -85,11 +85,13 @@ def test_reshard_without_shuffle_keeps_the_order(dataset, tmp_path):
     assert np.array_equal(kept.input_ids, parts.input_ids) and np.array_equal(kept.lengths, parts.lengths)
 
 
-def test_reshard_resumes_to_identical_shards(dataset, tmp_path):
+def test_reshard_resumes_to_identical_shards_with_two_workers(dataset, tmp_path):
     root, _, _ = dataset
-    inputs, params = sorted((root / "parts").glob("*.hdf5")), ReshardParams(num_shards=NUM_SHARDS, bucket_samples=700)
+    inputs = sorted((root / "parts").glob("*.hdf5"))
+    params = ReshardParams(num_shards=NUM_SHARDS, bucket_samples=700, workers=2)
     reference = {p.name: p.read_bytes() for p in (root / "varlength").glob("*.hdf5")}
     reshard(inputs, {"varlength": tmp_path}, params)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.hdf5")} == reference
     victim = sorted(tmp_path.glob("*.hdf5"))[2]
     victim.unlink()
     reshard(inputs, {"varlength": tmp_path}, params)

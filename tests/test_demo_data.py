@@ -23,7 +23,9 @@ MAX_LEN, MAX_PRED, VOCAB = 128, 20, 512
 LIMITS = DataLimits(MAX_LEN, MAX_PRED, VOCAB)
 
 
-def run_cli(out: Path, *extra: str, num_train: int = 3000, num_eval: int = 1000, seed: int = 3) -> subprocess.CompletedProcess:
+def run_cli(
+    out: Path, *extra: str, num_train: int = 3000, num_eval: int = 1000, seed: int = 3
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, str(SCRIPT), "--output_dir", str(out), "--num_train", str(num_train),
         "--num_eval", str(num_eval), "--num_shards", "3", "--max_seq_length", str(MAX_LEN),
@@ -66,6 +68,8 @@ def test_layout_and_config(demo: Path, manifest: dict) -> None:
     shards = discover_shards(demo / "train")
     assert [p.name for p in shards] == [f"part_0000{i}_of_00003.hdf5" for i in range(3)]
     assert [len(read_shard(p, LIMITS)) for p in shards] == [1000, 1000, 1000]
+    assert [p.name for p in discover_shards(demo / "eval")] == ["part_eval_1000.hdf5"]
+    assert manifest["files"]["eval/part_eval_1000.hdf5"] == 1000
     assert not [p for p in demo.rglob("*") if ".tmp" in p.name]
     config = json.loads((demo / "bert_config.json").read_text())
     assert config["vocab_size"] == VOCAB and config["max_position_embeddings"] == MAX_LEN
@@ -157,7 +161,9 @@ def oracle_accuracy(samples: list[Sample], successor: dict[int, int], first: int
     return correct / total
 
 
-def test_masked_tokens_are_predictable_from_neighbours(train: list[Sample], evalset: list[Sample], manifest: dict) -> None:
+def test_masked_tokens_are_predictable_from_neighbours(
+    train: list[Sample], evalset: list[Sample], manifest: dict
+) -> None:
     first = manifest["first_content_token"]
     successor = successor_table(train, first)
     assert len(successor) == VOCAB - first  # every content token was seen with a successor

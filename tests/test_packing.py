@@ -64,7 +64,9 @@ small_histograms = st.integers(8, 40).flatmap(
 
 
 @settings(max_examples=40, deadline=None)
-@given(counts=small_histograms, k=st.sampled_from([1, 2, 3, None]), algorithm=st.sampled_from(["spfhp", "lpfhp"]))
+@given(
+    counts=small_histograms, k=st.sampled_from([1, 2, 3, None]), algorithm=st.sampled_from(["spfhp", "lpfhp"])
+)
 def test_greedy_packers_pack_every_sequence_once(counts: np.ndarray, k: int | None, algorithm: str) -> None:
     plan = pack_histogram(counts, algorithm, counts.shape[0], k)
     check_plan(plan, counts, counts.shape[0], k)

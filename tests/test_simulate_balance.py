@@ -104,7 +104,8 @@ def brute_force_loads(step: np.ndarray, policy: str, gpus_per_node: int) -> list
 def test_small_case_matches_brute_force() -> None:
     tool = load_tool()
     setup = tool.Setup(gpus=4, gpus_per_node=2, local_batch=4, trials=3)
-    report = run_simulator("--gpus", "4", "--gpus-per-node", "2", "--local-batch", "4", "--trials", "3", "--seed", "7", "--packers")
+    flags = ["--gpus", "4", "--gpus-per-node", "2", "--local-batch", "4", "--trials", "3", "--seed", "7"]
+    report = run_simulator(*flags, "--packers")
     draws = tool.draw_trials(load_length_histogram(), setup, np.random.default_rng(7))
     for name, source, policy in tool.EXCHANGE_POLICIES:
         per_trial = [brute_force_loads(step, policy, 2) for step in draws[source]]

@@ -67,6 +67,11 @@ def _optim_flags(p: argparse.ArgumentParser) -> None:
     warm.add_argument("--warmup_proportion", type=float, help="warm-up as a fraction of max_steps")
     g.add_argument("--start_warmup_step", type=int, default=0,
                    help="schedule offset; negative values start the warm-up part-way (NVIDIA configs)")
+    g.add_argument("--decay_steps", type=int,
+                   help="steps over which the LR decays to --end_learning_rate (default: max_steps)")
+    g.add_argument("--end_learning_rate", type=float, default=0.0, help="LR after the decay")
+    g.add_argument("--decay_from_warmup_end", action="store_true",
+                   help="measure decay progress from the end of warm-up (Samsung's schedule)")
     g.add_argument("--train_batch_size", type=int, default=8,
                    help="per rank and optimizer step: sequences, or packs with --input_layout packed")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1,
@@ -124,7 +129,8 @@ def config_from_args(args: argparse.Namespace, world_size: int) -> TrainConfig:
         optim=OptimSettings(args.optimizer, args.learning_rate, args.opt_lamb_beta_1, args.opt_lamb_beta_2,
                             args.opt_epsilon, args.weight_decay_rate, args.max_grad_norm, args.clip_mode,
                             args.optimizer_impl),
-        schedule=ScheduleSettings(args.max_steps, args.warmup_steps, args.warmup_proportion, args.start_warmup_step),
+        schedule=ScheduleSettings(args.max_steps, args.warmup_steps, args.warmup_proportion, args.start_warmup_step,
+                                  args.decay_steps, args.end_learning_rate, args.decay_from_warmup_end),
         eval=EvalSettings(args.target_mlm_accuracy, args.num_eval_examples, args.eval_batch_size,
                           args.eval_iter_start_samples, args.eval_iter_samples),
         run=RunSettings(args.output_dir, args.seed, args.do_train, args.max_samples_termination, args.precision,

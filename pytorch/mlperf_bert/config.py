@@ -107,9 +107,17 @@ class ScheduleSettings:
     warmup_steps: int | None = None
     warmup_proportion: float | None = None
     start_warmup_step: int = 0
+    decay_steps: int | None = None  # None: the LR decays over max_steps
+    end_learning_rate: float = 0.0
+    decay_from_warmup_end: bool = False  # Samsung: decay progress counts from the end of warm-up
 
     def __post_init__(self) -> None:
         _positive("max_steps", self.max_steps)
+        _require(self.start_warmup_step <= 0, "--start_warmup_step must be <= 0 (it starts the warm-up early)")
+        if self.decay_steps is not None:
+            _positive("decay_steps", self.decay_steps)
+            _require(self.decay_steps <= self.max_steps, "--decay_steps must be <= --max_steps")
+        _require(self.end_learning_rate >= 0, "--end_learning_rate must be >= 0")
         _require(
             self.warmup_steps is None or self.warmup_proportion is None,
             "give --warmup_steps or --warmup_proportion, not both",

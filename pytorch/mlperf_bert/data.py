@@ -171,7 +171,8 @@ class PretrainingDataset:
 
     `shards` is the sorted shard list (`discover_shards`), identical on every rank. Every
     shard is validated by `read_shard` when it is first read; row counts are read up front
-    from metadata. `read_ahead` loads the next shard on a background thread.
+    from metadata. `read_ahead` loads the next shard on a background thread. Iteration never
+    ends; the caller stops after its step budget. `position` is the next step to yield.
     """
 
     def __init__(
@@ -189,6 +190,7 @@ class PretrainingDataset:
             )
         self.position = DataPosition(0, 0)
         self._cache = _ShardCache([Path(p) for p in shards], limits)
+        self._prefetch()
 
     @property
     def total_items(self) -> int:
@@ -247,6 +249,9 @@ class PretrainingDataset:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         mine = self.state_dict()
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise DataError(f"data position: the saved state lacks {missing}; it was not made by PretrainingDataset")
         for key in ("seed", "world_size", "items_per_rank_step", "total_items"):
             if int(state[key]) != mine[key]:
                 raise DataError(
@@ -257,7 +262,7 @@ class PretrainingDataset:
         if not 0 <= step < self.layout.steps_in_epoch(epoch):
             raise DataError(f"data position: step {step} is outside epoch {epoch}; the saved state is corrupt")
         self.position = DataPosition(epoch, step)
-        self._cache.keep_only(set())
+        self._prefetch()
 
     def close(self) -> None:
         self._cache.close()
@@ -288,6 +293,8 @@ def load_eval_set(
     Files are read in sorted order; packed rows are split into their sequences. Rank r gets
     samples r, r + W, r + 2W, ... so the ranks' counts differ by at most one.
     """
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be positive, got {num_examples}")
     source = Path(eval_dir_or_file)
     paths = [source] if source.is_file() else discover_shards(source)
     samples = []

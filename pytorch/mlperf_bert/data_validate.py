@@ -66,7 +66,7 @@ class Columns:
     num_rows: int
 
 
-class _Shard:
+class ShardFile:
     """An open shard plus the file name that every error message starts with."""
 
     def __init__(self, path: Path, handle: h5py.File):
@@ -101,15 +101,18 @@ class _Shard:
 
     def read_vlen(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """Reads a variable-length dataset as (flat values [sum], row lengths [N])."""
-        if not self.is_vlen(key):
+        base = h5py.check_vlen_dtype(self.handle[key].dtype)
+        if base is None:
             raise self.error(f"key {key!r} is fixed-width but 'input_ids' is variable-length (varlength format)")
+        if not np.issubdtype(base, np.integer):
+            raise self.error(f"key {key!r} holds {base}, expected integers")
         rows = self.handle[key][()]
         lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=rows.shape[0])
         flat = np.concatenate(list(rows)) if rows.shape[0] else np.zeros(0, dtype=np.int64)
         return flat, lengths
 
 
-def detect_format(shard: _Shard) -> str:
+def detect_format(shard: ShardFile) -> str:
     """'packed' when packed_input_len exists, 'varlength' for a vlen input_ids, else 'fixed'."""
     shard.require(("input_ids",))
     if "packed_input_len" in shard.handle:
@@ -121,7 +124,7 @@ def _format_keys(fmt: str) -> tuple[str, ...]:
     return {"fixed": FIXED_KEYS, "varlength": VARLENGTH_KEYS, "packed": PACKED_KEYS}[fmt]
 
 
-def _check_row_counts(shard: _Shard, keys: tuple[str, ...]) -> int:
+def _check_row_counts(shard: ShardFile, keys: tuple[str, ...]) -> int:
     counts = {k: shard.shape(k)[0] if shard.shape(k) else 0 for k in keys}
     if len(set(counts.values())) > 1:
         listing = ", ".join(f"{k}={n}" for k, n in counts.items())
@@ -133,7 +136,7 @@ def _check_row_counts(shard: _Shard, keys: tuple[str, ...]) -> int:
 
 
 @contextmanager
-def open_shard(path: Path) -> Iterator[_Shard]:
+def open_shard(path: Path) -> Iterator[ShardFile]:
     """Opens a shard read-only; hdf5 failures become a DataError naming the file."""
     try:
         handle = h5py.File(path, "r")
@@ -141,7 +144,7 @@ def open_shard(path: Path) -> Iterator[_Shard]:
         raise DataError(f"{path}: not a readable hdf5 file ({exc}); {CORRUPT}") from exc
     try:
         with handle:
-            yield _Shard(path, handle)
+            yield ShardFile(path, handle)
     except (OSError, RuntimeError) as exc:
         raise DataError(f"{path}: cannot read the data ({exc}); {CORRUPT}") from exc
 
@@ -158,13 +161,13 @@ def _first(bad: np.ndarray) -> int:
     return int(np.flatnonzero(bad)[0])
 
 
-def _check_same_shape(shard: _Shard, arrays: dict[str, np.ndarray]) -> None:
+def _check_same_shape(shard: ShardFile, arrays: dict[str, np.ndarray]) -> None:
     shapes = {k: a.shape for k, a in arrays.items()}
     if len(set(shapes.values())) > 1:
         raise shard.error(f"keys must have the same shape, got {shapes}")
 
 
-def _decode_fixed(shard: _Shard) -> Columns:
+def _decode_fixed(shard: ShardFile) -> Columns:
     """MLCommons rows padded to L; the real length is input_mask.sum(), position 0 is padding."""
     ids, mask, seg = (shard.read(k, 2) for k in ("input_ids", "input_mask", "segment_ids"))
     positions, labels = shard.read("masked_lm_positions", 2), shard.read("masked_lm_ids", 2)
@@ -185,7 +188,7 @@ def _decode_fixed(shard: _Shard) -> Columns:
     )
 
 
-def _decode_varlength(shard: _Shard) -> Columns:
+def _decode_varlength(shard: ShardFile) -> Columns:
     """NVIDIA rows stored trimmed as hdf5 variable-length arrays."""
     ids, lengths = shard.read_vlen("input_ids")
     seg, seg_lengths = shard.read_vlen("segment_ids")
@@ -205,7 +208,7 @@ def _decode_varlength(shard: _Shard) -> Columns:
     )
 
 
-def _check_packed_slots(shard: _Shard, input_len: np.ndarray, mlm_len: np.ndarray, width: int, q: int) -> None:
+def _check_packed_slots(shard: ShardFile, input_len: np.ndarray, mlm_len: np.ndarray, width: int, q: int) -> None:
     """Slot lengths must be >= 0 and fit the row; an empty slot holds no predictions."""
     checks = (
         ((input_len < 0) | (mlm_len < 0)).any(axis=1), "negative packed length",
@@ -219,14 +222,15 @@ def _check_packed_slots(shard: _Shard, input_len: np.ndarray, mlm_len: np.ndarra
             raise shard.error(f"row {_first(bad)}: {problem}")
 
 
-def _decode_packed(shard: _Shard) -> Columns:
+def _decode_packed(shard: ShardFile) -> Columns:
     """Up to K sequences concatenated left to right in each row; positions are row positions."""
     ids, seg = shard.read("input_ids", 2), shard.read("segment_ids", 2)
     positions, labels = shard.read("masked_lm_positions", 2), shard.read("masked_lm_ids", 2)
-    nsp, input_len, mlm_len = (shard.read(k, 2) for k in ("next_sentence_labels", "packed_input_len", "packed_masked_lm_len"))
+    per_slot = ("next_sentence_labels", "packed_input_len", "packed_masked_lm_len")
+    nsp, input_len, mlm_len = (shard.read(k, 2) for k in per_slot)
     _check_same_shape(shard, {"input_ids": ids, "segment_ids": seg})
     _check_same_shape(shard, {"masked_lm_positions": positions, "masked_lm_ids": labels})
-    _check_same_shape(shard, {"next_sentence_labels": nsp, "packed_input_len": input_len, "packed_masked_lm_len": mlm_len})
+    _check_same_shape(shard, dict(zip(per_slot, (nsp, input_len, mlm_len))))
     input_len, mlm_len = input_len.astype(np.int64), mlm_len.astype(np.int64)
     _check_packed_slots(shard, input_len, mlm_len, ids.shape[1], positions.shape[1])
     slot = input_len > 0  # [N, K]
@@ -244,7 +248,7 @@ def _decode_packed(shard: _Shard) -> Columns:
     )
 
 
-DECODERS: dict[str, Callable[[_Shard], Columns]] = {
+DECODERS: dict[str, Callable[[ShardFile], Columns]] = {
     "fixed": _decode_fixed, "varlength": _decode_varlength, "packed": _decode_packed,
 }
 
@@ -281,7 +285,7 @@ def _token_checks(columns: Columns, limits: DataLimits) -> list[tuple[np.ndarray
     ]
 
 
-def validate(shard: _Shard, columns: Columns, limits: DataLimits) -> None:
+def validate(shard: ShardFile, columns: Columns, limits: DataLimits) -> None:
     """Raises DataError for the first row that breaks a rule."""
     for bad, problem, fix in _sequence_checks(columns, limits):
         if bad.any():

@@ -46,7 +46,7 @@ _WIKIPEDIA_HISTOGRAM = "wikipedia_phase2_seqlen_histogram.json"
 Strategy = tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq would compare the repeats arrays ambiguously
 class PackingPlan:
     """How a histogram of sequences is packed: `repeats[j]` packs hold `strategies[j]`."""
 
@@ -305,9 +305,10 @@ def _nnls_weights(strategies: np.ndarray, target: np.ndarray, max_len: int) -> n
 
     One dense NNLS over all 22k columns takes 25-40 s. The optimum uses fewer than max_len
     columns, nearly the same ones as the LP relaxation (most packs with A x <= target), which
-    HiGHS solves in a few seconds. So: solve NNLS on the LP's columns, add the columns that
-    violate optimality (gradient A_j . (target - A x) > 0), repeat until none does. The KKT
-    check makes the result an optimum of the full NNLS.
+    HiGHS solves in a few seconds. So: solve NNLS on the LP's columns, keep the columns in
+    use and add those that violate optimality (gradient A_j . (target - A x) > 0), repeat
+    until none does. Each round lowers the residual strictly, so no working set comes back;
+    the final KKT check makes the result an optimum of the full NNLS.
     """
     from scipy.optimize import nnls  # scipy is needed by data preparation only
 
@@ -326,7 +327,8 @@ def _nnls_weights(strategies: np.ndarray, target: np.ndarray, max_len: int) -> n
         violators = np.flatnonzero(gradient > tolerance)
         if violators.size == 0:
             return weights
-        working = np.union1d(working, violators[np.argsort(-gradient[violators])[:max_len // 4]])
+        support = working[weights[working] > 0]
+        working = np.union1d(support, violators[np.argsort(-gradient[violators])[:max_len // 4]])
 
 
 def _lp_support(strategies: np.ndarray, target: np.ndarray, max_len: int) -> np.ndarray:

@@ -24,13 +24,14 @@ from .batch import FlatBatch, Item, flatten_items, pad_items, unpad
 from .checkpoint import load_init_checkpoint
 from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .config import TrainConfig
-from .data import DataLimits, PretrainingDataset, discover_shards, load_eval_set
+from .data import DataLimits, load_eval_set
 from .distributed import DistEnv, all_reduce_sum
 from .evaluation_interval import EvalSchedule
 from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model import BertConfig, BertForPreTraining, pretraining_loss
 from .optim import build_optimizer, parameter_groups
 from .schedule import LRSchedule, set_lr
+from .sources import BatchSource, open_batch_source
 
 
 @dataclass
@@ -181,12 +182,12 @@ def evaluate(rt: Runtime) -> tuple[float, float]:
     return correct / count, loss / count
 
 
-def _micro_batches(data: PretrainingDataset, rt: Runtime) -> Iterator[FlatBatch]:
+def _micro_batches(data: BatchSource, rt: Runtime) -> Iterator[FlatBatch]:
     for _ in range(rt.cfg.gradient_accumulation_steps):
         yield to_device_batch(data.next_batch(), rt.cfg, rt.device)
 
 
-def train_step(rt: Runtime, data: PretrainingDataset, state: TrainState) -> torch.Tensor:
+def train_step(rt: Runtime, data: BatchSource, state: TrainState) -> torch.Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the mean loss."""
     accum = rt.cfg.gradient_accumulation_steps
     loss_sum = torch.zeros((), device=rt.device)
@@ -257,13 +258,13 @@ def _stop_samples(cfg: TrainConfig) -> int:
     return limit
 
 
-def train_block(rt: Runtime, data: PretrainingDataset, state: TrainState, until: int, progress: Progress) -> None:
+def train_block(rt: Runtime, data: BatchSource, state: TrainState, until: int, progress: Progress) -> None:
     """Steps until `until` samples have been consumed (or max_steps)."""
     while state.samples < until and state.step < rt.cfg.schedule.max_steps:
         progress.update(train_step(rt, data, state), state)
 
 
-def train_loop(rt: Runtime, data: PretrainingDataset, state: TrainState) -> str:
+def train_loop(rt: Runtime, data: BatchSource, state: TrainState) -> str:
     cfg, log = rt.cfg, rt.logger
     stop_at = _stop_samples(cfg)
     evals = EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
@@ -296,8 +297,11 @@ def run_eval(rt: Runtime, state: TrainState) -> float:
 
 
 def lr_schedule(cfg: TrainConfig) -> LRSchedule:
-    return LRSchedule(cfg.optim.learning_rate, cfg.schedule.max_steps, cfg.schedule.resolved_warmup_steps,
-                      cfg.schedule.start_warmup_step)
+    sched = cfg.schedule
+    warmup = sched.resolved_warmup_steps
+    return LRSchedule(cfg.optim.learning_rate, sched.max_steps, warmup, sched.start_warmup_step,
+                      decay_steps=sched.decay_steps, end_lr=sched.end_learning_rate,
+                      decay_start_step=warmup if sched.decay_from_warmup_end else 0)
 
 
 def hyperparameters(cfg: TrainConfig) -> dict:
@@ -356,16 +360,17 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device) -> RunResult:
     if not cfg.run.do_train:
         return evaluate_only(rt)
     build_training(rt)
-    shards = discover_shards(cfg.data.input_dir)
     state = TrainState()
     torch.manual_seed(cfg.run.seed + denv.rank)  # dropout differs per rank
-    with PretrainingDataset(shards, data_limits(cfg, model.config), rank=denv.rank, world_size=denv.world_size,
-                            items_per_rank_step=cfg.micro_batch_size, seed=cfg.run.seed) as data:
+    data = open_batch_source(cfg, denv, data_limits(cfg, model.config))
+    try:
         logger.init_stop()
         logger.run_start()
         start = time.time()
         status = train_loop(rt, data, state)
         seconds = time.time() - start
+    finally:
+        data.close()
     logger.run_stop(status, epoch_num=state.samples)
     logger.train_samples(state.samples)
     logger.eval_samples(cfg.eval.num_eval_examples)
