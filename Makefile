@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 # The CPU build of PyTorch; on a GPU machine use the NGC container (see Dockerfile) instead.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The tests also need transformers, mpi4py, matplotlib and TensorFlow (checkpoint conversion).
+TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
 .PHONY: demo test venv clean-demo
@@ -16,7 +18,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test,prep]'
+	$(PY) -m pip install -q -e '.[prep]'
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,prep,tf]'
 	touch $@
 
 venv: $(STAMP)
@@ -24,7 +30,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	PYTHON=$(abspath $(PY)) bash tools/run_demo.sh
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean-demo:

@@ -67,6 +67,7 @@ optional OPT_EPSILON --opt_epsilon
 optional MAX_GRAD_NORM --max_grad_norm
 optional CLIP_MODE --clip_mode
 optional BALANCE --balance
+optional BALANCE_DEAL --balance_deal
 optional EVAL_ITER_START_SAMPLES --eval_iter_start_samples
 optional EVAL_ITER_SAMPLES --eval_iter_samples
 optional NUM_EVAL_EXAMPLES --num_eval_examples
@@ -90,10 +91,19 @@ elif [[ "$INIT_CHECKPOINT" != none && -n "${CHECKPOINTDIR_PHASE1:-}" ]]; then
 fi
 
 trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
-if [[ -z "${RANK:-}" && -z "${SLURM_PROCID:-}" && "$DGXNGPU" -gt 1 ]]; then
+if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "$DGXNGPU" -gt 1 ]]; then
   # Not started per task: start one process per GPU (or CPU worker) on this node.
-  trainer=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$DGXNGPU" \
-    "$here/pytorch/run_pretraining.py")
+  if [[ "${BALANCE:-none}" == cpu_exchange ]]; then
+    # The CPU exchange talks MPI, so an MPI launcher starts the ranks (mpiexec next to $PYTHON
+    # when there is one, as the mpich wheel installs it); torch.distributed meets at MASTER_PORT.
+    python_dir=$(dirname "$(command -v "$PYTHON")")
+    if [[ -x "$python_dir/mpiexec" ]]; then MPIEXEC=${MPIEXEC:-$python_dir/mpiexec}; fi
+    export MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
+    trainer=("${MPIEXEC:-mpiexec}" -n "$DGXNGPU" "$PYTHON" "$here/pytorch/run_pretraining.py")
+  else
+    trainer=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$DGXNGPU" \
+      "$here/pytorch/run_pretraining.py")
+  fi
 fi
 
 start=$(date +%s)

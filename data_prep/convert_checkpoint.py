@@ -23,6 +23,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -100,7 +101,7 @@ def check_state(state: dict, config: dict, source: Path) -> None:
         raise DataPrepError(f"{source}: does not match the BERT config: {shown}")
 
 
-def _import_tensorflow():
+def _import_tensorflow() -> ModuleType:
     try:
         import tensorflow as tf
     except ImportError as err:
@@ -116,10 +117,12 @@ def read_tf_checkpoint(prefix: Path) -> dict[str, np.ndarray]:
     if prefix.is_dir():
         found = sorted(prefix.glob("*.index"))
         if len(found) != 1:
-            raise DataPrepError(f"{prefix}: holds {len(found)} checkpoints; give the prefix, e.g. {prefix}/model.ckpt-28252")
+            raise DataPrepError(
+                f"{prefix}: holds {len(found)} checkpoints; give the prefix, e.g. {prefix}/model.ckpt-28252")
         prefix = found[0].with_suffix("")
     if not prefix.with_name(prefix.name + ".index").is_file():
-        raise DataPrepError(f"{prefix}: no {prefix.name}.index; give the checkpoint prefix (model.ckpt-28252, no suffix)")
+        raise DataPrepError(
+            f"{prefix}: no {prefix.name}.index; give the checkpoint prefix (model.ckpt-28252, no suffix)")
     tf = _import_tensorflow()
     reader = tf.train.load_checkpoint(str(prefix))
     state, skipped = {}, []
@@ -130,7 +133,8 @@ def read_tf_checkpoint(prefix: Path) -> dict[str, np.ndarray]:
             continue
         value = np.asarray(reader.get_tensor(tf_name), dtype=np.float32)
         state[name] = np.ascontiguousarray(value.T) if tf_name.endswith("/kernel") else value
-    log.info("convert: %d tensors from %s (%d optimizer/bookkeeping variables skipped)", len(state), prefix, len(skipped))
+    log.info("convert: %d tensors from %s (%d optimizer/bookkeeping variables skipped)", len(state), prefix,
+             len(skipped))
     return state
 
 
@@ -138,7 +142,8 @@ def read_bert_config(path: Path) -> dict:
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise DataPrepError(f"{path}: cannot read the BERT config ({err}); pass --bert_config bert_config.json") from err
+        raise DataPrepError(
+            f"{path}: cannot read the BERT config ({err}); pass --bert_config bert_config.json") from err
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size") if k not in config]
     if missing:
         raise DataPrepError(f"{path}: BERT config without {', '.join(missing)}")
@@ -203,11 +208,13 @@ def write_hf(state: dict[str, np.ndarray], config: dict, directory: Path) -> Non
     from transformers import BertConfig, BertForPreTraining
 
     model = BertForPreTraining(BertConfig(**config))
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in unpad_vocab(state, config["vocab_size"]).items()}
+    real = unpad_vocab(state, config["vocab_size"])
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in real.items()}
     result = model.load_state_dict(tensors, strict=False)
     missing = [k for k in result.missing_keys if k not in TIED + HF_BUFFERS]
     if missing or result.unexpected_keys:
-        raise DataPrepError(f"{directory}: HuggingFace model mismatch: missing {missing}, unexpected {result.unexpected_keys}")
+        raise DataPrepError(
+            f"{directory}: HuggingFace model mismatch: missing {missing}, unexpected {result.unexpected_keys}")
     with atomic_output(directory) as temp:
         model.save_pretrained(str(temp))
 

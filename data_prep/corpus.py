@@ -56,7 +56,9 @@ def write_documents(path: Path | str, documents: Iterable[list[str]]) -> int:
     return len(text.encode("utf-8"))
 
 
-def train_vocab(sentences: Iterable[str], path: Path | str, vocab_size: int = 2000, extra_tokens: tuple[str, ...] = ()) -> Path:
+def train_vocab(
+    sentences: Iterable[str], path: Path | str, vocab_size: int = 2000, extra_tokens: tuple[str, ...] = ()
+) -> Path:
     """Trains a BERT-uncased WordPiece vocabulary (tokenizers) and writes it as vocab.txt.
 
     [PAD] [UNK] [CLS] [SEP] [MASK] take ids 0..4 as in the MLPerf vocabulary; `extra_tokens`
@@ -97,7 +99,8 @@ def write_corpus(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     sentences = installed_sentences()
-    eval_docs = [[f"{s} {EVAL_MARKER}" for s in doc] for doc in make_documents(sentences, eval_documents, seed + 10_000)]
+    eval_source = make_documents(sentences, eval_documents, seed + 10_000)
+    eval_docs = [[f"{s} {EVAL_MARKER}" for s in doc] for doc in eval_source]
     parts = []
     for i in range(num_parts):
         documents = make_documents(sentences, documents_per_part, seed + i)

@@ -106,7 +106,7 @@ class Manifest:
         return self.directory / MANIFEST_NAME
 
     @classmethod
-    def load(cls, directory: Path) -> "Manifest | None":
+    def load(cls, directory: Path) -> Manifest | None:
         path = Path(directory) / MANIFEST_NAME
         if not path.is_file():
             return None
@@ -116,7 +116,7 @@ class Manifest:
         return cls(path.parent, str(raw.get("kind", "")), raw.get("params", {}), raw["files"])
 
     @classmethod
-    def open(cls, directory: Path, kind: str, params: dict[str, Any]) -> "Manifest":
+    def open(cls, directory: Path, kind: str, params: dict[str, Any]) -> Manifest:
         """The directory's manifest for this step; a new one when there is none yet.
 
         Raises when the directory holds outputs of another step or of other parameters,

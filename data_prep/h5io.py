@@ -100,10 +100,9 @@ def _create(handle: h5py.File, key: str, values: np.ndarray, compression: str | 
 
 def write_arrays(path: Path | str, arrays: dict[str, np.ndarray], compression: str | None = None) -> None:
     """Writes one shard atomically; object arrays become hdf5 variable-length datasets."""
-    with atomic_output(Path(path)) as temp:
-        with h5py.File(temp, "w") as handle:
-            for key, values in arrays.items():
-                _create(handle, key, values, compression)
+    with atomic_output(Path(path)) as temp, h5py.File(temp, "w") as handle:
+        for key, values in arrays.items():
+            _create(handle, key, values, compression)
 
 
 def write_samples(

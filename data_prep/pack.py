@@ -74,7 +74,8 @@ def plan_packs(lengths: np.ndarray, file_counts: np.ndarray, params: PackParams)
     for g, (f0, f1) in enumerate(_groups(file_counts, params.group_samples)):
         lo, hi = int(starts[f0]), int(starts[f1])
         rng = np.random.default_rng([params.seed, g])
-        packs = assign_packs(lengths[lo:hi], params.algorithm, rng, params.max_seq_length, params.max_sequences_per_pack)
+        packs = assign_packs(lengths[lo:hi], params.algorithm, rng, params.max_seq_length,
+                             params.max_sequences_per_pack)
         table = pack_table(packs, params.max_sequences_per_pack)
         tables.append(np.where(table >= 0, table + lo, -1))
     return np.concatenate(tables)
@@ -84,7 +85,8 @@ def check_every_sample_once(table: np.ndarray, total: int) -> None:
     used = np.bincount(table[table >= 0], minlength=total)
     if used.shape[0] != total or not (used == 1).all():
         lost, repeated = int((used == 0).sum()), int((used > 1).sum())
-        raise DataPrepError(f"packing is wrong: {lost} sequences in no pack, {repeated} in several; nothing was written")
+        raise DataPrepError(
+            f"packing is wrong: {lost} sequences in no pack, {repeated} in several; nothing was written")
 
 
 def packing_report(table: np.ndarray, lengths: np.ndarray, params: PackParams, seconds: float) -> dict:
@@ -144,17 +146,25 @@ def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
     lengths = sources.lengths()
     table = plan_packs(lengths, sources.counts, params)
     check_every_sample_once(table, sources.total)
+    if table.shape[0] < num_shards:
+        raise DataPrepError(f"{table.shape[0]} packs cannot fill {num_shards} shards; use a smaller --num_pack_shards")
     report = packing_report(table, lengths, params, time.perf_counter() - started)
     log.info("pack: %d sequences -> %d packs (%.4f efficiency, %.3f sequences per pack, %d dropped)",
              report["sequences"], report["packs"], report["efficiency"], report["sequences_per_pack"],
              report["sequences_dropped"])
+    _write_shards(sources, table, names, manifest, params)
+    write_json(report_path, report)
+    return report
+
+
+def _write_shards(sources: SourceSet, table: np.ndarray, names: list[str], manifest: Manifest,
+                  params: PackParams) -> None:
+    """Cuts the packs into balanced shards (in pack order) and writes the ones not done yet."""
     reader = _GroupReader(sources, _groups(sources.counts, params.group_samples))
-    bounds = balanced_bounds(table.shape[0], num_shards)
+    bounds = balanced_bounds(table.shape[0], len(names))
     for s, name in enumerate(tqdm(names, desc="pack write", unit="shard")):
         if not manifest.is_done(name):
             samples, local = reader.samples_for(table[bounds[s]:bounds[s + 1]])
-            write_arrays(out_dir / name, to_packed(samples, local, params.max_seq_length), params.compression)
-            manifest.record(name, int(bounds[s + 1] - bounds[s]), "packed",
-                            sequences=int((local >= 0).sum()))
-    write_json(report_path, report)
-    return report
+            write_arrays(manifest.directory / name, to_packed(samples, local, params.max_seq_length),
+                         params.compression)
+            manifest.record(name, int(bounds[s + 1] - bounds[s]), "packed", sequences=int((local >= 0).sum()))

@@ -123,7 +123,7 @@ def cmd_stratify(args: argparse.Namespace) -> None:
 def _verify(directories: list[Path], vocab: Path | None, args: argparse.Namespace) -> None:
     namespace = argparse.Namespace(directory=directories, vocab=vocab, vocab_size=None,
                                    max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
-                                   expect_samples=None, no_checksums=False)
+                                   expect_samples=None, no_checksums=False, workers=args.workers)
     if verify_dataset.run(namespace) != 0:
         raise DataPrepError("verification failed (problems listed above)")
 

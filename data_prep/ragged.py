@@ -47,10 +47,11 @@ class Samples:
         return int(self.lengths.shape[0])
 
     @classmethod
-    def empty(cls) -> "Samples":
-        return cls(*(np.zeros(0, dtype=d) for d in (np.int32, np.int8, np.int64, np.int32, np.int32, np.int64, np.int8)))
+    def empty(cls) -> Samples:
+        dtypes = (np.int32, np.int8, np.int64, np.int32, np.int32, np.int64, np.int8)  # in field order
+        return cls(*(np.zeros(0, dtype=d) for d in dtypes))
 
-    def take(self, index: np.ndarray) -> "Samples":
+    def take(self, index: np.ndarray) -> Samples:
         """The sequences `index` (any order, repeats allowed) as a new Samples."""
         index = np.asarray(index, dtype=np.int64)
         tok = concat_ranges(offsets(self.lengths)[:-1][index], self.lengths[index])
@@ -61,11 +62,11 @@ class Samples:
             num_predictions=self.num_predictions[index], next_sentence_labels=self.next_sentence_labels[index],
         )
 
-    def slice(self, start: int, stop: int) -> "Samples":
+    def slice(self, start: int, stop: int) -> Samples:
         return self.take(np.arange(start, stop))
 
     @staticmethod
-    def concat(parts: Sequence["Samples"]) -> "Samples":
+    def concat(parts: Sequence[Samples]) -> Samples:
         if not parts:
             return Samples.empty()
         return Samples(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Samples)))

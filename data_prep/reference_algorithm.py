@@ -130,7 +130,9 @@ def _truncate(first: list[str], second: list[str], limit: int, rng: random.Rando
             longer.pop()
 
 
-def _mask(tokens: list[str], prob: float, max_predictions: int, words: list[str], rng: random.Random):
+def _mask(tokens: list[str], prob: float, max_predictions: int, words: list[str],
+          rng: random.Random) -> tuple[list[str], list[int], list[str]]:
+    """(masked tokens, positions, original tokens at them), one draw per decision."""
     candidates = [i for i, t in enumerate(tokens) if t not in ("[CLS]", "[SEP]")]
     rng.shuffle(candidates)
     count = min(max_predictions, max(1, int(round(len(tokens) * prob))))

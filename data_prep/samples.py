@@ -81,6 +81,8 @@ class SampleJob:
 
 @dataclass
 class FileStats:
+    """What one text file gave; recorded in the manifest next to the output's checksum."""
+
     name: str = ""
     sha256: str = ""
     text_bytes: int = 0
@@ -124,7 +126,8 @@ def _span_blocks(maker: PairMaker, doc_order: list[int], dupe_factor: int) -> It
 
 
 def _mask_params(vocab: Vocab, params: SampleParams) -> MaskParams:
-    return MaskParams(vocab.size, vocab.cls_id, vocab.sep_id, vocab.mask_id, params.masked_lm_prob, params.max_predictions)
+    return MaskParams(vocab.size, vocab.cls_id, vocab.sep_id, vocab.mask_id, params.masked_lm_prob,
+                      params.max_predictions)
 
 
 def _exclude(text: TokenizedText, excluded: frozenset[bytes]) -> tuple[TokenizedText, int]:

@@ -52,7 +52,7 @@ class TokenizedText:
         first, count = self.document_token_range(np.arange(self.num_documents))
         return [hashlib.sha1(self.tokens[a:a + n].tobytes()).digest() for a, n in zip(first.tolist(), count.tolist())]
 
-    def keep_documents(self, keep: np.ndarray) -> "TokenizedText":
+    def keep_documents(self, keep: np.ndarray) -> TokenizedText:
         """The documents where `keep` [D] is True, in order."""
         docs = np.flatnonzero(keep)
         sentence_counts = np.diff(self.document_starts)[docs]

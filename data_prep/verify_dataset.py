@@ -15,6 +15,7 @@ names the file, the first bad row and what is wrong.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,11 @@ import numpy as np  # noqa: E402
 
 from data_prep.fileio import Manifest, read_json, sha256_file  # noqa: E402
 from data_prep.formats import (  # noqa: E402
-    FORMAT_KEYS, MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError, detect_format,
+    FORMAT_KEYS, MANIFEST_NAME, MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError,
+    detect_format,
 )
 from data_prep.h5io import open_h5  # noqa: E402
+from data_prep.parallel import run_jobs  # noqa: E402
 from data_prep.ragged import Samples, from_fixed, from_packed, from_varlength, offsets  # noqa: E402
 from data_prep.vocab import load_vocab  # noqa: E402
 
@@ -52,7 +55,9 @@ class ShardReport:
     fmt: str = "?"
     rows: int = 0
     sequences: int = 0
-    lengths: list[np.ndarray] = field(default_factory=list)  # per block, for the strata check
+    shortest: int = MAX_SEQ_LENGTH + 1  # sequence lengths seen, for the strata check
+    longest: int = 0
+    sha256: str | None = None  # computed when checksums are compared
     problems: list[str] = field(default_factory=list)
 
     def flag(self, bad: np.ndarray, rows: np.ndarray, what: str) -> None:
@@ -207,7 +212,9 @@ def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, 
     for bad, what in _structure_checks(samples, limits) + _prediction_checks(samples, limits):
         report.flag(bad, seq_rows, what)
     report.sequences += len(samples)
-    report.lengths.append(samples.lengths)
+    if len(samples):
+        report.shortest = min(report.shortest, int(samples.lengths.min()))
+        report.longest = max(report.longest, int(samples.lengths.max()))
 
 
 def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> ShardReport:
@@ -228,7 +235,9 @@ def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> Sh
     return report
 
 
-def _manifest_problems(directory: Path, manifest: Manifest, reports: dict[str, ShardReport], checksums: bool) -> list[str]:
+def _manifest_problems(
+    directory: Path, manifest: Manifest, reports: dict[str, ShardReport], checksums: bool
+) -> list[str]:
     problems = []
     for name, entry in sorted(manifest.files.items()):
         path = directory / name
@@ -237,12 +246,14 @@ def _manifest_problems(directory: Path, manifest: Manifest, reports: dict[str, S
             continue
         if path.stat().st_size != entry.get("bytes"):
             problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {entry.get('bytes')} (truncated?)")
-        elif checksums and sha256_file(path) != entry.get("sha256"):
-            problems.append(f"{path}: sha256 differs from the manifest (the file changed or is corrupt)")
         report = reports.get(name)
+        digest = report.sha256 if report is not None and report.sha256 else (sha256_file(path) if checksums else None)
+        if checksums and path.stat().st_size == entry.get("bytes") and digest != entry.get("sha256"):
+            problems.append(f"{path}: sha256 differs from the manifest (the file changed or is corrupt)")
         if report is not None and report.fmt != "?" and report.rows != entry.get("samples"):
             problems.append(f"{path}: {report.rows} rows, the manifest says {entry.get('samples')}")
-    problems += [f"{directory / name}: not listed in {manifest.path.name}" for name in sorted(set(reports) - set(manifest.files))]
+    unlisted = sorted(set(reports) - set(manifest.files))
+    problems += [f"{directory / name}: not listed in {manifest.path.name}" for name in unlisted]
     return problems
 
 
@@ -253,11 +264,10 @@ def _strata_problems(directory: Path, reports: dict[str, ShardReport]) -> list[s
     problems, found = [], []
     for k, bound in enumerate(bounds):
         low = bounds[k - 1] if k else 0
-        stratum = [r for name, r in reports.items() if name.startswith(f"stratum_{k}/")]
-        lengths = np.concatenate([x for r in stratum for x in r.lengths]) if stratum else np.zeros(0, np.int64)
-        if lengths.size and ((lengths <= low) | (lengths > bound)).any():
+        stratum = [r for name, r in reports.items() if name.startswith(f"stratum_{k}/") and r.sequences]
+        if stratum and (min(r.shortest for r in stratum) <= low or max(r.longest for r in stratum) > bound):
             problems.append(f"{directory}/stratum_{k}: holds lengths outside ({low}, {bound}]")
-        found.append(int(lengths.shape[0]))
+        found.append(sum(r.sequences for r in stratum))
     if found != counts:
         problems.append(f"{path}: counts {counts}, but the stratum folders hold {found}")
     total = max(sum(found), 1)
@@ -286,16 +296,33 @@ def find_shards(directory: Path) -> list[Path]:
     return sorted(shards)
 
 
+@dataclass(frozen=True)
+class _ShardJob:
+    path: Path
+    limits: Limits
+    checksum: bool
+
+
+def _verify_job(job: _ShardJob) -> ShardReport:
+    report = verify_shard(job.path, job.limits)
+    if job.checksum:
+        report.sha256 = sha256_file(job.path)
+    return report
+
+
 def verify_directory(directory: Path | str, limits: Limits, checksums: bool = True,
-                     expect_samples: int | None = None) -> tuple[list[str], dict[str, ShardReport]]:
-    """(problems, per-shard reports) of a dataset folder."""
+                     expect_samples: int | None = None, workers: int = 1) -> tuple[list[str], dict[str, ShardReport]]:
+    """(problems, per-shard reports) of a dataset folder; shards are checked by `workers` processes."""
     directory = Path(directory)
     if not directory.is_dir():
         return [f"{directory}: not a folder"], {}
     shards = find_shards(directory)
     if not shards:
         return [f"{directory}: no *.hdf5 shards here or in stratum_*/ folders"], {}
-    reports = {p.relative_to(directory).as_posix(): verify_shard(p, limits) for p in shards}
+    checksum = checksums and (directory / MANIFEST_NAME).is_file()
+    jobs = [_ShardJob(p, limits, checksum) for p in shards]
+    done = {r.path: r for r in run_jobs(_verify_job, jobs, workers)}
+    reports = {p.relative_to(directory).as_posix(): done[p] for p in shards}
     problems = [msg for r in reports.values() for msg in r.problems]
     try:
         manifest = Manifest.load(directory)
@@ -328,6 +355,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_predictions", type=int, default=MAX_PREDICTIONS)
     parser.add_argument("--expect_samples", type=int, help="total samples (sequences) the folder must hold")
     parser.add_argument("--no_checksums", action="store_true", help="skip the sha256 comparison with MANIFEST.json")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -339,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     failed = 0
     for directory in args.directory:
-        problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples)
+        problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples,
+                                             args.workers)
         for problem in problems:
             print(problem, file=sys.stderr)
         formats = sorted({r.fmt for r in reports.values()})

@@ -57,13 +57,15 @@ def load_vocab(path: Path | str) -> Vocab:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise DataPrepError(f"{path}: cannot read the vocabulary ({err}); pass --vocab with the MLPerf vocab.txt") from err
+        raise DataPrepError(
+            f"{path}: cannot read the vocabulary ({err}); pass --vocab with the MLPerf vocab.txt") from err
     tokens = tuple(line.rstrip("\r\n") for line in text.splitlines())
     if not tokens:
         raise DataPrepError(f"{path}: the vocabulary is empty; pass --vocab with the MLPerf vocab.txt")
     missing = [t for t in SPECIAL_TOKENS if t not in tokens]
     if missing:
-        raise DataPrepError(f"{path}: the vocabulary lacks {', '.join(missing)}; BERT needs {', '.join(SPECIAL_TOKENS)}")
+        raise DataPrepError(
+            f"{path}: the vocabulary lacks {', '.join(missing)}; BERT needs {', '.join(SPECIAL_TOKENS)}")
     repeated = [t for t, n in Counter(tokens).items() if n > 1]
     if repeated:
         dup = repeated[0]
@@ -73,7 +75,7 @@ def load_vocab(path: Path | str) -> Vocab:
     return Vocab(str(path), tokens)
 
 
-def make_tokenizer(vocab: Vocab) -> "tokenizers.Tokenizer":  # noqa: F821 (imported lazily)
+def make_tokenizer(vocab: Vocab) -> tokenizers.Tokenizer:  # noqa: F821 (imported lazily)
     """BERT-uncased WordPiece tokenizer over `vocab` that adds no special tokens."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import WordPiece
@@ -138,8 +140,8 @@ class LineEncoder:
     def _encode_other(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = self.tokenizer.encode_batch_fast(lines, add_special_tokens=False)
         lengths = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encoded), dtype=np.int32, count=int(lengths.sum()))
-        return ids, lengths
+        ids = itertools.chain.from_iterable(e.ids for e in encoded)
+        return np.fromiter(ids, dtype=np.int32, count=int(lengths.sum())), lengths
 
     def encode(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """([T] int32 ids of all lines concatenated, [n] int64 tokens per line)."""

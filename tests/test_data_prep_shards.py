@@ -55,7 +55,8 @@ def fingerprints(samples: Samples) -> Counter:
     tok, pred = offsets(samples.lengths), offsets(samples.num_predictions)
     return Counter(
         (samples.input_ids[tok[i]:tok[i + 1]].tobytes(), samples.segment_ids[tok[i]:tok[i + 1]].tobytes(),
-         samples.masked_lm_positions[pred[i]:pred[i + 1]].tobytes(), samples.masked_lm_ids[pred[i]:pred[i + 1]].tobytes(),
+         samples.masked_lm_positions[pred[i]:pred[i + 1]].tobytes(),
+         samples.masked_lm_ids[pred[i]:pred[i + 1]].tobytes(),
          int(samples.next_sentence_labels[i]))
         for i in range(len(samples))
     )
@@ -80,7 +81,8 @@ def test_reshard_is_a_balanced_shuffled_permutation(dataset):
 
 def test_reshard_without_shuffle_keeps_the_order(dataset, tmp_path):
     root, _, _ = dataset
-    reshard(sorted((root / "parts").glob("*.hdf5")), {"varlength": tmp_path}, ReshardParams(num_shards=3, shuffle=False))
+    inputs = sorted((root / "parts").glob("*.hdf5"))
+    reshard(inputs, {"varlength": tmp_path}, ReshardParams(num_shards=3, shuffle=False))
     kept, parts = folder_samples(tmp_path), folder_samples(root / "parts")
     assert np.array_equal(kept.input_ids, parts.input_ids) and np.array_equal(kept.lengths, parts.lengths)
 
@@ -164,7 +166,8 @@ def test_trainer_reads_every_format(dataset, tmp_path):
     pack_dataset(sorted((root / "varlength").glob("*.hdf5")), tmp_path / "packed", PackParams(group_samples=800))
     stratify(sorted((root / "varlength").glob("*.hdf5")), tmp_path / "strata", StratifyParams(fmt="fixed"))
     limits = data_validate.DataLimits(512, 76, load_vocab(corpus.vocab).size)
-    folders = [root / "fixed", root / "varlength", tmp_path / "packed", *sorted((tmp_path / "strata").glob("stratum_*"))]
+    strata = sorted((tmp_path / "strata").glob("stratum_*"))
+    folders = [root / "fixed", root / "varlength", tmp_path / "packed", *strata]
     for folder in folders:
         for shard in data_validate.discover_shards(folder):
             items = data_validate.read_shard(shard, limits)
@@ -182,9 +185,11 @@ def random_samples(draw) -> Samples:
     count = draw(st.integers(1, 12))
     lengths = rng.integers(5, 40, count)
     predictions = np.minimum(rng.integers(1, 8, count), lengths - 3)
-    positions = np.concatenate([np.sort(rng.choice(np.arange(1, n - 1), k, replace=False)) for n, k in zip(lengths, predictions)])
-    return Samples(rng.integers(0, 900, lengths.sum()).astype(np.int32),
-                   rng.integers(0, 2, lengths.sum()).astype(np.int8), lengths.astype(np.int64), positions.astype(np.int32),
+    positions = np.concatenate([np.sort(rng.choice(np.arange(1, n - 1), k, replace=False))
+                                for n, k in zip(lengths, predictions)])
+    tokens = lengths.sum()
+    return Samples(rng.integers(0, 900, tokens).astype(np.int32), rng.integers(0, 2, tokens).astype(np.int8),
+                   lengths.astype(np.int64), positions.astype(np.int32),
                    rng.integers(0, 900, predictions.sum()).astype(np.int32), predictions.astype(np.int64),
                    rng.integers(0, 2, count).astype(np.int8))
 

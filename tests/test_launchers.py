@@ -88,7 +88,13 @@ def _data_dirs(tmp_path: Path) -> dict[str, str]:
 # Lint
 
 
-@pytest.mark.parametrize("script", ["run_with_docker.sh", "run.sub"])
+SHELL_SCRIPTS = sorted(
+    str(p.relative_to(REPO))
+    for p in [*REPO.glob("*.sh"), REPO / "run.sub", *REPO.glob("tools/*.sh"), REPO / ".ci" / "run"]
+)
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
 def test_shellcheck(script):
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (apt-get install shellcheck)")

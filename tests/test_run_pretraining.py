@@ -191,3 +191,40 @@ def test_two_process_gloo_run(demo_data, tmp_path):
     assert [e["value"] for e in lines if e["key"] == "global_batch_size"] == [8]
     assert [e["metadata"]["epoch_num"] for e in lines if e["key"] == "eval_accuracy"] == [32, 48]
     assert len([e for e in lines if e["key"] == "run_start"]) == 1  # rank 1 writes nothing
+
+
+def _final_weights_digest(out: Path) -> list[float]:
+    evals = [e for e in mllog_lines(out / "mlperf.log") if e["key"] == "eval_accuracy"]
+    return [e["value"] for e in evals]
+
+
+@pytest.mark.slow
+def test_padded_and_unpadded_layouts_train_identically(demo_data, tmp_path):
+    """The same batches, padded then unpadded on the device or built flat on the host."""
+    accuracies = {}
+    for layout in ("padded", "unpadded"):
+        out = tmp_path / layout
+        result = run_cli([sys.executable, str(TRAINER), *trainer_args(demo_data, out, "--do_train",
+                                                                      "--input_layout", layout)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        accuracies[layout] = _final_weights_digest(out)
+    assert accuracies["padded"] == pytest.approx(accuracies["unpadded"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_packed_layout_trains_on_packed_shards(demo_data, tmp_path):
+    packed = tmp_path / "packed"
+    made = run_cli([sys.executable, "data_prep/prepare.py", "--quiet", "pack", "--input", str(demo_data / "train"),
+                    "--out", str(packed), "--algorithm", "nnlshp", "--max_seq_length", "64",
+                    "--max_predictions", "10", "--workers", "1"])
+    assert made.returncode == 0, made.stderr[-3000:]
+    shards = sorted(packed.rglob("*.hdf5"))
+    assert shards
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--input_layout", "packed",
+                        "--train_batch_size", "4")
+    args[args.index("--input_dir") + 1] = str(shards[0].parent)
+    result = run_cli([sys.executable, str(TRAINER), *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = mllog_lines(tmp_path / "out" / "mlperf.log")
+    assert [e["value"] for e in lines if e["key"] == "global_batch_size"] == [8]  # 4 packs x 2
+    assert [e for e in lines if e["key"] == "run_stop"][0]["metadata"]["status"] == "aborted"

@@ -64,21 +64,23 @@ def damaged(folders: Path, name: str, tmp_path: Path) -> Path:
     return copy
 
 
-def run_verify(capsys, *args) -> tuple[int, str]:
-    code = main([str(a) for a in args] + ["--vocab_size", str(VOCAB)])
+def run_verify(capsys, *args, workers: int = 1) -> tuple[int, str]:
+    code = main([str(a) for a in args] + ["--vocab_size", str(VOCAB), "--workers", str(workers)])
     captured = capsys.readouterr()
     return code, captured.out + captured.err
 
 
 def test_valid_folders_pass(folders, capsys):
-    code, out = run_verify(capsys, *(folders / n for n in ("parts", "fixed", "varlength", "packed", "strata")))
+    names = ("parts", "fixed", "varlength", "packed", "strata")
+    code, out = run_verify(capsys, *(folders / n for n in names), workers=2)
     assert code == 0, out
     assert out.count("OK:") == 5 and "300 samples" in out
 
 
 def test_command_line_script(folders):
     env = {**os.environ, "PYTHONPATH": ""}
-    ok = subprocess.run([sys.executable, str(ROOT / "data_prep" / "verify_dataset.py"), str(folders / "varlength")],
+    ok = subprocess.run([sys.executable, str(ROOT / "data_prep" / "verify_dataset.py"), str(folders / "varlength"),
+                         "--workers", "1"],
                         capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     missing = subprocess.run([sys.executable, str(ROOT / "data_prep" / "verify_dataset.py"), str(folders / "nothing")],
@@ -157,8 +159,9 @@ def test_packed_slot_damage_is_named(folders, tmp_path, capsys):
 
 def test_vocabulary_checks_the_special_tokens(folders, tmp_path, capsys):
     vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[SEP]", "[CLS]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]) + "\n")
-    code = main([str(folders / "varlength"), "--vocab", str(vocab)])
+    swapped = ["[PAD]", "[UNK]", "[SEP]", "[CLS]", "[MASK]"]  # [CLS] and [SEP] trade ids
+    vocab.write_text("\n".join(swapped + [f"w{i}" for i in range(VOCAB - 5)]) + "\n")
+    code = main([str(folders / "varlength"), "--vocab", str(vocab), "--workers", "1"])
     out = capsys.readouterr()
     assert code == 1 and "not [CLS] A [SEP] B [SEP]" in out.err
 

@@ -8,7 +8,7 @@ cd "$here"
 PYTHON=${PYTHON:-python3}
 DEMO_DATA=${DEMO_DATA:-$here/demo_data}
 
-# shellcheck source=config_CPU_1x2.sh
+# shellcheck source=/dev/null
 source "$here/config_CPU_1x2.sh"
 
 if [[ ! -f "$DEMO_DATA/.complete" ]]; then
@@ -32,15 +32,16 @@ export DATADIR_PHASE2="$DEMO_DATA/train" EVALDIR="$DEMO_DATA/eval"
 export BERT_CONFIG="$DEMO_DATA/bert_config.json" INIT_CHECKPOINT=none
 export OUTPUT_DIR="$LOGDIR/${stamp}_${SEED}" MLPERF_LOG_FILE="$log"
 
+mkdir -p "$OUTPUT_DIR"
 echo "training $DGXSYSTEM (seed $SEED); MLPerf log: $log"
-"$here/run_and_time.sh" > "$OUTPUT_DIR.stdout" || {
-  echo "the demo run failed; its output is in $OUTPUT_DIR.stdout" >&2
+"$here/run_and_time.sh" > "$OUTPUT_DIR/stdout.txt" || {
+  echo "the demo run failed; its output is in $OUTPUT_DIR/stdout.txt" >&2
   exit 1
 }
 
 failed=0
 for ruleset in 5.0.0 2.0.0; do
-  report="$OUTPUT_DIR.compliance_$ruleset.txt"
+  report="$OUTPUT_DIR/compliance_$ruleset.txt"
   "$PYTHON" -m mlperf_logging.compliance_checker --usage training --ruleset "$ruleset" \
     --log_output "$report" "$log" > /dev/null 2>&1 || true
   if grep -q "SUCCESS" "$report"; then
@@ -50,7 +51,7 @@ for ruleset in 5.0.0 2.0.0; do
     failed=1
   fi
 done
-grep '^RESULT,' "$OUTPUT_DIR.stdout" || true
+grep '^RESULT,' "$OUTPUT_DIR/stdout.txt" || true
 "$PYTHON" - "$log" <<'PY'
 import json, sys
 events = [json.loads(l.split(":::MLLOG ", 1)[1]) for l in open(sys.argv[1]) if ":::MLLOG" in l]

@@ -34,11 +34,13 @@ class FlatLayout:
     max_seqlen: int
 
 
-def flat_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> FlatLayout:
+def flat_layout(cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int | None = None) -> FlatLayout:
+    """Index maps of a flat batch. Give `num_tokens` (T) to avoid a device-to-host sync
+    (without it `repeat_interleave` reads the total length back), e.g. inside a CUDA graph."""
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     num_seqs = lengths.shape[0]
-    seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=cu.device), lengths)
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=cu.device), lengths, output_size=num_tokens)
     pos_index = torch.arange(seq_index.shape[0], device=cu.device) - cu[:-1][seq_index]
     return FlatLayout(seq_index, pos_index, num_seqs, max_seqlen)
 

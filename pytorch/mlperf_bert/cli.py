@@ -6,6 +6,7 @@ import argparse
 from typing import Sequence
 
 from .config import (
+    BALANCE_DEALS,
     BALANCE_POLICIES,
     CLIP_MODES,
     DEVICES,
@@ -15,8 +16,10 @@ from .config import (
     OPTIMIZERS,
     PRECISIONS,
     SUBMISSION_STATUSES,
+    CheckpointSettings,
     DataSettings,
     EvalSettings,
+    FaultSettings,
     ModelSettings,
     OptimSettings,
     RunSettings,
@@ -36,6 +39,9 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                         "packed: packed shards, up to 3 sequences per row (default unpadded)")
     g.add_argument("--balance", choices=BALANCE_POLICIES, default="none",
                    help="load balancing of unpadded batches across ranks (default none)")
+    g.add_argument("--balance_deal", choices=BALANCE_DEALS, default="auto",
+                   help="how sorted samples are dealt to ranks; auto: raster for global_presort and "
+                        "cpu_exchange, snake for local_presort (greedy balances best)")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -109,13 +115,31 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--submission_status", choices=SUBMISSION_STATUSES, default="onprem")
 
 
+def _fault_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints and faults (docs/FAULTS.md)")
+    g.add_argument("--checkpoint_dir", help="run checkpoints; must be inside --output_dir (default OUTPUT_DIR/checkpoints)")
+    g.add_argument("--checkpoint_every_samples", type=int,
+                   help="write a checkpoint after the step that passes each multiple of this many samples")
+    g.add_argument("--checkpoint_every_minutes", type=float,
+                   help="write a checkpoint when this many minutes passed since the last one (rank 0's clock)")
+    g.add_argument("--keep_checkpoints", type=int, default=3, help="newest checkpoints kept, older ones deleted")
+    g.add_argument("--resume_from_checkpoint", metavar="PATH|auto",
+                   help="continue a run from a checkpoint file; auto: the newest in --checkpoint_dir, "
+                        "or a fresh start when there is none (a resumed run is never a timing result)")
+    g.add_argument("--collective_timeout_s", type=float, default=600.0,
+                   help="seconds a rank waits in a collective before the run stops naming the lost rank; "
+                        "must exceed the time to write a checkpoint")
+    g.add_argument("--max_consecutive_skipped_steps", type=int, default=50,
+                   help="fp16: stop (with a checkpoint) after this many overflow-skipped steps in a row")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run_pretraining.py",
         description="MLPerf BERT phase-2 pretraining to a masked-LM accuracy target.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for add in (_data_flags, _model_flags, _optim_flags, _eval_flags, _run_flags):
+    for add in (_data_flags, _model_flags, _optim_flags, _eval_flags, _run_flags, _fault_flags):
         add(p)
     return p
 
@@ -125,7 +149,7 @@ def config_from_args(args: argparse.Namespace, world_size: int) -> TrainConfig:
     return TrainConfig(
         model=ModelSettings(args.bert_config_path, args.init_checkpoint, args.attention_backend),
         data=DataSettings(args.input_dir, args.eval_dir, args.max_seq_length, args.max_predictions_per_seq,
-                          args.input_layout, args.balance),
+                          args.input_layout, args.balance, args.balance_deal),
         optim=OptimSettings(args.optimizer, args.learning_rate, args.opt_lamb_beta_1, args.opt_lamb_beta_2,
                             args.opt_epsilon, args.weight_decay_rate, args.max_grad_norm, args.clip_mode,
                             args.optimizer_impl),
@@ -140,6 +164,9 @@ def config_from_args(args: argparse.Namespace, world_size: int) -> TrainConfig:
         train_batch_size=args.train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         world_size=world_size,
+        checkpoint=CheckpointSettings(args.checkpoint_dir, args.checkpoint_every_samples, args.checkpoint_every_minutes,
+                                      args.keep_checkpoints, args.resume_from_checkpoint),
+        faults=FaultSettings(args.collective_timeout_s, args.max_consecutive_skipped_steps),
     )
 
 

@@ -1,8 +1,12 @@
 """Process-group setup from torchrun's or SLURM's environment, and small collectives.
 
-torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Under `srun`
-without torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID give the same facts; the
-rendezvous address then comes from MASTER_ADDR (set by run.sub) or the first node of the job.
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Under an MPI
+launcher (mpiexec of MPICH or Open MPI, needed by `--balance cpu_exchange`) the launcher's own
+variables give the same facts (PMI_RANK / PMI_SIZE / MPI_LOCALRANKID / MPI_LOCALNRANKS, or
+OMPI_COMM_WORLD_*); under `srun` without either, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID do.
+The launcher's variables win over SLURM's because a process that mpiexec starts inside a SLURM
+allocation inherits the batch script's SLURM_PROCID. The rendezvous address comes from
+MASTER_ADDR (set by run.sub; set it for a multi-node mpiexec) or the first node of the job.
 """
 
 from __future__ import annotations
@@ -44,14 +48,28 @@ def _int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
+# Rank facts per launcher: MPICH / Intel MPI (hydra), Open MPI, PMIx (srun --mpi=pmix).
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+MPI_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+MPI_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def launched_by_mpi(env: Mapping[str, str]) -> bool:
+    """True when an MPI launcher started this process (so MPI_Init joins the other ranks)."""
+    return any(env.get(name, "") != "" for name in MPI_RANK_VARS)
+
+
 def dist_env_from(env: Mapping[str, str]) -> DistEnv:
-    """Reads rank facts from torchrun variables first, then SLURM's."""
-    world = _int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1)
-    rank = _int(env, "RANK", "SLURM_PROCID", default=0)
-    local_rank = _int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0)
-    local_world = _int(env, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=world)
+    """Reads rank facts from torchrun variables first, then an MPI launcher's, then SLURM's."""
+    world = _int(env, "WORLD_SIZE", *MPI_SIZE_VARS, "SLURM_NTASKS", default=1)
+    rank = _int(env, "RANK", *MPI_RANK_VARS, "SLURM_PROCID", default=0)
+    local_rank = _int(env, "LOCAL_RANK", *MPI_LOCAL_RANK_VARS, "SLURM_LOCALID", default=0)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", *MPI_LOCAL_SIZE_VARS, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                       default=world)
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside world size {world}; check RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS")
+        raise ValueError(f"rank {rank} is outside world size {world}; check RANK/WORLD_SIZE, PMI_RANK/PMI_SIZE "
+                         "or SLURM_PROCID/SLURM_NTASKS")
     addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
     return DistEnv(rank, world, local_rank, min(local_world, world), addr, _int(env, "MASTER_PORT", default=29500))
 

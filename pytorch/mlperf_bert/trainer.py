@@ -31,7 +31,7 @@ from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model import BertConfig, BertForPreTraining, pretraining_loss
 from .optim import build_optimizer, parameter_groups
 from .schedule import LRSchedule, set_lr
-from .sources import BatchSource, open_batch_source
+from .sources import BatchSource, TokenImbalance, open_batch_source
 
 
 @dataclass
@@ -227,27 +227,58 @@ def _optimizer_step(rt: Runtime) -> bool:
 
 
 class Progress:
-    """A readable progress line on stderr every `log_freq` steps (rank 0)."""
+    """A readable progress line on stderr every `log_freq` steps (rank 0), and the load per rank.
 
-    def __init__(self, rt: Runtime) -> None:
+    The load is the real tokens of the most and the least loaded rank in each micro-batch
+    (`BatchSource.token_imbalance`: a collective, so every rank gathers at the same steps),
+    averaged over the progress line's window and, for the MLPerf log, over each eval interval
+    (`tracked_stats` {max_rank_tokens, min_rank_tokens} at the interval's last step).
+    """
+
+    def __init__(self, rt: Runtime, source: BatchSource) -> None:
         self.rt = rt
+        self.source = source
         self.t0, self.samples0 = time.perf_counter(), 0
         self.loss_sum = torch.zeros((), device=rt.device)
         self.steps = 0
+        self.window = TokenImbalance.empty()  # micro-batches since the last progress line
+        self.interval = TokenImbalance.empty()  # micro-batches since the last eval
+        cfg = rt.cfg
+        self.evals = EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
+                                                 cfg.eval.eval_iter_samples)
+
+    def _ends_interval(self, state: TrainState) -> bool:
+        """Whether train_loop evaluates after this step: an eval point, the sample limit or max_steps."""
+        cfg = self.rt.cfg
+        return (self.evals.due(state.samples - cfg.global_batch_size, state.samples)
+                or state.samples >= _stop_samples(cfg) or state.step >= cfg.schedule.max_steps)
 
     def update(self, loss: torch.Tensor, state: TrainState) -> None:
         self.loss_sum += loss
         self.steps += 1
-        if state.step % self.rt.cfg.run.log_freq or not self.rt.denv.is_main:
-            return
+        print_now, interval_done = state.step % self.rt.cfg.run.log_freq == 0, self._ends_interval(state)
+        if print_now or interval_done:
+            loads = self.source.token_imbalance()
+            self.window, self.interval = self.window + loads, self.interval + loads
+        if print_now:
+            self._print(state)
+        if interval_done:
+            self.rt.logger.tracked_stats({"max_rank_tokens": self.interval.mean_max(),
+                                          "min_rank_tokens": self.interval.mean_min()}, step=state.step)
+            self.interval = TokenImbalance.empty()
+
+    def _print(self, state: TrainState) -> None:
         now = time.perf_counter()
-        rate = (state.samples - self.samples0) / max(now - self.t0, 1e-9)
-        lr = self.rt.schedule.lr_at(max(state.step - 1, 0))
-        print(f"step {state.step} samples {state.samples} samples/s {rate:.1f} "
-              f"loss {self.loss_sum.item() / self.steps:.4f} lr {lr:.3e} skipped {state.skipped_steps}",
-              file=sys.stderr, flush=True)
+        if self.rt.denv.is_main:
+            rate = (state.samples - self.samples0) / max(now - self.t0, 1e-9)
+            lr = self.rt.schedule.lr_at(max(state.step - 1, 0))
+            print(f"step {state.step} samples {state.samples} samples/s {rate:.1f} "
+                  f"loss {self.loss_sum.item() / self.steps:.4f} lr {lr:.3e} skipped {state.skipped_steps} "
+                  f"rank_tokens max {self.window.mean_max():.0f} min {self.window.mean_min():.0f}",
+                  file=sys.stderr, flush=True)
         self.t0, self.samples0, self.steps = now, state.samples, 0
         self.loss_sum.zero_()
+        self.window = TokenImbalance.empty()
 
 
 def _stop_samples(cfg: TrainConfig) -> int:
@@ -269,7 +300,7 @@ def train_loop(rt: Runtime, data: BatchSource, state: TrainState) -> str:
     stop_at = _stop_samples(cfg)
     evals = EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
                                         cfg.eval.eval_iter_samples)
-    progress = Progress(rt)
+    progress = Progress(rt, data)
     while True:
         point = min(evals.next_point(state.samples) or stop_at, stop_at)
         first = state.samples

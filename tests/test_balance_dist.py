@@ -1,0 +1,244 @@
+"""Load balancing across real processes: 4 gloo ranks (2 nodes of 2) and `mpiexec -n 2`.
+
+Each run is one launch of tests/_balance_worker.py per rank; the worker records, per policy
+and step, the uids of the samples each rank trained on. The checks here compare them with
+what the data holds (read independently with read_shard), with the unbalanced run of the
+same stream, and with the pure policy functions of mlperf_bert.balance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MPI_CASES, stratify_dataset, write_dataset
+from conftest import REPO, trainer_args
+from mlperf_bert import balance
+from mlperf_bert.data import discover_shards, read_shard
+
+pytestmark = pytest.mark.slow
+
+WORKER = REPO / "tests" / "_balance_worker.py"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+SHARDS = [70, 70, 70]
+GLOO_WORLD, GLOO_PER_NODE, GLOO_STEPS = 4, 2, 14
+MPI_WORLD, MPI_STEPS = 2, 16
+ORDERS = {"raster", "snake", "greedy"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+
+def launch_gloo(args: list[str], world: int, per_node: int, timeout: float = 240) -> None:
+    """One worker process per rank, with the variables torchrun would set."""
+    env = base_env()
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), *args], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True,
+                         env={**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node),
+                              "LOCAL_RANK": str(r % per_node)})
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+
+
+def launch_mpi(args: list[str], world: int, timeout: float = 240) -> str:
+    if not MPIEXEC.exists():
+        pytest.skip(f"{MPIEXEC} not found (pip install mpich)")
+    result = subprocess.run([str(MPIEXEC), "-n", str(world), sys.executable, str(WORKER), *args], cwd=REPO,
+                            env=base_env(), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result.stderr
+
+
+def load_ranks(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("balance_data")
+    plain = write_dataset(root / "plain", SHARDS)
+    return plain, stratify_dataset(plain, root / "stratified")
+
+
+@pytest.fixture(scope="module")
+def lengths_by_uid(data) -> dict[int, int]:
+    """uid -> length, read from the shards with the trainer's reader."""
+    found = {}
+    for path in discover_shards(data[0]):
+        for item in read_shard(path, LIMITS):
+            found[int(item[0].input_ids[1]) - 10] = item[0].length
+    return found
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(data, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("gloo_runs")
+    launch_gloo(["exchange", str(data[0]), str(data[1]), str(out), str(GLOO_STEPS)], GLOO_WORLD, GLOO_PER_NODE)
+    return load_ranks(out, GLOO_WORLD)
+
+
+@pytest.fixture(scope="module")
+def mpi_runs(data, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("mpi_runs")
+    launch_mpi(["mpi", str(data[0]), str(data[1]), str(out), str(MPI_STEPS)], MPI_WORLD)
+    return load_ranks(out, MPI_WORLD)
+
+
+def per_step(ranks: list[dict], case: str, key: str = "uids") -> list[list[list[int]]]:
+    """[step][rank] -> the values that rank got at that step."""
+    steps = len(ranks[0][case][key])
+    return [[r[case][key][s] for r in ranks] for s in range(steps)]
+
+
+def stratum_of(length: int) -> int:
+    return int(np.searchsorted(BOUNDS, length, side="left"))
+
+
+def assert_each_sample_once_per_pass(steps: list[list[int]], population: set[int], per_step: int) -> None:
+    """The first passes: the full steps of pass 0 hold distinct samples, one more step covers all."""
+    full = len(population) // per_step
+    assert len(steps) > full, "run more steps than one pass"
+    first = [u for step in steps[:full] for u in step]
+    assert len(first) == len(set(first)) == full * per_step
+    assert set(first) <= population
+    assert set(first) | set(steps[full]) == population
+
+
+def check_exactly_once(ranks: list[dict], case: str, stratified: bool, lengths: dict[int, int]) -> None:
+    steps = [[u for rank in step for u in rank] for step in per_step(ranks, case)]
+    world = len(ranks)
+    if not stratified:
+        assert_each_sample_once_per_pass(steps, set(lengths), world * len(ranks[0][case]["uids"][0]))
+        return
+    for k in range(len(BOUNDS)):
+        population = {u for u, n in lengths.items() if stratum_of(n) == k}
+        in_k = [[u for u in step if stratum_of(lengths[u]) == k] for step in steps]
+        assert len({len(s) for s in in_k}) == 1, "every step takes the same count from a stratum"
+        assert_each_sample_once_per_pass(in_k, population, len(in_k[0]))
+
+
+@pytest.mark.parametrize("case", list(GLOO_CASES))
+def test_gloo_each_sample_used_once_per_pass(gloo_runs, lengths_by_uid, case):
+    check_exactly_once(gloo_runs, case, GLOO_CASES[case][0], lengths_by_uid)
+
+
+@pytest.mark.parametrize("case", list(MPI_CASES))
+def test_mpi_each_sample_used_once_per_pass(mpi_runs, lengths_by_uid, case):
+    check_exactly_once(mpi_runs, case, MPI_CASES[case][0], lengths_by_uid)
+
+
+def unbalanced_case(cases: dict, case: str) -> str:
+    return "strat_none" if cases[case][0] else "none"
+
+
+def check_deal(ranks: list[dict], cases: dict, case: str, per_node: int) -> None:
+    """Each rank got exactly what the pure policy deals from the unbalanced run's batches."""
+    _, policy, order = cases[case]
+    read = per_step(ranks, unbalanced_case(cases, case))
+    got = per_step(ranks, case)
+    read_lengths = np.array(per_step(ranks, unbalanced_case(cases, case), "lengths"))  # [steps, W, B]
+    for s, (step_read, step_got) in enumerate(zip(read, got)):
+        assert Counter(u for r in step_got for u in r) == Counter(u for r in step_read for u in r)
+        flat_uids = np.array(step_read).reshape(-1)
+        if policy == "local":
+            assignment = balance.local_presort(read_lengths[s], per_node, order)
+        else:
+            assignment = balance.global_presort(read_lengths[s], order)
+        assert [list(r) for r in flat_uids[assignment]] == step_got
+
+
+@pytest.mark.parametrize("case", [c for c in GLOO_CASES if GLOO_CASES[c][2] in ORDERS])
+def test_gloo_deal_is_the_policy_over_the_unchanged_step(gloo_runs, case):
+    check_deal(gloo_runs, GLOO_CASES, case, GLOO_PER_NODE)
+
+
+@pytest.mark.parametrize("case", [c for c in MPI_CASES if MPI_CASES[c][2] in ORDERS])
+def test_mpi_deal_is_the_policy_over_the_unchanged_step(mpi_runs, case):
+    check_deal(mpi_runs, MPI_CASES, case, MPI_WORLD)
+
+
+def test_local_presort_keeps_samples_inside_the_node(gloo_runs):
+    read, got = per_step(gloo_runs, "strat_none"), per_step(gloo_runs, "local_snake")
+    for step_read, step_got in zip(read, got):
+        for node in range(GLOO_WORLD // GLOO_PER_NODE):
+            ranks = range(node * GLOO_PER_NODE, (node + 1) * GLOO_PER_NODE)
+            assert sorted(u for r in ranks for u in step_got[r]) == sorted(u for r in ranks for u in step_read[r])
+
+
+def test_same_seed_same_deal(gloo_runs):
+    for rank in gloo_runs:
+        assert rank["global_greedy"] == rank["global_greedy_again"]
+
+
+def mean_max_tokens(ranks: list[dict], case: str) -> float:
+    return float(np.mean(ranks[0][case]["max_tokens"]))
+
+
+@pytest.mark.parametrize("better, worse", [("global_greedy", "global_snake"), ("global_snake", "none"),
+                                           ("global_raster", "none"), ("local_greedy", "local_snake"),
+                                           ("local_snake", "strat_none")])
+def test_balancing_lowers_the_most_loaded_rank(gloo_runs, better, worse):
+    assert mean_max_tokens(gloo_runs, better) < mean_max_tokens(gloo_runs, worse)
+
+
+@pytest.mark.parametrize("case", list(GLOO_CASES))
+def test_token_meter_reports_each_steps_extremes(gloo_runs, case):
+    tokens = np.array([[sum(r) for r in step] for step in per_step(gloo_runs, case, "lengths")])  # [steps, W]
+    for rank in gloo_runs:
+        assert rank[case]["max_tokens"] == tokens.max(axis=1).tolist()
+        assert rank[case]["min_tokens"] == tokens.min(axis=1).tolist()
+
+
+@pytest.mark.parametrize("runs, case, reference", [("gloo_runs", "global_greedy", "none"),
+                                                   ("gloo_runs", "local_snake", "strat_none"),
+                                                   ("mpi_runs", "cpu_raster", "none"),
+                                                   ("mpi_runs", "cpu_strat_snake", "strat_none")])
+def test_data_position_is_the_consumed_one(request, runs, case, reference):
+    """The saved position counts the batches handed out, not what the exchange thread read ahead."""
+    for rank in request.getfixturevalue(runs):
+        assert rank[case]["state"] == rank[reference]["state"]
+
+
+def test_trainer_runs_every_policy_under_one_mpi_launch(demo_data, tmp_path):
+    """Two ranks started by mpiexec train a few steps under each policy, cpu_exchange included."""
+    stratified = tmp_path / "stratified"
+    sys.path.insert(0, str(REPO))
+    from data_prep.sources import list_shards
+    from data_prep.stratify import StratifyParams, stratify
+
+    stratify(list_shards(demo_data / "train"), stratified,
+             StratifyParams(bounds=(16, 32, 48, 64), max_seq_length=64, max_predictions=10))
+    out = tmp_path / "runs"
+    out.mkdir()
+    args = trainer_args(demo_data, out, "--max_steps", "4", "--eval_iter_samples", "32", "--do_train")
+    stderr = launch_mpi(["train", str(out), str(demo_data / "train"), str(stratified), *args], 2)
+    results = load_ranks(out, 2)
+    assert results[0] == results[1]
+    for policy in ("none", "global_presort", "local_presort", "cpu_exchange"):
+        assert results[0][policy]["samples"] == 4 * 16
+        events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in
+                  (out / policy / "mlperf.log").read_text().splitlines() if ":::MLLOG" in line]
+        stats = [e["value"] for e in events if e["key"] == "tracked_stats"]
+        assert len(stats) == 2 and all(0 < s["min_rank_tokens"] <= s["max_rank_tokens"] for s in stats)
+    assert stderr.count("rank_tokens max") == 4 * 2  # log_freq 2: steps 2 and 4 of each run
+    shutil.rmtree(out)

@@ -1,0 +1,158 @@
+"""Clip modes and configs end to end: config_*.sh -> run_and_time.sh -> flags -> TrainConfig -> run.
+
+* Every clip mode trains the CPU demo config with 2 processes when CLIP_MODE selects it,
+  and the resolved config and the MLPerf log name the mode.
+* The flags run_and_time.sh builds from each shipped hardware config are accepted by the
+  trainer and give the published hyperparameters (REFERENCE.md's table).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from clip_study import launch_command, launch_env, read_mllog, trainer_flags  # noqa: E402
+from mlperf_bert.cli import parse_config  # noqa: E402
+from mlperf_bert.config import TrainConfig  # noqa: E402
+from mlperf_bert.evaluation_interval import eval_interval_samples  # noqa: E402
+from mlperf_bert.trainer import hyperparameters, lr_schedule  # noqa: E402
+
+CLIP_MODES = ("none", "after_allreduce", "before_allreduce", "bucketwise")
+DEMO_CONFIG = REPO / "config_CPU_1x2.sh"
+# A clip norm far below the tiny model's gradient norms, so that every mode really clips.
+SMALL_CLIP_NORM = 0.01
+STEPS, BATCH_PER_RANK, RANKS = 3, 8, 2
+
+
+def _demo_overrides(data: Path, out: Path, mode: str) -> dict[str, str]:
+    """config_CPU_1x2.sh shrunk to conftest's demo data (64 tokens, 10 predictions, 200 eval)."""
+    samples = STEPS * BATCH_PER_RANK * RANKS
+    return {
+        "CLIP_MODE": mode, "MAX_GRAD_NORM": str(SMALL_CLIP_NORM), "SEED": "7", "PYTHON": sys.executable,
+        "DATADIR_PHASE2": str(data / "train"), "EVALDIR": str(data / "eval"),
+        "BERT_CONFIG": str(data / "bert_config.json"), "INIT_CHECKPOINT": "none", "OUTPUT_DIR": str(out),
+        "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10", "NUM_EVAL_EXAMPLES": "200",
+        "EVAL_BATCH_SIZE": "100", "BATCHSIZE": str(BATCH_PER_RANK), "MAX_STEPS": "100",
+        "EVAL_ITER_START_SAMPLES": str(samples), "EVAL_ITER_SAMPLES": str(samples),
+        "MAX_SAMPLES_TERMINATION": str(samples), "WARMUP_STEPS": "0",
+    }
+
+
+@pytest.fixture(scope="module")
+def demo_runs(demo_data, tmp_path_factory) -> dict[str, tuple[int, Path]]:
+    """Each mode's run of the demo config through run_and_time.sh: (exit code, output dir)."""
+    runs = {}
+    for mode in CLIP_MODES:
+        out = tmp_path_factory.mktemp(f"clip_{mode}")
+        done = subprocess.run(launch_command(DEMO_CONFIG, _demo_overrides(demo_data, out, mode)), cwd=REPO,
+                              env=launch_env(), capture_output=True, text=True, timeout=300, check=False)
+        (out / "launch_output.txt").write_text(done.stdout + done.stderr)
+        runs[mode] = (done.returncode, out)
+    return runs
+
+
+def _events(out: Path, key: str) -> list[dict]:
+    return [e for e in read_mllog(out / "mlperf.log") if e["key"] == key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", CLIP_MODES)
+def test_clip_mode_selected_by_config_variable_trains_two_processes(demo_runs, mode):
+    code, out = demo_runs[mode]
+    assert code == 0, (out / "launch_output.txt").read_text()[-3000:]
+    resolved = json.loads((out / "resolved_config.json").read_text())
+    assert resolved["optim"]["clip_mode"] == mode
+    assert resolved["optim"]["max_grad_norm"] == SMALL_CLIP_NORM
+    assert resolved["world_size"] == RANKS
+    assert [e["value"] for e in _events(out, "opt_gradient_clip_mode")] == [mode]
+    assert [e["value"] for e in _events(out, "opt_gradient_clip_norm")] == [SMALL_CLIP_NORM]
+    stop = _events(out, "run_stop")
+    # The run completed: every step trained, then the stop at max_samples_termination.
+    assert [(e["metadata"]["status"], e["metadata"]["epoch_num"]) for e in stop] == [
+        ("aborted", STEPS * BATCH_PER_RANK * RANKS)]
+    assert "RESULT,bert,7," in (out / "launch_output.txt").read_text()
+
+
+@pytest.mark.slow
+def test_clip_modes_change_training_where_they_clip_differently(demo_runs):
+    """With every gradient clipped, the update depends on where: the runs must differ.
+
+    `none` vs `after_allreduce`: clipping at all; `after_allreduce` vs `before_allreduce`:
+    clipping the average vs each rank's gradient. (`bucketwise` equals `before_allreduce` when
+    DDP makes a single bucket, as it does for this tiny model, so that pair is not compared.)
+    """
+    loss = {}
+    for mode, (code, out) in demo_runs.items():
+        assert code == 0, (out / "launch_output.txt").read_text()[-3000:]
+        loss[mode] = _events(out, "eval_loss")[-1]["value"]
+    assert all(math.isfinite(v) for v in loss.values()), loss
+    assert loss["none"] != loss["after_allreduce"], loss
+    assert loss["after_allreduce"] != loss["before_allreduce"], loss
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped configs, through run_and_time.sh's own flag mapping
+
+
+def _config_from_launcher(config: str, world_size: int, tmp_path: Path) -> TrainConfig:
+    """Sources CONFIG, lets run_and_time.sh build the trainer flags, parses them as the trainer does."""
+    for folder in ("data", "eval"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "bert_config.json").write_text("{}")
+    overrides = {"DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
+                 "BERT_CONFIG": str(tmp_path / "bert_config.json"), "INIT_CHECKPOINT": "none",
+                 "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1"}
+    return parse_config(trainer_flags(REPO / config, overrides), world_size=world_size)
+
+
+def test_samsung_config_maps_to_adam_bucketwise_open_division(tmp_path):
+    cfg = _config_from_launcher("config_SamsungA100_128x8.sh", 1024, tmp_path)
+    assert (cfg.optim.optimizer, cfg.optim.epsilon) == ("adam", 1e-9)
+    assert (cfg.optim.clip_mode, cfg.optim.max_grad_norm) == ("bucketwise", 1.0)
+    assert cfg.run.submission_division == "open"
+    assert (cfg.data.balance, cfg.data.input_layout) == ("local_presort", "unpadded")
+    assert (cfg.train_batch_size, cfg.global_batch_size) == (16, 16384)
+    assert (cfg.optim.learning_rate, cfg.optim.beta1, cfg.optim.beta2) == (0.000393, 0.8004, 0.8175)
+    assert cfg.optim.weight_decay_rate == 0.00289
+    sched = cfg.schedule
+    assert (sched.max_steps, sched.decay_steps, sched.warmup_steps, sched.start_warmup_step) == (299, 179, 82, -16)
+    assert (sched.end_learning_rate, sched.decay_from_warmup_end) == (4.945e-5, True)
+    assert cfg.eval.eval_iter_samples == cfg.eval.eval_iter_start_samples == 325_000
+    assert eval_interval_samples(cfg.global_batch_size) == 325_000
+    assert cfg.run.max_samples_termination == 7_000_000
+    logged = hyperparameters(cfg)
+    assert (logged["opt_gradient_clip_mode"], logged["opt_adamw_epsilon"]) == ("bucketwise", 1e-9)
+
+
+def test_samsung_schedule_warms_up_from_minus_16_then_holds_the_end_lr(tmp_path):
+    """LR values from the schedule's definition, computed here by hand for this config."""
+    schedule = lr_schedule(_config_from_launcher("config_SamsungA100_128x8.sh", 1024, tmp_path))
+    base, end = 0.000393, 4.945e-5
+    assert schedule.lr_at(0) == pytest.approx(base * 16 / 82)  # warm-up already 16 steps in
+    assert schedule.lr_at(65) == pytest.approx(base * 81 / 82)  # last warm-up step
+    assert schedule.lr_at(82) == pytest.approx(base)  # decay progress counts from step 82
+    assert schedule.lr_at(130) == pytest.approx(end + (base - end) * (179 - 130) / (179 - 82))
+    assert schedule.lr_at(179) == schedule.lr_at(298) == pytest.approx(end)
+
+
+@pytest.mark.parametrize("config, world, batch, mode, layout, balance, interval", [
+    ("config_DGXA100_1x8.sh", 8, 448, "before_allreduce", "unpadded", "global_presort", 150_000),
+    ("config_DGXA100_128x8.sh", 1024, 4096, "after_allreduce", "packed", "none", 175_000),
+])
+def test_nvidia_configs_clip_before_on_one_node_and_after_at_scale(tmp_path, config, world, batch, mode, layout,
+                                                                  balance, interval):
+    cfg = _config_from_launcher(config, world, tmp_path)
+    assert cfg.global_batch_size == batch
+    assert (cfg.optim.optimizer, cfg.optim.epsilon, cfg.run.submission_division) == ("lamb", 1e-6, "closed")
+    assert (cfg.optim.clip_mode, cfg.optim.max_grad_norm) == (mode, 1.0)
+    assert (cfg.data.input_layout, cfg.data.balance) == (layout, balance)
+    assert cfg.eval.eval_iter_samples == eval_interval_samples(batch) == interval
