@@ -41,8 +41,9 @@ export EVAL_BATCH_SIZE=16
 export MAX_SEQ_LENGTH=512
 export MAX_PREDICTIONS_PER_SEQ=76
 
-# Stratified local presort: fixed per-stratum counts per local batch, sorted and dealt in snake
-# order inside each node (needs unpadded sequences, not packs).
+# Stratified local presort: fixed per-stratum counts per local batch (6/3/2/5 of 16), sorted and
+# dealt in snake order inside each node. Needs unpadded sequences, not packs, and DATADIR_PHASE2
+# set to a stratified dataset (`data_prep/prepare.py stratify`).
 export INPUT_LAYOUT=unpadded
 export BALANCE=local_presort
 # Precision is not in the published recipe; bf16 as in the NVIDIA A100 configs.

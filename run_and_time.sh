@@ -5,6 +5,9 @@
 #
 #   source config_CPU_1x2.sh
 #   DATADIR_PHASE2=... EVALDIR=... OUTPUT_DIR=... ./run_and_time.sh
+#
+# Exit code: the trainer's (0 done, 2 bad input, 3 numeric blow-up, 75 preempted with a
+# checkpoint, 76 a lost rank; docs/FAULTS.md). Under torchrun a failed rank makes torchrun exit 1.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -82,6 +85,14 @@ optional SUBMISSION_ORG --submission_org
 optional SUBMISSION_PLATFORM --submission_platform
 optional SUBMISSION_STATUS --submission_status
 optional MLPERF_LOG_FILE --mlperf_log_file
+# Long runs (docs/FAULTS.md); the MLPerf timing configs set none of these.
+optional CHECKPOINT_DIR --checkpoint_dir
+optional CHECKPOINT_EVERY_SAMPLES --checkpoint_every_samples
+optional CHECKPOINT_EVERY_MINUTES --checkpoint_every_minutes
+optional KEEP_CHECKPOINTS --keep_checkpoints
+optional RESUME_FROM_CHECKPOINT --resume_from_checkpoint
+optional COLLECTIVE_TIMEOUT_S --collective_timeout_s
+optional MAX_CONSECUTIVE_SKIPPED_STEPS --max_consecutive_skipped_steps
 if [[ "${CUDA_GRAPHS:-0}" == 1 ]]; then flags+=(--cuda_graphs); fi
 if [[ "${DECAY_FROM_WARMUP_END:-0}" == 1 ]]; then flags+=(--decay_from_warmup_end); fi
 if [[ "$INIT_CHECKPOINT" != none && -e "$INIT_CHECKPOINT" ]]; then
@@ -106,6 +117,9 @@ if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "
   fi
 fi
 
+# SIGUSR1 / SIGTERM are for the trainer (it checkpoints and exits 75, which this script passes
+# on); this shell only waits for it instead of dying first.
+trap ':' USR1 TERM
 start=$(date +%s)
 start_fmt=$(date +%Y-%m-%d\ %r)
 echo "STARTING TIMING RUN AT $start_fmt"
@@ -114,6 +128,10 @@ status=0
 end=$(date +%s)
 echo "ENDING TIMING RUN AT $(date +%Y-%m-%d\ %r)"
 [[ $status -eq 0 ]] || exit "$status"
-if [[ "${SLURM_PROCID:-${RANK:-0}}" == 0 ]]; then
+if [[ "${SLURM_PROCID:-${RANK:-0}}" != 0 ]]; then
+  exit 0
+elif [[ -n "${RESUME_FROM_CHECKPOINT:-}" ]]; then
+  echo "no RESULT line: a run started with RESUME_FROM_CHECKPOINT is not a timing result"
+else
   echo "RESULT,bert,$SEED,$((end - start)),${USER:-unknown},$start_fmt"
 fi

@@ -1,6 +1,7 @@
 """Training-step time of every clip mode, on W CPU processes (gloo).
 
     PYTHONPATH=pytorch OMP_NUM_THREADS=1 python benchmarks/clip_step_time.py [--world 2]
+    python benchmarks/clip_step_time.py --device cuda --world 8 ...   (one process per GPU, NCCL)
 
 A small transformer encoder (token embedding, N post-LN layers, vocabulary head) is wrapped in
 DDP once per mode, with the same weights. Steps of the modes are interleaved (step i of every
@@ -8,7 +9,8 @@ mode, then step i+1 ...) so that background load falls on all modes alike. A ste
 forward, backward (DDP all-reduces, clipping hooks), the non-finite vote, the optimizer's clip
 (after_allreduce only) and an AdamW step. The first `--warmup` steps are dropped: they include
 DDP's bucket rebuild and the bucket-wise hook's two learning steps, which do not overlap.
-Prints rank 0's step times per mode (ms).
+Prints rank 0's step times per mode (ms). On GPUs a step ends with a device synchronize, so
+its time includes the all-reduces still in flight.
 """
 
 import argparse
@@ -43,10 +45,11 @@ class TinyEncoder(nn.Module):
 class ModeRunner:
     """One DDP copy of the model trained under one clip mode."""
 
-    def __init__(self, mode: ClipMode, args: argparse.Namespace):
+    def __init__(self, mode: ClipMode, args: argparse.Namespace, device: torch.device):
         torch.manual_seed(0)
-        model = TinyEncoder(args.vocab, args.hidden, args.layers, args.heads)
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        model = TinyEncoder(args.vocab, args.hidden, args.layers, args.heads).to(device)
+        ids = [device.index] if device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
         config = ClipConfig(mode, max_grad_norm=1.0)
         self.clip: ClipHandle = apply_clip_mode(self.ddp, config)
         self.optimizer_clip = optimizer_clip_norm(config)
@@ -62,6 +65,8 @@ class ModeRunner:
             if self.optimizer_clip is not None:
                 nn.utils.clip_grad_norm_(self.ddp.parameters(), self.optimizer_clip)
             self.optimizer.step()
+        if tokens.is_cuda:
+            torch.cuda.synchronize()
         self.seconds.append(time.perf_counter() - start)
 
     def num_buckets(self) -> str:
@@ -71,11 +76,16 @@ class ModeRunner:
 
 def run_rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    runners = {mode: ModeRunner(mode, args) for mode in ClipMode}
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    runners = {mode: ModeRunner(mode, args, device) for mode in ClipMode}
     generator = torch.Generator().manual_seed(rank)
     for _ in range(args.warmup + args.steps):
-        tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=generator)
+        tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=generator).to(device)
         for runner in runners.values():
             runner.step(tokens, tokens)
     if rank == 0:
@@ -98,7 +108,8 @@ def print_table(runners: dict[ClipMode, ModeRunner], warmup: int) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2, help="processes (gloo, CPU)")
+    parser.add_argument("--world", type=int, default=2, help="processes (one per GPU with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps per mode")
     parser.add_argument("--bucket_cap_mb", type=float, default=1.0, help="DDP bucket size (MiB)")
@@ -108,7 +119,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() == 0:
+        parser.error("--device cuda: no CUDA device is visible")
+    return args
 
 
 def main() -> None:

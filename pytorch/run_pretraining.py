@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """MLPerf BERT phase-2 pretraining: parse flags, build the config, run, report.
 
-Bad input (flags, shards, checkpoints) ends with one clear `error:` line and exit code 2.
+Bad input (flags, shards, checkpoints) ends with one clear `error:` line and exit code 2; the
+other exit codes (preemption, lost rank, numeric blow-up) are listed in `mlperf_bert.faults`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -17,25 +19,49 @@ from mlperf_bert.cli import build_parser, config_from_args  # noqa: E402
 from mlperf_bert.config import ConfigError  # noqa: E402
 from mlperf_bert.data import DataError  # noqa: E402
 from mlperf_bert.distributed import dist_env_from, init_distributed, shutdown  # noqa: E402
+from mlperf_bert.faults import EXIT_BAD_INPUT, StopRequest, TrainingStopped  # noqa: E402
+from mlperf_bert.liveness import LostRank, watch_ranks  # noqa: E402
 from mlperf_bert.trainer import resolve_device, run  # noqa: E402
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 75 preempted, 76 lost rank (mlperf_bert.faults).
+
+    stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
+    """
+    args = build_parser().parse_args(argv)
+    if stop is not None:
+        return _train(args, stop)
+    with StopRequest() as own:
+        return _train(args, own)
+
+
+def _train(args: argparse.Namespace, stop: StopRequest) -> int:
+    group_broken = False
     try:
         denv = dist_env_from(os.environ)
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
-        init_distributed(denv, device)
-        result = run(cfg, denv, device)
+        init_distributed(denv, device, cfg.faults.collective_timeout_s)
+        with watch_ranks(denv, cfg.faults.collective_timeout_s):
+            result = run(cfg, denv, device, stop)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except TrainingStopped as stopped:
+        if denv.is_main:
+            print(f"stopped ({stopped.reason}): {stopped}. Checkpoint: {stopped.checkpoint}; continue with "
+                  f"--resume_from_checkpoint {stopped.checkpoint} (or auto)", file=sys.stderr)
+        return stopped.exit_code
+    except LostRank as lost:
+        group_broken = True  # tearing down a group with a dead member can hang: leave it to the exit
+        print(f"error: {lost}", file=sys.stderr)
+        return lost.exit_code
     finally:
-        shutdown()
+        if not group_broken:
+            shutdown()
     if denv.is_main:
         print(f"run_stop status={result.status} samples={result.samples} "
               f"mlm_accuracy={result.accuracy:.4f} seconds={result.seconds:.1f}", file=sys.stderr)
@@ -43,4 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The handlers stay until the process ends: a launcher's SIGTERM to the other ranks after one
+    # exits 75 must not turn their own 75 into a kill.
+    sys.exit(main(stop=StopRequest().install()))

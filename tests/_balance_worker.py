@@ -3,16 +3,15 @@
 Usage (the rank comes from RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_PORT, or from an MPI
 launcher's variables, read by mlperf_bert.distributed.dist_env_from as the trainer reads them):
 
-    python tests/_balance_worker.py exchange DATA STRATIFIED OUT STEPS   # gloo policies
-    python tests/_balance_worker.py mpi DATA STRATIFIED OUT STEPS        # under mpiexec: cpu_exchange
-    python tests/_balance_worker.py train OUT ARGS...                    # under mpiexec: the trainer, each policy
+    python tests/_balance_worker.py exchange DATA STRATIFIED OUT STEPS     # gloo policies
+    python tests/_balance_worker.py mpi DATA STRATIFIED OUT STEPS [TRAIN_DATA TRAIN_STRATIFIED ARGS...]
 
-`exchange` / `mpi` run every case of their table for STEPS micro-batches from fresh sources and
-write OUT/rank{R}.json: per case and step the uids and lengths of the samples this rank got
-(in order), then the source's token imbalance over all those steps and its data position.
-Every sample carries its uid in input_ids[1] (= ID_BASE + uid). `train` runs
-mlperf_bert.trainer.run once per policy in the same processes and writes OUT/rank{R}.json
-with each run's status and samples.
+Both run every case of their table (`mpi`: cpu_exchange, under mpiexec) for STEPS micro-batches
+from fresh sources and write OUT/rank{R}.json: per case and step the uids and lengths of the
+samples this rank got (in order), the source's token imbalance over those steps and its data
+position. Every sample carries its uid in input_ids[1] (= ID_BASE + uid). With TRAIN_* and
+trainer flags, `mpi` then runs mlperf_bert.trainer.run once per policy in the same job and adds
+{"train": {policy: {status, samples}}}, the MLPerf logs going to OUT/<policy>/.
 """
 
 from __future__ import annotations
@@ -97,18 +96,6 @@ def write_dataset(out: Path, shard_sizes: list[int], seed: int = 0) -> Path:
     return out
 
 
-def stratify_dataset(plain: Path, out: Path) -> Path:
-    """The stratified copy of `plain`, made by data_prep's stratify step."""
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    from data_prep.sources import list_shards
-    from data_prep.stratify import StratifyParams, stratify
-
-    params = StratifyParams(bounds=BOUNDS, shards_per_stratum=2, max_seq_length=MAX_LEN, max_predictions=MAX_PRED)
-    stratify(list_shards(plain), out, params)
-    return out
-
-
 def open_case(case: tuple[bool, str, str], data: Path, stratified: Path, denv: DistEnv):
     stratify, policy, order = case
     if stratify:
@@ -142,44 +129,33 @@ def run_case(source, steps: int) -> dict:
     return record
 
 
-def exchange_main(cases: dict, data: Path, stratified: Path, out: Path, steps: int) -> None:
-    denv = dist_env_from(os.environ)
-    init_distributed(denv, torch.device("cpu"))
-    try:
-        results = {name: run_case(open_case(case, data, stratified, denv), steps) for name, case in cases.items()}
-    finally:
-        shutdown()
-    (out / f"rank{denv.rank}.json").write_text(json.dumps(results))
-
-
-def train_main(out: Path, argv: list[str]) -> None:
-    """The trainer under each policy in turn, in one torch.distributed job."""
+def train_policies(out: Path, data: str, stratified: str, flags: list[str], denv: DistEnv) -> dict:
+    """The trainer under each policy in turn, inside the job's one torch.distributed group."""
     from mlperf_bert.trainer import run
 
-    denv = dist_env_from(os.environ)
-    init_distributed(denv, torch.device("cpu"))
     results = {}
-    try:
-        for policy, data_dir in (("none", argv[0]), ("global_presort", argv[0]), ("local_presort", argv[1]),
-                                 ("cpu_exchange", argv[0])):
-            run_dir = out / policy
-            cfg = parse_config([*argv[2:], "--input_dir", data_dir, "--output_dir", str(run_dir),
-                                "--balance", policy], denv.world_size)
-            result = run(cfg, denv, torch.device("cpu"))
-            results[policy] = {"status": result.status, "samples": result.samples}
-    finally:
-        shutdown()
-    (out / f"rank{denv.rank}.json").write_text(json.dumps(results))
+    for policy in ("none", "global_presort", "local_presort", "cpu_exchange"):
+        input_dir = stratified if policy == "local_presort" else data
+        cfg = parse_config([*flags, "--input_dir", input_dir, "--output_dir", str(out / policy), "--balance", policy],
+                           denv.world_size)
+        result = run(cfg, denv, torch.device("cpu"))
+        results[policy] = {"status": result.status, "samples": result.samples}
+    return results
 
 
 def main(argv: list[str]) -> None:
-    mode = argv[0]
+    mode, data, stratified, out, steps = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3]), int(argv[4])
     torch.set_num_threads(1)
-    if mode == "train":
-        train_main(Path(argv[1]), argv[2:])
-        return
-    cases = GLOO_CASES if mode == "exchange" else MPI_CASES
-    exchange_main(cases, Path(argv[1]), Path(argv[2]), Path(argv[3]), int(argv[4]))
+    denv = dist_env_from(os.environ)
+    init_distributed(denv, torch.device("cpu"))
+    try:
+        cases = GLOO_CASES if mode == "exchange" else MPI_CASES
+        results = {name: run_case(open_case(case, data, stratified, denv), steps) for name, case in cases.items()}
+        if len(argv) > 5:
+            results["train"] = train_policies(out, argv[5], argv[6], argv[7:], denv)
+    finally:
+        shutdown()
+    (out / f"rank{denv.rank}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

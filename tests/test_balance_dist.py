@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,8 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MPI_CASES, stratify_dataset, write_dataset
+from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
 from conftest import REPO, trainer_args
+
+if str(REPO) not in sys.path:  # data_prep lives at the repository root
+    sys.path.insert(0, str(REPO))
+from data_prep.sources import list_shards  # noqa: E402
+from data_prep.stratify import StratifyParams, stratify  # noqa: E402
 from mlperf_bert import balance
 from mlperf_bert.data import discover_shards, read_shard
 
@@ -30,8 +34,9 @@ pytestmark = pytest.mark.slow
 WORKER = REPO / "tests" / "_balance_worker.py"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 SHARDS = [70, 70, 70]
-GLOO_WORLD, GLOO_PER_NODE, GLOO_STEPS = 4, 2, 14
-MPI_WORLD, MPI_STEPS = 2, 16
+GLOO_WORLD, GLOO_PER_NODE, GLOO_STEPS = 4, 2, 18
+MPI_WORLD, MPI_STEPS = 2, 32
+TRAIN_STEPS = 4
 ORDERS = {"raster", "snake", "greedy"}
 
 
@@ -77,7 +82,9 @@ def load_ranks(out: Path, world: int) -> list[dict]:
 def data(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("balance_data")
     plain = write_dataset(root / "plain", SHARDS)
-    return plain, stratify_dataset(plain, root / "stratified")
+    stratify(list_shards(plain), root / "stratified",
+             StratifyParams(bounds=BOUNDS, shards_per_stratum=2, max_seq_length=MAX_LEN, max_predictions=MAX_PRED))
+    return plain, root / "stratified"
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +105,21 @@ def gloo_runs(data, tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def mpi_runs(data, tmp_path_factory) -> list[dict]:
+def mpi_job(data, demo_data, tmp_path_factory) -> tuple[Path, str]:
+    """One mpiexec job: the cpu_exchange cases, then a few trainer steps under every policy."""
     out = tmp_path_factory.mktemp("mpi_runs")
-    launch_mpi(["mpi", str(data[0]), str(data[1]), str(out), str(MPI_STEPS)], MPI_WORLD)
-    return load_ranks(out, MPI_WORLD)
+    stratified = out / "demo_stratified"
+    stratify(list_shards(demo_data / "train"), stratified,
+             StratifyParams(bounds=BOUNDS, max_seq_length=64, max_predictions=10))
+    flags = trainer_args(demo_data, out, "--max_steps", str(TRAIN_STEPS), "--eval_iter_samples", "32", "--do_train")
+    stderr = launch_mpi(["mpi", str(data[0]), str(data[1]), str(out), str(MPI_STEPS), str(demo_data / "train"),
+                         str(stratified), *flags], MPI_WORLD)
+    return out, stderr
+
+
+@pytest.fixture(scope="module")
+def mpi_runs(mpi_job) -> list[dict]:
+    return load_ranks(mpi_job[0], MPI_WORLD)
 
 
 def per_step(ranks: list[dict], case: str, key: str = "uids") -> list[list[list[int]]]:
@@ -114,14 +132,29 @@ def stratum_of(length: int) -> int:
     return int(np.searchsorted(BOUNDS, length, side="left"))
 
 
+def epoch_ends(total: int, per_step: int, steps: int) -> list[int]:
+    """Step counts at which the stream's epochs end (data.py: a pass plus the carried tail)."""
+    ends, epoch, end = [], 0, 0
+    while True:
+        end += (epoch * total % per_step + total) // per_step
+        if end > steps:
+            return ends
+        ends.append(end)
+        epoch += 1
+
+
 def assert_each_sample_once_per_pass(steps: list[list[int]], population: set[int], per_step: int) -> None:
-    """The first passes: the full steps of pass 0 hold distinct samples, one more step covers all."""
-    full = len(population) // per_step
-    assert len(steps) > full, "run more steps than one pass"
-    first = [u for step in steps[:full] for u in step]
-    assert len(first) == len(set(first)) == full * per_step
-    assert set(first) <= population
-    assert set(first) | set(steps[full]) == population
+    """At every epoch end, N samples consumed: each sample used p = N // T times, N - p T of them once more."""
+    total = len(population)
+    ends = epoch_ends(total, per_step, len(steps))
+    assert len(ends) >= 2, "run the stream through two epochs"
+    for end in ends:
+        counts = Counter(u for step in steps[:end] for u in step)
+        assert set(counts) <= population
+        consumed = end * per_step
+        passes, extra = divmod(consumed, total)
+        uses = Counter(counts[u] for u in population)
+        assert uses == Counter({passes + 1: extra, passes: total - extra}) - Counter(), (end, uses)
 
 
 def check_exactly_once(ranks: list[dict], case: str, stratified: bool, lengths: dict[int, int]) -> None:
@@ -219,26 +252,16 @@ def test_data_position_is_the_consumed_one(request, runs, case, reference):
         assert rank[case]["state"] == rank[reference]["state"]
 
 
-def test_trainer_runs_every_policy_under_one_mpi_launch(demo_data, tmp_path):
-    """Two ranks started by mpiexec train a few steps under each policy, cpu_exchange included."""
-    stratified = tmp_path / "stratified"
-    sys.path.insert(0, str(REPO))
-    from data_prep.sources import list_shards
-    from data_prep.stratify import StratifyParams, stratify
-
-    stratify(list_shards(demo_data / "train"), stratified,
-             StratifyParams(bounds=(16, 32, 48, 64), max_seq_length=64, max_predictions=10))
-    out = tmp_path / "runs"
-    out.mkdir()
-    args = trainer_args(demo_data, out, "--max_steps", "4", "--eval_iter_samples", "32", "--do_train")
-    stderr = launch_mpi(["train", str(out), str(demo_data / "train"), str(stratified), *args], 2)
-    results = load_ranks(out, 2)
-    assert results[0] == results[1]
-    for policy in ("none", "global_presort", "local_presort", "cpu_exchange"):
-        assert results[0][policy]["samples"] == 4 * 16
-        events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in
-                  (out / policy / "mlperf.log").read_text().splitlines() if ":::MLLOG" in line]
+def test_trainer_trains_under_every_policy_in_one_mpi_job(mpi_job, mpi_runs):
+    """Two ranks started by mpiexec train a few steps under each policy, cpu_exchange included,
+    and log each eval interval's per-rank token extremes."""
+    out, stderr = mpi_job
+    assert mpi_runs[0]["train"] == mpi_runs[1]["train"]
+    for policy, result in mpi_runs[0]["train"].items():
+        assert result["samples"] == TRAIN_STEPS * MPI_WORLD * 8
+        lines = (out / policy / "mlperf.log").read_text().splitlines()
+        events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in lines if ":::MLLOG" in line]
         stats = [e["value"] for e in events if e["key"] == "tracked_stats"]
-        assert len(stats) == 2 and all(0 < s["min_rank_tokens"] <= s["max_rank_tokens"] for s in stats)
-    assert stderr.count("rank_tokens max") == 4 * 2  # log_freq 2: steps 2 and 4 of each run
-    shutil.rmtree(out)
+        assert len(stats) == TRAIN_STEPS // 2, policy  # eval every 32 samples = 2 steps of 16
+        assert all(0 < s["min_rank_tokens"] <= s["max_rank_tokens"] for s in stats)
+    assert stderr.count("rank_tokens max") == 4 * TRAIN_STEPS // 2  # log_freq 2

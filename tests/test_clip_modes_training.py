@@ -20,7 +20,15 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from clip_study import launch_command, launch_env, read_mllog, trainer_flags  # noqa: E402
+from clip_study import (  # noqa: E402
+    RunOutcome,
+    launch_command,
+    launch_env,
+    read_mllog,
+    summary_table,
+    trainer_flags,
+    write_section,
+)
 from mlperf_bert.cli import parse_config  # noqa: E402
 from mlperf_bert.config import TrainConfig  # noqa: E402
 from mlperf_bert.evaluation_interval import eval_interval_samples  # noqa: E402
@@ -108,6 +116,9 @@ def _config_from_launcher(config: str, world_size: int, tmp_path: Path) -> Train
     for folder in ("data", "eval"):
         (tmp_path / folder).mkdir()
     (tmp_path / "bert_config.json").write_text("{}")
+    # local_presort insists on a stratified dataset folder; the flags are all this test reads.
+    (tmp_path / "data" / "strata.json").write_text(json.dumps(
+        {"bounds": [128, 256, 384, 512], "counts": [369, 197, 117, 316], "shares": [0.369, 0.197, 0.117, 0.317]}))
     overrides = {"DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
                  "BERT_CONFIG": str(tmp_path / "bert_config.json"), "INIT_CHECKPOINT": "none",
                  "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1"}
@@ -119,7 +130,7 @@ def test_samsung_config_maps_to_adam_bucketwise_open_division(tmp_path):
     assert (cfg.optim.optimizer, cfg.optim.epsilon) == ("adam", 1e-9)
     assert (cfg.optim.clip_mode, cfg.optim.max_grad_norm) == ("bucketwise", 1.0)
     assert cfg.run.submission_division == "open"
-    assert (cfg.data.balance, cfg.data.input_layout) == ("local_presort", "unpadded")
+    assert (cfg.data.balance, cfg.data.deal_order, cfg.data.input_layout) == ("local_presort", "snake", "unpadded")
     assert (cfg.train_batch_size, cfg.global_batch_size) == (16, 16384)
     assert (cfg.optim.learning_rate, cfg.optim.beta1, cfg.optim.beta2) == (0.000393, 0.8004, 0.8175)
     assert cfg.optim.weight_decay_rate == 0.00289
@@ -156,3 +167,44 @@ def test_nvidia_configs_clip_before_on_one_node_and_after_at_scale(tmp_path, con
     assert (cfg.optim.clip_mode, cfg.optim.max_grad_norm) == (mode, 1.0)
     assert (cfg.data.input_layout, cfg.data.balance) == (layout, balance)
     assert cfg.eval.eval_iter_samples == eval_interval_samples(batch) == interval
+
+
+# ---------------------------------------------------------------------------------------------
+# The study script (benchmarks/clip_study.py)
+
+
+def test_study_table_counts_every_run_but_averages_only_those_reaching_the_target():
+    runs = [RunOutcome("bucketwise", seed, 1.0, status, samples, accuracy, 500.0) for seed, status, samples, accuracy in
+            [(1, "success", 6400, 0.73), (2, "success", 8000, 0.72), (3, "aborted", 64000, 0.70)]]
+    cells = [cell.strip() for cell in summary_table(runs, ["bucketwise"])[2].split("|")[1:-1]]
+    assert cells[:5] == ["bucketwise", "2 / 3", "7,200", "1,131", "6,400 / 8,000"]  # std of (6400, 8000)
+    assert cells[5] == f"{(0.73 + 0.72 + 0.70) / 3:.4f}"
+
+
+def test_study_rewrites_only_its_own_section(tmp_path):
+    doc = tmp_path / "study.md"
+    doc.write_text("# Study\n\nreading written by hand\n")
+    write_section(doc, "clip_study", "table 1")
+    write_section(doc, "clip_study", "table 2")
+    write_section(doc, "clip_activity", "activity")
+    assert doc.read_text() == ("# Study\n\nreading written by hand\n<!-- clip_study:begin -->\ntable 2\n"
+                               "<!-- clip_study:end -->\n<!-- clip_activity:begin -->\nactivity\n"
+                               "<!-- clip_activity:end -->\n")
+
+
+@pytest.mark.benchmark
+def test_clip_study_trains_the_demo_and_writes_its_table(tmp_path, request):
+    """Two real demo runs (minutes): `pytest -m benchmark tests/test_clip_modes_training.py`."""
+    if not request.config.getoption("markexpr"):
+        pytest.skip("a study, not a test of the default run: select it with -m benchmark")
+    if not (REPO / "demo_data" / "bert_config.json").is_file():
+        pytest.skip("no demo dataset: `make demo` makes it")
+    out = tmp_path / "study.md"
+    command = [sys.executable, "benchmarks/clip_study.py", "--seeds", "1", "--modes", "none", "bucketwise",
+               "--runs_dir", str(tmp_path / "runs"), "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "runs" / "runs.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["status"]) for r in runs] == [("none", "success"), ("bucketwise", "success")]
+    table = out.read_text()
+    assert "| none | 1 / 1 |" in table and "| bucketwise | 1 / 1 |" in table

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -27,10 +28,20 @@ from .config import TrainConfig
 from .data import DataLimits, load_eval_set
 from .distributed import DistEnv, all_reduce_sum
 from .evaluation_interval import EvalSchedule
+from .faults import Preempted, StepGuard, StopRequest, TrainingStopped, nonfinite_loss_error
 from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model import BertConfig, BertForPreTraining, pretraining_loss
 from .optim import build_optimizer, parameter_groups
 from .schedule import LRSchedule, set_lr
+from .train_checkpoint import (
+    Checkpointer,
+    ResumeError,
+    TrainingParts,
+    checkpoint_path,
+    choose_resume,
+    read_checkpoint,
+    restore,
+)
 from .sources import BatchSource, TokenImbalance, open_batch_source
 
 
@@ -75,10 +86,17 @@ class Runtime:
     scaler: torch.amp.GradScaler | None = None
     clip: ClipHandle | None = None
     eval_batches: list[FlatBatch] = field(default_factory=list)
+    guard: StepGuard | None = None
+    stop: StopRequest = field(default_factory=StopRequest)  # not installed: never requested
+    checkpoints: Checkpointer | None = None
 
     @property
     def train_module(self) -> torch.nn.Module:
         return self.ddp if self.ddp is not None else self.model
+
+    @property
+    def parts(self) -> TrainingParts:
+        return TrainingParts(self.model, self.optimizer, self.scaler)
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -152,6 +170,8 @@ def build_training(rt: Runtime) -> None:
     rt.schedule = lr_schedule(cfg)
     if cfg.run.precision == "fp16":
         rt.scaler = torch.amp.GradScaler(rt.device.type, init_scale=cfg.run.init_loss_scale)
+    rt.guard = StepGuard(rt.device, check_loss=rt.scaler is None,
+                         max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps)
 
 
 def load_eval_batches(rt: Runtime) -> None:
@@ -200,14 +220,19 @@ def train_step(rt: Runtime, data: BatchSource, state: TrainState) -> torch.Tenso
             loss = pretraining_loss(rt.train_module(batch), batch).total / accum
         (rt.scaler.scale(loss) if rt.scaler else loss).backward()
         loss_sum += loss.detach()
+    # Before the update, so a non-finite loss never reaches the weights (faults.StepGuard).
+    verdict = rt.guard.check(loss_sum, rt.stop.signal_number, rt.checkpoints is not None and rt.checkpoints.time_due())
     set_lr(rt.optimizer, rt.schedule.lr_at(state.step))
-    applied = _optimizer_step(rt)
+    applied = not verdict.nonfinite_loss and _optimizer_step(rt)
     rt.optimizer.zero_grad(set_to_none=True)
     state.samples += rt.cfg.global_batch_size
     if applied:
         state.step += 1
     else:
         state.skipped_steps += 1
+    if verdict.nonfinite_loss:
+        raise nonfinite_loss_error(state.step, state.samples)
+    rt.guard.count(applied, state.step, state.samples)
     return loss_sum
 
 
@@ -292,7 +317,28 @@ def _stop_samples(cfg: TrainConfig) -> int:
 def train_block(rt: Runtime, data: BatchSource, state: TrainState, until: int, progress: Progress) -> None:
     """Steps until `until` samples have been consumed (or max_steps)."""
     while state.samples < until and state.step < rt.cfg.schedule.max_steps:
+        before = state.samples
         progress.update(train_step(rt, data, state), state)
+        _after_step(rt, data, state, before)
+
+
+def _after_step(rt: Runtime, data: BatchSource, state: TrainState, samples_before: int) -> None:
+    """A periodic checkpoint when one is due; the stop for a signal (both agreed by every rank)."""
+    verdict, checkpoints = rt.guard.last, rt.checkpoints
+    if checkpoints is not None and (verdict.checkpoint_due or checkpoints.samples_due(samples_before, state.samples)):
+        save_checkpoint(rt, data, state, "periodic")
+    if verdict.stop:
+        raise Preempted(f"{signal.Signals(verdict.stop_signal).name} arrived; every rank stopped after step "
+                        f"{state.step} ({state.samples} samples)")
+
+
+def save_checkpoint(rt: Runtime, data: BatchSource, state: TrainState, reason: str) -> Path:
+    """Collective: every rank calls it at the same step; rank 0 writes the file and logs it."""
+    if rt.checkpoints.is_saved(state.state_dict()):
+        return checkpoint_path(rt.checkpoints.directory, state.samples)
+    path = rt.checkpoints.save(rt.parts, state.state_dict(), data.state_dict(), reason, rt.cfg.to_dict())
+    rt.logger.event("checkpoint_saved", str(path), {"epoch_num": state.samples, "step": state.step, "reason": reason})
+    return path
 
 
 def train_loop(rt: Runtime, data: BatchSource, state: TrainState) -> str:
@@ -302,16 +348,25 @@ def train_loop(rt: Runtime, data: BatchSource, state: TrainState) -> str:
                                         cfg.eval.eval_iter_samples)
     progress = Progress(rt, data)
     while True:
-        point = min(evals.next_point(state.samples) or stop_at, stop_at)
-        first = state.samples
-        log.block_start(first_epoch_num=first, epoch_count=max(point - first, 1))
-        train_block(rt, data, state, point, progress)
-        log.block_stop(first_epoch_num=first)
+        if not _eval_pending(cfg, evals, state):
+            point = min(evals.next_point(state.samples) or stop_at, stop_at)
+            first = state.samples
+            log.block_start(first_epoch_num=first, epoch_count=max(point - first, 1))
+            train_block(rt, data, state, point, progress)
+            log.block_stop(first_epoch_num=first)
         accuracy = run_eval(rt, state)
         if accuracy >= cfg.eval.target_mlm_accuracy:
             return "success"
         if state.samples >= stop_at or state.step >= cfg.schedule.max_steps:
             return "aborted"
+
+
+def _eval_pending(cfg: TrainConfig, evals: EvalSchedule, state: TrainState) -> bool:
+    """True after resuming from a checkpoint written at the end of a block, before that block's eval."""
+    if state.samples == 0 or (state.evals and state.evals[-1][0] == state.samples):
+        return False
+    block_ended = evals.due(state.samples - cfg.global_batch_size, state.samples)
+    return block_ended or state.samples >= _stop_samples(cfg) or state.step >= cfg.schedule.max_steps
 
 
 def run_eval(rt: Runtime, state: TrainState) -> float:
@@ -320,6 +375,7 @@ def run_eval(rt: Runtime, state: TrainState) -> float:
     rt.logger.eval_stop(epoch_num=state.samples)
     rt.logger.eval_accuracy(accuracy, epoch_num=state.samples)
     rt.logger.event("eval_loss", loss, {"epoch_num": state.samples})
+    rt.logger.event("skipped_steps", state.skipped_steps, {"epoch_num": state.samples})
     state.evals.append((state.samples, accuracy))
     if rt.denv.is_main:
         print(f"eval samples {state.samples} mlm_accuracy {accuracy:.4f} mlm_loss {loss:.4f}",
@@ -379,14 +435,22 @@ def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraini
     logger.weights_initialization(bert_tf_tensor_names(model.config.num_hidden_layers))
 
 
-def run(cfg: TrainConfig, denv: DistEnv, device: torch.device) -> RunResult:
-    """Builds the run, trains (or only evaluates without --do_train) and logs it."""
+def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest | None = None) -> RunResult:
+    """Builds the run, trains (or only evaluates without --do_train) and logs it.
+
+    stop: the caller's installed SIGTERM/SIGUSR1 handlers (run_pretraining.py installs them
+    before the process group starts); None installs them for the duration of this call.
+    Raises `faults.TrainingStopped` after writing its checkpoint when the run stops early.
+    """
+    if stop is None:
+        with StopRequest() as own:
+            return run(cfg, denv, device, own)
     write_resolved_config(cfg, denv)
     logger = open_logger(cfg, denv)
     seed_everything(cfg.run.seed, denv.rank)
     model = build_model(cfg, device)
     log_preamble(logger, cfg, model)
-    rt = Runtime(cfg, denv, device, model, logger)
+    rt = Runtime(cfg, denv, device, model, logger, stop=stop)
     load_eval_batches(rt)
     if not cfg.run.do_train:
         return evaluate_only(rt)
@@ -395,18 +459,82 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device) -> RunResult:
     torch.manual_seed(cfg.run.seed + denv.rank)  # dropout differs per rank
     data = open_batch_source(cfg, denv, data_limits(cfg, model.config))
     try:
-        logger.init_stop()
-        logger.run_start()
-        start = time.time()
-        status = train_loop(rt, data, state)
-        seconds = time.time() - start
+        status, seconds = train(rt, data, state)
     finally:
         data.close()
-    logger.run_stop(status, epoch_num=state.samples)
-    logger.train_samples(state.samples)
-    logger.eval_samples(cfg.eval.num_eval_examples)
+    log_run_end(rt, state, status)
     accuracy = state.evals[-1][1] if state.evals else math.nan
     return RunResult(status, state.samples, accuracy, seconds)
+
+
+def train(rt: Runtime, data: BatchSource, state: TrainState) -> tuple[str, float]:
+    """Resumes when asked, trains until a stop, checkpoints as configured; (status, seconds)."""
+    resumed = resume_from_checkpoint(rt, data, state)
+    rt.logger.init_stop()
+    record = log_run_start(rt, resumed, state)
+    ckpt = rt.cfg.checkpoint
+    rt.checkpoints = Checkpointer(rt.cfg.checkpoint_dir, ckpt.keep, rt.denv, rt.device, every_samples=ckpt.every_samples,
+                                  every_minutes=ckpt.every_minutes, record=record)
+    start = time.time()
+    try:
+        status = train_loop(rt, data, state)
+    except TrainingStopped as stopped:
+        # Every rank stops at the same step (faults.StepGuard); the state is the last good one.
+        stopped.checkpoint = str(save_checkpoint(rt, data, state, stopped.reason))
+        rt.logger.event(stopped.reason, str(stopped), {"epoch_num": state.samples, "step": state.step})
+        log_run_end(rt, state, "aborted")
+        raise
+    if ckpt.periodic:
+        save_checkpoint(rt, data, state, "final")
+    return status, time.time() - start
+
+
+@dataclass(frozen=True)
+class Resumed:
+    path: Path
+    record: dict  # the checkpoint's run facts: run_start_ms and attempt of the run that wrote it
+
+
+def resume_from_checkpoint(rt: Runtime, data: BatchSource, state: TrainState) -> Resumed | None:
+    """Loads --resume_from_checkpoint into every part of the run; None for a fresh start."""
+    cfg = rt.cfg
+    path = choose_resume(cfg.checkpoint.resume_from, cfg.checkpoint_dir, rt.denv)
+    if path is None:
+        if cfg.checkpoint.resume_from is not None and rt.denv.is_main:
+            print(f"no checkpoint in {cfg.checkpoint_dir}: starting a fresh run", file=sys.stderr, flush=True)
+        return None
+    ckpt = read_checkpoint(path)
+    restore(rt.parts, ckpt, path, rt.denv, rt.device)
+    state.load_state_dict(ckpt["train_state"])
+    try:
+        data.load_state_dict(ckpt["data"])
+    except ValueError as err:
+        raise ResumeError(f"{path}: {err}") from err
+    return Resumed(path, dict(ckpt["run"]))
+
+
+def log_run_start(rt: Runtime, resumed: Resumed | None, state: TrainState) -> dict:
+    """run_start for a fresh run; the run facts a checkpoint keeps (run_start_ms, attempt).
+
+    A resumed run logs `resumed_from_checkpoint` and no run_start: its clock did not start
+    here, so its log can never pass the compliance checker as a timing result.
+    """
+    if resumed is None:
+        rt.logger.run_start()
+        return {"run_start_ms": int(time.time() * 1000), "attempt": 1}
+    record = {"run_start_ms": resumed.record.get("run_start_ms"), "attempt": int(resumed.record.get("attempt", 1)) + 1}
+    rt.logger.event("resumed_from_checkpoint", str(resumed.path),
+                    {"epoch_num": state.samples, "step": state.step, **record})
+    if rt.denv.is_main:
+        print(f"resumed from {resumed.path} at step {state.step} ({state.samples} samples), attempt "
+              f"{record['attempt']}: not an MLPerf timing result", file=sys.stderr, flush=True)
+    return record
+
+
+def log_run_end(rt: Runtime, state: TrainState, status: str) -> None:
+    rt.logger.run_stop(status, epoch_num=state.samples)
+    rt.logger.train_samples(state.samples)
+    rt.logger.eval_samples(rt.cfg.eval.num_eval_examples)
 
 
 def evaluate_only(rt: Runtime) -> RunResult:

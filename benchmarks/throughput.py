@@ -1,0 +1,526 @@
+"""Side-by-side training throughput of BERT phase 2, every input layout and HuggingFace, one process.
+
+    PYTHONPATH=pytorch python benchmarks/throughput.py --config large --json throughput.json
+    PYTHONPATH=pytorch python benchmarks/throughput.py --config tiny --device cpu    # seconds, for CI
+
+Every layout trains a freshly initialised model (same seed) with LAMB for `--warmup`
+untimed and `--steps` timed steps on the same synthetic batches:
+
+  padded     our model; host batches padded to max_seq_length, unpadded on the device
+  unpadded   our model; the step's sequences sorted by length (presort), flat on the host
+  packed     our model; the step's packed rows as one static-shape batch, replayed as one
+             CUDA graph on a GPU (eager elsewhere, or with --graphs off)
+  hf_padded  HuggingFace BertForPreTraining, padded to max_seq_length, --hf_attention (sdpa)
+
+A step is `--rows` packed rows (NVIDIA's H100/H200 configuration: 48 rows of 512 tokens per
+GPU); the padded and unpadded layouts get exactly the sequences of those rows, so real
+sequences per step are the same for every layout. Rows are drawn from an NNLSHP packing
+plan of the Wikipedia phase-2 length histogram (K = 3 sequences per row), so sequence
+lengths follow that histogram; masking is the dataset's: min(P, max(1, round(0.15 (n-3))))
+predictions per sequence at positions 1..n-2 other than the middle [SEP]. Host batches are
+built (and pinned on a GPU) before timing; the timed loop covers host-to-device copies and
+training steps.
+
+Reported per layout: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.flops:
+3 x forward matrix multiplies over real tokens only) and utilisation against the peak
+matrix-multiply rate measured in the same run (bf16 on a GPU, fp32 on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from mlperf_bert import fast_path, flops, packing
+from mlperf_bert.attention import resolve_backend
+from mlperf_bert.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
+from mlperf_bert.model import BertConfig, BertForPreTraining
+from mlperf_bert.optim import ForeachLamb, parameter_groups
+
+LAYOUTS = ("padded", "unpadded", "packed", "hf_padded")
+CLS, SEP, MASK, FIRST_TOKEN = 1, 2, 3, 4  # synthetic vocabulary: three special ids, then words
+MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in A and in B
+SEQS_PER_ROW = 3  # K of the packed shards
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    bert: BertConfig
+    max_seq_length: int
+    max_predictions: int  # per sequence, and per packed row
+    rows: int  # packed rows per step
+    steps: int
+    warmup: int
+
+
+CONFIGS = {
+    "large": BenchConfig(BertConfig(vocab_size=30522), 512, 76, rows=48, steps=30, warmup=5),
+    "tiny": BenchConfig(
+        BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                   max_position_embeddings=64),
+        64, 10, rows=4, steps=3, warmup=1,
+    ),
+}
+
+
+# ---------------------------------------------------------------- synthetic data
+
+
+def length_histogram(max_seq_length: int) -> np.ndarray:
+    """The Wikipedia histogram, lengths rescaled to max_seq_length (l -> round(l * max / 512))."""
+    counts = packing.load_length_histogram()
+    if max_seq_length == counts.shape[0]:
+        return counts
+    scaled = np.floor(np.arange(1, counts.shape[0] + 1) * max_seq_length / counts.shape[0] + 0.5).astype(np.int64)
+    scaled = np.clip(scaled, MIN_LENGTH, max_seq_length)
+    return np.bincount(scaled - 1, weights=counts, minlength=max_seq_length).astype(np.int64)
+
+
+def row_strategies(max_seq_length: int) -> tuple[tuple[packing.Strategy, ...], np.ndarray]:
+    """Row contents of an NNLSHP plan of the histogram and the probability of each."""
+    plan = packing.pack_histogram(length_histogram(max_seq_length), "nnlshp", max_seq_length, SEQS_PER_ROW)
+    return plan.strategies, plan.repeats / plan.repeats.sum()
+
+
+def synthetic_sample(rng: np.random.Generator, n: int, vocab_size: int, max_predictions: int) -> Sample:
+    """[CLS] A [SEP] B [SEP] of n random tokens, masked as the MLPerf data is."""
+    len_a = int(rng.integers(1, n - 3))  # A and B at least one token each
+    ids = rng.integers(FIRST_TOKEN, vocab_size, n)
+    ids[[0, len_a + 1, n - 1]] = (CLS, SEP, SEP)
+    candidates = np.concatenate([np.arange(1, len_a + 1), np.arange(len_a + 2, n - 1)])
+    k = int(flops.masked_count(np.array([n]), max_predictions)[0])
+    positions = np.sort(rng.choice(candidates, size=k, replace=False))
+    labels = ids[positions].copy()
+    ids[positions] = MASK
+    segments = (np.arange(n) > len_a + 1).astype(np.int64)
+    return Sample(ids, segments, positions, labels, int(rng.integers(0, 2)))
+
+
+def synthetic_steps(cfg: BenchConfig, seed: int) -> list[list[Item]]:
+    """warmup + steps batches of cfg.rows packed rows each."""
+    rng = np.random.default_rng(seed)
+    strategies, probs = row_strategies(cfg.max_seq_length)
+    picks = rng.choice(len(strategies), size=(cfg.warmup + cfg.steps, cfg.rows), p=probs)
+    make = lambda n: synthetic_sample(rng, n, cfg.bert.vocab_size, cfg.max_predictions)  # noqa: E731
+    return [[tuple(make(n) for n in strategies[j]) for j in step] for step in picks]
+
+
+def sequences(rows: list[Item]) -> list[Sample]:
+    return [s for row in rows for s in row]
+
+
+# ---------------------------------------------------------------- measurement
+
+
+@dataclass(frozen=True)
+class Context:
+    cfg: BenchConfig
+    device: torch.device
+    precision: str
+    compile_mode: str
+    graphs: bool
+    attention_backend: str
+    hf_attention: str
+    seed: int
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class Runner:
+    """One layout, built and ready: `step` trains on one batch taken from `feed`."""
+
+    step: Callable[[Any], None]
+    host_batches: list[Any]  # warmup + steps, in order
+    read_loss: Callable[[], float]  # mean loss of the steps since the last read
+    prefetch: bool = True  # feed batches through DevicePrefetcher; else hand host batches to `step`
+    notes: str = ""
+
+
+def feed(runner: Runner, ctx: Context, batches: list[Any]) -> Iterator[Any]:
+    return iter(fast_path.DevicePrefetcher(batches, ctx.device)) if runner.prefetch else iter(batches)
+
+
+def time_steps(runner: Runner, ctx: Context) -> float:
+    """Seconds for the timed steps, after ctx.cfg.warmup untimed ones."""
+    batches = feed(runner, ctx, runner.host_batches)
+    for _ in range(ctx.cfg.warmup):
+        runner.step(next(batches))
+    if ctx.cfg.warmup:
+        runner.read_loss()  # the reported loss covers the timed steps only
+    ctx.synchronize()
+    start = time.perf_counter()
+    for batch in batches:
+        runner.step(batch)
+    ctx.synchronize()
+    return time.perf_counter() - start
+
+
+def matmul_peak_tflops(device: torch.device, size: int, repeats: int = 10) -> tuple[float, str]:
+    """Best-case matrix-multiply rate measured now: bf16 on a GPU, fp32 on a CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * size**3 / seconds / 1e12, str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------- our model, three layouts
+
+
+def pinned(batch: Any, ctx: Context) -> Any:
+    return fast_path.map_tensors(batch, torch.Tensor.pin_memory) if ctx.device.type == "cuda" else batch
+
+
+def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.optim.Optimizer, str]:
+    torch.manual_seed(ctx.seed)
+    bert = ctx.cfg.bert
+    backend = resolve_backend(ctx.attention_backend, ctx.device, bert.attention_probs_dropout_prob)
+    model = BertForPreTraining(bert, attention_backend=backend).to(ctx.device)
+    fast_path.compile_model(model, ctx.compile_mode, dynamic=dynamic)
+    optimizer = lamb(model)
+    fast_path.device_lr(optimizer, ctx.device)
+    return model, optimizer, f"attention {backend}, compile {ctx.compile_mode}"
+
+
+def lamb(model: torch.nn.Module) -> ForeachLamb:
+    """The MLPerf 1x8 H100 optimizer settings (REFERENCE.md), multi-tensor LAMB."""
+    return ForeachLamb(parameter_groups(model, 0.1), lr=9.6e-4, betas=(0.60466, 0.85437), eps=1e-6,
+                       weight_decay=0.1, max_grad_norm=1.0)
+
+
+def scaler_for(ctx: Context) -> torch.amp.GradScaler | None:
+    return torch.amp.GradScaler(ctx.device.type) if ctx.precision == "fp16" else None
+
+
+def flat_runner(ctx: Context, steps: list[list[Item]], layout: str) -> Runner:
+    """Our model on padded (unpadded on the device) or presorted unpadded batches."""
+    model, optimizer, notes = build_ours(ctx, dynamic=True)
+    metrics, scaler = fast_path.StepMetrics(ctx.device), scaler_for(ctx)
+    cfg = ctx.cfg
+    if layout == "padded":
+        host = [pad_items([(s,) for s in sequences(rows)], cfg.max_seq_length, cfg.max_predictions) for rows in steps]
+    else:
+        host = [flatten_items([(s,) for s in sorted(sequences(rows), key=lambda s: -s.length)]) for rows in steps]
+
+    def step(batch: PaddedBatch | FlatBatch) -> None:
+        flat = unpad(batch) if isinstance(batch, PaddedBatch) else batch
+        metrics.update(fast_path.train_step(model, optimizer, flat, ctx.precision, scaler), flat)
+
+    return Runner(step, [pinned(b, ctx) for b in host], lambda: metrics.read().loss, notes=notes)
+
+
+def packed_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
+    """Our model on static-shape packed batches: one CUDA graph per step on a GPU."""
+    model, optimizer, notes = build_ours(ctx, dynamic=False)
+    cfg = ctx.cfg
+    host = [pinned(fast_path.static_packed_batch(rows, cfg.rows, cfg.max_seq_length, SEQS_PER_ROW,
+                                                 cfg.max_predictions), ctx) for rows in steps]
+    metrics = fast_path.StepMetrics(ctx.device)
+    if ctx.graphs and ctx.device.type == "cuda" and ctx.precision != "fp16":
+        graphed = fast_path.GraphedTrainStep(model, fast_path.capturable(optimizer), host[0], ctx.precision)
+
+        def replay(batch: FlatBatch) -> None:
+            metrics.update(graphed(batch), graphed.static)
+
+        return Runner(replay, host, lambda: metrics.read().loss, prefetch=False, notes=notes + ", CUDA graph")
+    scaler = scaler_for(ctx)
+
+    def step(batch: FlatBatch) -> None:
+        metrics.update(fast_path.train_step(model, optimizer, batch, ctx.precision, scaler), batch)
+
+    return Runner(step, host, lambda: metrics.read().loss, notes=notes + ", eager")
+
+
+# ---------------------------------------------------------------- HuggingFace
+
+
+@dataclass
+class HFBatch:
+    """BertForPreTraining's padded inputs; labels -100 except at masked positions."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    token_type_ids: torch.Tensor  # [B, L]
+    labels: torch.Tensor  # [B, L]
+    next_sentence_label: torch.Tensor  # [B]
+
+    @classmethod
+    def of(cls, padded: PaddedBatch) -> "HFBatch":
+        labels = torch.full_like(padded.input_ids, fast_path.IGNORE_INDEX)
+        rows, slots = torch.nonzero(padded.masked_lm_positions, as_tuple=True)
+        labels[rows, padded.masked_lm_positions[rows, slots]] = padded.masked_lm_ids[rows, slots]
+        return cls(padded.input_ids, padded.input_mask, padded.segment_ids, labels, padded.next_sentence_labels)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "HFBatch":
+        return fast_path.map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def hf_model(ctx: Context) -> torch.nn.Module:
+    import transformers
+
+    b = ctx.cfg.bert
+    config = transformers.BertConfig(
+        vocab_size=b.vocab_size, hidden_size=b.hidden_size, num_hidden_layers=b.num_hidden_layers,
+        num_attention_heads=b.num_attention_heads, intermediate_size=b.intermediate_size,
+        hidden_dropout_prob=b.hidden_dropout_prob, attention_probs_dropout_prob=b.attention_probs_dropout_prob,
+        max_position_embeddings=b.max_position_embeddings, attn_implementation=ctx.hf_attention,
+    )
+    torch.manual_seed(ctx.seed)
+    return transformers.BertForPreTraining(config).to(ctx.device)
+
+
+def hf_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
+    model = hf_model(ctx)
+    optimizer, scaler = lamb(model), scaler_for(ctx)
+    loss_sum, count = torch.zeros((), device=ctx.device), [0]
+    cfg = ctx.cfg
+    host = [HFBatch.of(pad_items([(s,) for s in sequences(rows)], cfg.max_seq_length, cfg.max_predictions))
+            for rows in steps]
+
+    def step(batch: HFBatch) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with fast_path.autocast(ctx.device, ctx.precision):
+            loss = model(**vars(batch)).loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        loss_sum.add_(loss.detach())
+        count[0] += 1
+
+    def read_loss() -> float:
+        mean = loss_sum.item() / max(count[0], 1)
+        loss_sum.zero_()
+        count[0] = 0
+        return mean
+
+    notes = f"attention {model.config._attn_implementation}, padded to {cfg.max_seq_length}"
+    return Runner(step, [pinned(b, ctx) for b in host], read_loss, notes=notes)
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    layout: str
+    status: str  # "ok", or why the layout did not run
+    notes: str = ""
+    seconds: float = 0.0
+    steps: int = 0
+    sequences: int = 0  # real sequences in the timed steps
+    tokens: int = 0  # real tokens in the timed steps
+    useful_flop: float = 0.0
+    loss: float = float("nan")  # mean training loss over the timed steps
+    sequences_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    useful_tflops: float = 0.0
+    utilisation: float = 0.0  # useful_tflops / measured matmul peak
+    speedup_vs_hf: float | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    sequences: int
+    tokens: int
+    useful_flop: float
+
+
+def timed_work(cfg: BenchConfig, steps: list[list[Item]]) -> Work:
+    seqs = [s for rows in steps[cfg.warmup :] for s in sequences(rows)]
+    lengths = np.array([s.length for s in seqs])
+    masked = np.array([s.masked_lm_positions.shape[0] for s in seqs])
+    return Work(len(seqs), int(lengths.sum()), flops.training_flops(flops.ModelShape.of(cfg.bert), lengths, masked))
+
+
+def build_runner(layout: str, ctx: Context, steps: list[list[Item]]) -> Runner:
+    if layout in ("padded", "unpadded"):
+        return flat_runner(ctx, steps, layout)
+    if layout == "packed":
+        return packed_runner(ctx, steps)
+    return hf_runner(ctx, steps)
+
+
+def profile_layout(runner: Runner, ctx: Context, layout: str, out_dir: Path) -> None:
+    """Three more steps under torch.profiler: a Chrome trace and a table of the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for batch in feed(runner, ctx, runner.host_batches[-3:]):
+            runner.step(batch)
+        ctx.synchronize()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out_dir / f"{layout}.trace.json"))
+    key = "self_device_time_total" if ctx.device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30)
+    (out_dir / f"{layout}.txt").write_text(table + "\n")
+    print(f"--- profile of {layout} (3 steps) ---\n{table}", file=sys.stderr)
+
+
+def measure(layout: str, ctx: Context, steps: list[list[Item]], profile_dir: Path | None) -> tuple[float, float, str]:
+    """(timed seconds, mean loss of the timed steps, notes) of one layout."""
+    runner = build_runner(layout, ctx, steps)
+    seconds = time_steps(runner, ctx)
+    loss = runner.read_loss()
+    if profile_dir is not None:
+        profile_layout(runner, ctx, layout, profile_dir)
+    return seconds, loss, runner.notes
+
+
+def free_memory(ctx: Context) -> None:
+    """Returns the last layout's model, graph and optimizer state before the next one is built."""
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_layout(layout: str, ctx: Context, steps: list[list[Item]], work: Work, peak: float,
+               profile_dir: Path | None) -> Result:
+    try:
+        seconds, loss, notes = measure(layout, ctx, steps, profile_dir)
+    except torch.OutOfMemoryError as err:
+        return Result(layout, f"out of memory: {str(err).splitlines()[0]}")
+    except ImportError as err:
+        return Result(layout, f"not available: {err}")
+    except RuntimeError as err:  # e.g. no varlen kernel for this dropout: report it, run the other layouts
+        return Result(layout, f"failed: {str(err).splitlines()[0]}")
+    finally:
+        free_memory(ctx)
+    tflops = work.useful_flop / seconds / 1e12
+    return Result(layout, "ok", notes, seconds, ctx.cfg.steps, work.sequences, work.tokens, work.useful_flop,
+                  loss, work.sequences / seconds, work.tokens / seconds, tflops, tflops / peak)
+
+
+def add_speedups(results: list[Result]) -> None:
+    hf = next((r for r in results if r.layout == "hf_padded" and r.status == "ok"), None)
+    for r in results:
+        if hf is not None and r.status == "ok":
+            r.speedup_vs_hf = r.sequences_per_s / hf.sequences_per_s
+
+
+def print_table(results: list[Result], header: dict) -> None:
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in header.items()
+                   if not isinstance(v, dict)))
+    print(f"{'layout':<10}{'ms/step':>9}{'seq/s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'util':>7}{'loss':>8}"
+          f"{'vs HF':>7}  notes")
+    for r in results:
+        if r.status != "ok":
+            print(f"{r.layout:<10}  {r.status}")
+            continue
+        vs_hf = f"{r.speedup_vs_hf:.2f}" if r.speedup_vs_hf is not None else "-"
+        print(f"{r.layout:<10}{1e3 * r.seconds / r.steps:>9.2f}{r.sequences_per_s:>10.1f}{r.tokens_per_s:>12.0f}"
+              f"{r.useful_tflops:>9.3f}{r.utilisation:>7.1%}{r.loss:>8.3f}{vs_hf:>7}  {r.notes}")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=tuple(CONFIGS), default="large")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="auto: bf16 on a GPU, fp32 on a CPU")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {LAYOUTS}")
+    p.add_argument("--steps", type=int, help="timed steps (default: 30 large, 3 tiny)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default: 5 large, 1 tiny)")
+    p.add_argument("--rows", type=int, help="packed rows per step (default: 48 large, 4 tiny)")
+    p.add_argument("--attention_backend", choices=("auto", "sdpa", "varlen"), default="auto")
+    p.add_argument("--attention_dropout", type=float,
+                   help="override the config's 0.1 (e.g. 0 for PyTorch's varlen kernel, which has no dropout)")
+    p.add_argument("--compile", choices=("auto",) + fast_path.COMPILE_MODES, default="auto",
+                   help="torch.compile mode for our layers; auto: default on a GPU, none on a CPU")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graph for packed")
+    p.add_argument("--hf_attention", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    p.add_argument("--peak_size", type=int, help="matmul size for the peak (default 8192 GPU, 256 CPU)")
+    p.add_argument("--profile_dir", type=Path, help="also profile 3 steps per layout; traces and tables go here")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    base = CONFIGS[args.config]
+    bert = base.bert
+    if args.attention_dropout is not None:
+        bert = BertConfig(**{**bert.to_dict(), "attention_probs_dropout_prob": args.attention_dropout})
+    cfg = BenchConfig(bert, base.max_seq_length, base.max_predictions, args.rows or base.rows,
+                      args.steps or base.steps, base.warmup if args.warmup is None else args.warmup)
+    if min(cfg.rows, cfg.steps) < 1 or cfg.warmup < 0:
+        raise SystemExit("--rows and --steps must be >= 1, --warmup >= 0")
+    return cfg
+
+
+def build_context(args: argparse.Namespace) -> Context:
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    layouts = args.layouts.split(",")
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {unknown}; choose from {LAYOUTS}")
+    precision = args.precision if args.precision != "auto" else ("bf16" if cuda else "fp32")
+    compile_mode = args.compile if args.compile != "auto" else ("default" if cuda else "none")
+    graphs = args.graphs == "on" or (args.graphs == "auto" and cuda)
+    return Context(bench_config(args), device, precision, compile_mode, graphs, args.attention_backend,
+                   args.hf_attention, args.seed)
+
+
+def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
+    cfg = ctx.cfg
+    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name, "torch": torch.__version__,
+        "python": platform.python_version(), "precision": ctx.precision, "compile": ctx.compile_mode,
+        "graphs": ctx.graphs, "rows_per_step": cfg.rows, "steps": cfg.steps, "warmup": cfg.warmup,
+        "max_seq_length": cfg.max_seq_length, "peak_tflops": peak, "peak_dtype": peak_dtype,
+        "bert": cfg.bert.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = build_context(args)
+    peak, peak_dtype = matmul_peak_tflops(ctx.device, args.peak_size or (8192 if ctx.device.type == "cuda" else 256))
+    steps = synthetic_steps(ctx.cfg, args.seed)
+    work = timed_work(ctx.cfg, steps)
+    results = [run_layout(layout, ctx, steps, work, peak, args.profile_dir) for layout in args.layouts.split(",")]
+    add_speedups(results)
+    head = header(ctx, peak, peak_dtype)
+    print_table(results, head)
+    if args.json is not None:
+        args.json.write_text(json.dumps({**head, "results": [asdict(r) for r in results]}, indent=2) + "\n")
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Stopping a run on purpose: preemption signals, numeric blow-ups, and the exit codes.
+
+Exit codes of `run_pretraining.py` (docs/FAULTS.md has the user's view):
+
+| code | meaning |
+|---|---|
+| 0  | the run ended: target reached (`success`) or its sample/step limit (`aborted`) |
+| 1  | an unexpected error (a traceback) |
+| 2  | bad input (flag, shard, checkpoint); the message names it |
+| 3  | numeric blow-up: a non-finite loss (fp32/bf16) or too many fp16 overflow skips in a row; a checkpoint of the last good state was written |
+| 75 | preempted (EX_TEMPFAIL, "try again"): SIGTERM or SIGUSR1 arrived, a checkpoint was written; rerun with `--resume_from_checkpoint auto` |
+| 76 | a rank was lost (EX_PROTOCOL): another process died or stopped answering (`liveness.py`) |
+
+Agreement. A decision that changes what the ranks do next (stop for a signal, stop for a
+non-finite loss, write a time-based checkpoint) must be taken at the same step by every rank,
+or the next collective waits forever: a signal may reach the ranks at different moments, a NaN
+may appear in one rank's micro-batch only, and only rank 0's clock decides when a checkpoint is
+due. `StepGuard.check` is that agreement: once per step, after the backward and before the
+optimizer step, every rank contributes its local flags and one all-reduce (max) of a 3-element
+tensor gives all of them the same verdict.
+
+Cost. On the CPU (gloo) the all-reduce is a few microseconds. On GPUs it is one tiny NCCL
+all-reduce plus one device-to-host read per step: the host waits for the step's backward before
+it queues the optimizer kernels, so the GPU idles for about one optimizer launch (tens of
+microseconds against steps of hundreds of milliseconds for BERT-large; fp16 pays this read
+already, since the loss scaler reads its overflow flag every step). Checking the flag only every
+N steps would save that read but would let a NaN update reach the weights, so the guard runs
+every step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL
+EXIT_LOST_RANK = 76  # sysexits EX_PROTOCOL
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingStopped(Exception):
+    """The loop stopped on purpose at a step every rank agreed on; a checkpoint is due."""
+
+    exit_code = 1
+    reason = "stopped"  # the checkpoint's reason and the MLPerf log event's key suffix
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.checkpoint: str | None = None  # set once the checkpoint of this stop is written
+
+
+class Preempted(TrainingStopped):
+    exit_code = EXIT_PREEMPTED
+    reason = "preempted"
+
+
+class NumericBlowUp(TrainingStopped):
+    exit_code = EXIT_DIVERGED
+    reason = "numeric_blowup"
+
+
+class StopRequest:
+    """Remembers SIGTERM / SIGUSR1 (SLURM's warning before the time limit, or preemption).
+
+    The handler only records the signal; the loop finishes its step and stops (`StepGuard`).
+    Use as a context manager: the previous handlers come back on exit. Outside the main
+    thread nothing is installed (Python allows handlers only there) and `requested` stays False.
+    """
+
+    def __init__(self) -> None:
+        self.signal_number = 0  # 0: no stop signal (yet)
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_number != 0
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signal_number = signum
+
+    def install(self) -> "StopRequest":
+        """Installs the handlers (main thread only); `__exit__` or nothing restores the old ones."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __enter__(self) -> "StopRequest":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank does after this step (the same on all of them)."""
+
+    nonfinite_loss: bool = False  # some rank's loss is NaN/inf: do not apply the update
+    stop_signal: int = 0  # a stop signal some rank got (the highest number): finish the step, checkpoint, exit 75
+    checkpoint_due: bool = False  # rank 0's clock says a time-based checkpoint is due
+
+    @property
+    def stop(self) -> bool:
+        return self.stop_signal != 0
+
+
+class StepGuard:
+    """The per-step agreement (module docstring) and the count of fp16 skips in a row.
+
+    check_loss: test the loss for NaN/inf (fp32/bf16; under fp16 the loss scaler skips such
+    steps itself). max_consecutive_skips: overflow-skipped steps in a row that end the run.
+    """
+
+    def __init__(self, device: torch.device, check_loss: bool, max_consecutive_skips: int) -> None:
+        self.device = device
+        self.check_loss = check_loss
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
+        self.last = Verdict()
+
+    def check(self, loss: torch.Tensor, stop_signal: int, checkpoint_due: bool) -> Verdict:
+        """Collective (every rank, every step): the agreed verdict for this step.
+
+        stop_signal: the signal number this rank received, 0 for none.
+        """
+        flags = torch.tensor([0.0, float(stop_signal), float(checkpoint_due)], device=self.device)
+        if self.check_loss:
+            flags[0] = (~torch.isfinite(loss.detach().float())).float()
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, signum, due = flags.tolist()  # signal numbers are small: exact in floating point
+        self.last = Verdict(nonfinite > 0, int(signum), due > 0)
+        return self.last
+
+    def count(self, applied: bool, step: int, samples: int) -> None:
+        """Counts overflow skips in a row; raises NumericBlowUp past the limit (same on all ranks)."""
+        self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise NumericBlowUp(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped for fp16 overflow "
+                f"(after step {step}, {samples} samples): the loss scale cannot recover. "
+                "Lower the learning rate, check the data, or train in bf16"
+            )
+
+
+def nonfinite_loss_error(step: int, samples: int) -> NumericBlowUp:
+    return NumericBlowUp(
+        f"the training loss is not finite (NaN or inf) on at least one rank in step {step + 1} "
+        f"(samples up to {samples}); its update was not applied. Lower the learning rate or check the "
+        "data, then resume from the checkpoint (its data position is past the offending batch)"
+    )

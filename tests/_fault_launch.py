@@ -1,0 +1,106 @@
+"""Starting instrumented trainer processes for the fault tests, and reading what they leave."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from conftest import REPO
+
+WORKER = REPO / "tests" / "_fault_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def worker_command(flags: list[str], record: Path | None = None, *instruments: str) -> list[str]:
+    rec = ["--record", str(record)] if record is not None else []
+    return [sys.executable, str(WORKER), *rec, *instruments, "--", *flags]
+
+
+def start_ranks(command: list[str], world: int, logs: Path) -> list[subprocess.Popen]:
+    """`world` processes of `command` with RANK / WORLD_SIZE set, as an MPI or srun launch gives them."""
+    logs.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = _env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+        with open(logs / f"rank{rank}.err", "w") as err:
+            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    return procs
+
+
+def start_torchrun(command: list[str], world: int, log: Path) -> subprocess.Popen:
+    """torchrun --standalone over `command` (its python script and arguments)."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc_per_node={world}", *command[1:]], cwd=REPO, env=_env(),
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def run_ranks(command: list[str], world: int, logs: Path, timeout: float = 300) -> list[int]:
+    return wait_all(start_ranks(command, world, logs), timeout)
+
+
+def losses(record: Path, rank: int = 0) -> list[dict]:
+    path = record / f"losses_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_steps(record: Path, rank: int, steps: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Blocks until `rank` has recorded `steps` training steps (fails if the processes end first)."""
+    deadline = time.monotonic() + timeout
+    while len(losses(record, rank)) < steps:
+        assert time.monotonic() < deadline, f"rank {rank} did not reach step {steps} in {timeout} s"
+        assert all(p.poll() is None for p in procs), "a process ended before training got going"
+        time.sleep(0.05)
+
+
+def pid_of(record: Path, rank: int) -> int:
+    return int((record / f"pid_rank{rank}").read_text())
+
+
+def mllog_events(path: Path) -> list[dict]:
+    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    """Bitwise equality of two (nested) state dicts."""
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        elif isinstance(a[key], dict):
+            assert_same_tensors(a[key], b[key])
+        else:
+            assert a[key] == b[key], key

@@ -1,0 +1,303 @@
+"""The fast path's parts: static packed batches, device-side metrics and optimizer, prefetch, compile.
+
+CPU tests check each part against the plain path it replaces; the CUDA-graph and varlen
+tests need a GPU and are skipped without one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+
+from mlperf_bert import fast_path
+from mlperf_bert.batch import FlatBatch, Item, Sample, flatten_items, pad_items
+from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
+from mlperf_bert.optim import ForeachLamb, ReferenceLamb, parameter_groups
+from mlperf_bert.schedule import set_lr
+
+ROW_LEN, MAX_SEQS, MAX_PREDICTIONS = 24, 3, 9
+TINY = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=32)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_sample(rng: np.random.Generator, n: int) -> Sample:
+    k = int(rng.integers(1, min(3, n - 1) + 1))
+    return Sample(
+        input_ids=rng.integers(4, TINY.vocab_size, n),
+        segment_ids=(np.arange(n) >= n // 2).astype(np.int64),
+        masked_lm_positions=np.sort(rng.choice(np.arange(1, n), size=k, replace=False)),
+        masked_lm_ids=rng.integers(4, TINY.vocab_size, k),
+        next_sentence_label=int(rng.integers(0, 2)),
+    )
+
+
+def make_rows(rng: np.random.Generator, lengths: list[tuple[int, ...]]) -> list[Item]:
+    return [tuple(make_sample(rng, n) for n in row) for row in lengths]
+
+
+# A full row (no tail), a row with a tail, a single sequence, three sequences with a tail.
+ROWS = [(10, 8, 6), (12, 5), (20,), (4, 4, 5)]
+
+
+def tiny_model(seed: int = 0) -> BertForPreTraining:
+    torch.manual_seed(seed)
+    return BertForPreTraining(TINY)
+
+
+def loss_and_grads(model: BertForPreTraining, batch: FlatBatch) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = pretraining_loss(model(batch), batch)
+    loss.total.backward()
+    return [loss.total.item(), loss.mlm.item(), loss.nsp.item()], {
+        name: p.grad.clone() for name, p in model.named_parameters()
+    }
+
+
+def test_static_packed_batch_gives_the_unpadded_loss_and_gradients():
+    items = make_rows(np.random.default_rng(1), ROWS)
+    model = tiny_model()
+    static = fast_path.static_packed_batch(items, rows=5, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+                                           max_predictions=MAX_PREDICTIONS)
+    assert int(static.seqlens().eq(0).sum()) > 0  # the batch really has empty sequences
+    flat_losses, flat_grads = loss_and_grads(model, flatten_items(items))
+    static_losses, static_grads = loss_and_grads(model, static)
+    np.testing.assert_allclose(static_losses, flat_losses, rtol=1e-6)
+    for name, grad in flat_grads.items():
+        torch.testing.assert_close(static_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_static_packed_batch_shapes_depend_only_on_the_sizes():
+    rng = np.random.default_rng(2)
+    sizes = dict(rows=4, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
+    a = fast_path.static_packed_batch(make_rows(rng, ROWS), **sizes)
+    b = fast_path.static_packed_batch(make_rows(rng, [(24,), (3, 3)]), **sizes)
+    for f in fields(FlatBatch):
+        value_a, value_b = getattr(a, f.name), getattr(b, f.name)
+        assert (value_a.shape if isinstance(value_a, torch.Tensor) else value_a) == (
+            value_b.shape if isinstance(value_b, torch.Tensor) else value_b), f.name
+    assert a.num_tokens == 4 * ROW_LEN and a.num_sequences == 4 * (MAX_SEQS + 1)
+    assert int(a.cu_seqlens[-1]) == a.num_tokens and a.masked_lm_ids.shape[0] == 4 * MAX_PREDICTIONS
+
+
+def test_static_packed_batch_keeps_rows_in_place():
+    items = make_rows(np.random.default_rng(3), ROWS)
+    static = fast_path.static_packed_batch(items, rows=4, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+                                           max_predictions=MAX_PREDICTIONS)
+    for r, item in enumerate(items):
+        row = np.concatenate([s.input_ids for s in item])
+        np.testing.assert_array_equal(static.input_ids[r * ROW_LEN : r * ROW_LEN + row.shape[0]].numpy(), row)
+    lengths = static.seqlens()
+    assert int(lengths.max()) <= ROW_LEN == static.max_seqlen
+    assert (static.next_sentence_labels != fast_path.IGNORE_INDEX).sum() == sum(len(i) for i in items)
+
+
+@pytest.mark.parametrize(
+    "rows, lengths, message",
+    [
+        (1, [(5,), (5,)], "rows=1"),
+        (2, [(5, 5, 5, 5)], "max_seqs_per_row=3"),
+        (2, [(20, 10)], "row_len=24"),
+        (2, [()], "at least one sequence"),
+    ],
+)
+def test_static_packed_batch_rejects_rows_that_do_not_fit(rows, lengths, message):
+    items = make_rows(np.random.default_rng(4), lengths)
+    with pytest.raises(ValueError, match=message):
+        fast_path.static_packed_batch(items, rows=rows, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+                                      max_predictions=MAX_PREDICTIONS)
+
+
+def test_static_packed_batch_rejects_too_many_predictions():
+    items = make_rows(np.random.default_rng(5), [(12, 12)])
+    with pytest.raises(ValueError, match="max_predictions=1"):
+        fast_path.static_packed_batch(items, rows=1, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS, max_predictions=1)
+
+
+def lamb(model: torch.nn.Module) -> ForeachLamb:
+    return ForeachLamb(parameter_groups(model, 0.01), lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                       max_grad_norm=1.0)
+
+
+def test_step_metrics_equal_eager_readings_of_the_unpadded_batches():
+    rng = np.random.default_rng(6)
+    model = tiny_model()
+    optimizer = lamb(model)
+    metrics = fast_path.StepMetrics(torch.device("cpu"))
+    eager_losses, correct, predicted = [], 0, 0
+    for _ in range(3):
+        items = make_rows(rng, ROWS)
+        flat = flatten_items(items)
+        with torch.no_grad():
+            out = model(flat)
+            eager_losses.append(pretraining_loss(out, flat).total.item())
+            correct += int((out.mlm_logits.argmax(-1) == flat.masked_lm_ids).sum())
+            predicted += flat.masked_lm_ids.numel()
+        static = fast_path.static_packed_batch(items, 4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+        metrics.update(fast_path.train_step(model, optimizer, static, "fp32"), static)
+    reading = metrics.read()
+    assert reading.steps == 3
+    assert reading.loss == pytest.approx(np.mean(eager_losses), rel=1e-6)
+    assert reading.mlm_accuracy == pytest.approx(correct / predicted)
+    assert reading.loss == pytest.approx(reading.mlm_loss + reading.nsp_loss, rel=1e-6)
+    with pytest.raises(RuntimeError, match="before any update"):
+        metrics.read()  # a read starts a new window
+
+
+def test_capturable_lamb_steps_like_foreach_lamb_with_a_device_lr():
+    rng = np.random.default_rng(7)
+    plain_model, graph_model = tiny_model(), tiny_model()
+    plain = lamb(plain_model)
+    twin = fast_path.capturable(lamb(graph_model))
+    assert all(isinstance(g["lr"], torch.Tensor) for g in twin.param_groups)
+    for step in range(4):
+        batch = flatten_items(make_rows(rng, ROWS))
+        for model, optimizer in ((plain_model, plain), (graph_model, twin)):
+            set_lr(optimizer, 1e-3 * (step + 1))
+            fast_path.train_step(model, optimizer, batch, "fp32")
+    for (name, p), q in zip(plain_model.named_parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-8, msg=name)
+    assert [float(g["step"]) for g in twin.param_groups] == [g["step"] for g in plain.param_groups]
+
+
+def test_capturable_names_the_fix_for_other_optimizers():
+    model = tiny_model()
+    reference = ReferenceLamb(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="implementation 'foreach'"):
+        fast_path.capturable(reference)
+
+
+def test_device_lr_makes_set_lr_fill_a_tensor():
+    optimizer = lamb(tiny_model())
+    fast_path.device_lr(optimizer, torch.device("cpu"))
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    set_lr(optimizer, 0.25)
+    assert all(g["lr"] is lr and float(lr) == 0.25 for g, lr in zip(optimizer.param_groups, lrs))
+
+
+def batches_equal(a, b) -> bool:
+    return all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for f in fields(a) for x, y in [(getattr(a, f.name), getattr(b, f.name))]
+    )
+
+
+def test_prefetcher_yields_the_same_batches_in_order():
+    rng = np.random.default_rng(8)
+    flat = [flatten_items(make_rows(rng, ROWS)) for _ in range(3)]
+    padded = [pad_items(make_rows(rng, [(5,), (9,)]), ROW_LEN, MAX_PREDICTIONS) for _ in range(2)]
+    for batches in (flat, padded):
+        got = list(fast_path.DevicePrefetcher(iter(batches), "cpu", pin_memory=False))
+        assert len(got) == len(batches) and all(batches_equal(g, b) for g, b in zip(got, batches))
+    assert list(fast_path.DevicePrefetcher([], "cpu")) == []
+
+
+def test_compile_model_keeps_the_loss_and_gradients():
+    items = make_rows(np.random.default_rng(9), ROWS)
+    batch = flatten_items(items)
+    eager = tiny_model()
+    compiled = fast_path.compile_model(copy.deepcopy(eager), mode="default", backend="aot_eager")
+    eager_losses, eager_grads = loss_and_grads(eager, batch)
+    compiled_losses, compiled_grads = loss_and_grads(compiled, batch)
+    np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-5)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compile_model_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="compile mode"):
+        fast_path.compile_model(tiny_model(), mode="reduce-overhead")
+
+
+def test_graphed_step_refuses_fp16_and_plain_optimizers():
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            fast_path.GraphedTrainStep(tiny_model(), lamb(tiny_model()), flatten_items(make_rows(
+                np.random.default_rng(10), ROWS)))
+        return
+    model = tiny_model().cuda()
+    example = fast_path.static_packed_batch(make_rows(np.random.default_rng(10), ROWS), 4, ROW_LEN, MAX_SEQS,
+                                            MAX_PREDICTIONS)
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        fast_path.GraphedTrainStep(model, fast_path.capturable(lamb(model)), example, precision="fp16")
+    with pytest.raises(ValueError, match="capturable"):
+        fast_path.GraphedTrainStep(model, lamb(model), example)
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+def static_batches(seed: int, count: int, rows: int = 4) -> list[FlatBatch]:
+    rng = np.random.default_rng(seed)
+    return [fast_path.static_packed_batch(make_rows(rng, ROWS), rows, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+            for _ in range(count)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_step_matches_the_eager_step():
+    batches = static_batches(11, 4)
+    eager_model, graph_model = tiny_model().cuda(), tiny_model().cuda()
+    eager_opt = fast_path.capturable(lamb(eager_model))
+    graphed = fast_path.GraphedTrainStep(graph_model, fast_path.capturable(lamb(graph_model)), batches[0],
+                                         precision="fp32")
+    for step, batch in enumerate(batches):
+        set_lr(eager_opt, 1e-3 * (step + 1))
+        set_lr(graphed.optimizer, 1e-3 * (step + 1))
+        eager = fast_path.train_step(eager_model, eager_opt, batch.to("cuda"), "fp32")
+        replayed = graphed(batch.pin_memory())
+        torch.testing.assert_close(replayed.loss.total, eager.loss.total, rtol=1e-5, atol=1e-6)
+    for p, q in zip(eager_model.parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_varlen_attention_handles_the_static_batch():
+    from mlperf_bert.attention import _flash_attn_varlen, _torch_varlen
+
+    if _flash_attn_varlen() is None and _torch_varlen() is None:
+        pytest.skip("no varlen attention kernel in this environment")
+    batch = static_batches(12, 1)[0].to("cuda")
+    sdpa = tiny_model().cuda()
+    varlen = BertForPreTraining(TINY, attention_backend="varlen").cuda()
+    varlen.load_state_dict(sdpa.state_dict())
+    with fast_path.autocast(torch.device("cuda"), "bf16"):
+        expected = pretraining_loss(sdpa(batch), batch).total.float()
+        got = pretraining_loss(varlen(batch), batch).total.float()
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prefetcher_pins_and_copies_on_a_side_stream():
+    batches = static_batches(13, 3)
+    got = list(fast_path.DevicePrefetcher(batches, "cuda"))
+    assert all(g.input_ids.is_cuda and batches_equal(g.to("cpu"), b) for g, b in zip(got, batches))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_bf16_loss_curve_stays_within_one_percent_of_fp32_eager():
+    """The numerics target: 50 steps on the same data, bf16 CUDA graph vs the fp32 reference path."""
+    cfg = BertConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     intermediate_size=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    reference = BertForPreTraining(cfg).cuda()
+    fast = copy.deepcopy(reference)
+    rng = np.random.default_rng(14)
+    lengths = [tuple(int(x) for x in rng.integers(5, 8, size=3)) for _ in range(8)]
+    batches = [fast_path.static_packed_batch(make_rows(rng, lengths), 8, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+               for _ in range(50)]
+    ref_opt = lamb(reference)
+    graphed = fast_path.GraphedTrainStep(fast, fast_path.capturable(lamb(fast)), batches[0], precision="bf16")
+    ref_curve, fast_curve = [], []
+    for batch in batches:
+        ref_curve.append(fast_path.train_step(reference, ref_opt, batch.to("cuda"), "fp32").loss.total.item())
+        fast_curve.append(graphed(batch).loss.total.item())
+    np.testing.assert_allclose(fast_curve, ref_curve, rtol=0.01)

@@ -1,0 +1,162 @@
+"""Run checkpoints: a resumed run continues bitwise like the uninterrupted one; files are safe."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
+from conftest import trainer_args
+from mlperf_bert.distributed import DistEnv
+from mlperf_bert.train_checkpoint import (
+    FORMAT,
+    Checkpointer,
+    ResumeError,
+    TrainingParts,
+    choose_resume,
+    list_checkpoints,
+    read_checkpoint,
+    restore,
+    rng_state,
+    set_rng_state,
+    write_atomic,
+)
+
+SINGLE = DistEnv(0, 1, 0, 1, "127.0.0.1", 0)
+
+
+def _flags(demo_data: Path, out: Path, *extra: str) -> list[str]:
+    # 8 steps of 8 samples; evals at 24, 48 and 64 (max_steps); checkpoints every 16 samples.
+    return trainer_args(demo_data, out, "--do_train", "--max_steps", "8", "--eval_iter_samples", "24",
+                        "--checkpoint_every_samples", "16", "--keep_checkpoints", "10", *extra)
+
+
+def _evals(log: Path) -> list[tuple[int, float, float]]:
+    events = mllog_events(log)
+    accuracy = {e["metadata"]["epoch_num"]: e["value"] for e in events if e["key"] == "eval_accuracy"}
+    loss = {e["metadata"]["epoch_num"]: e["value"] for e in events if e["key"] == "eval_loss"}
+    return sorted((samples, accuracy[samples], loss[samples]) for samples in accuracy)
+
+
+@pytest.mark.slow
+def test_resumed_run_matches_the_uninterrupted_run_bitwise(demo_data, tmp_path):
+    assert json.loads((demo_data / "bert_config.json").read_text())["hidden_dropout_prob"] > 0  # RNG matters
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert run_ranks(worker_command(_flags(demo_data, full), full / "rec"), 1, full / "logs") == [0]
+    assert [p.name for p in list_checkpoints(full / "checkpoints")] == [
+        f"ckpt-{s:012d}.pt" for s in (16, 32, 48, 64)]
+    # 48 samples is also an eval point: the checkpoint precedes that eval, so the resumed run owes it.
+    start = full / "checkpoints" / "ckpt-000000000048.pt"
+    flags = _flags(demo_data, resumed, "--resume_from_checkpoint", str(start))
+    assert run_ranks(worker_command(flags, resumed / "rec"), 1, resumed / "logs") == [0]
+
+    assert losses(resumed / "rec") == losses(full / "rec")[6:]  # steps 7 and 8, exact floats
+    final_full, final_resumed = (load_checkpoint(d / "checkpoints" / "ckpt-000000000064.pt") for d in (full, resumed))
+    for part in ("model", "optimizer"):
+        assert_same_tensors(final_full[part], final_resumed[part])
+    assert final_full["train_state"] == final_resumed["train_state"]
+    assert final_resumed["run"]["attempt"] == 2
+    assert _evals(resumed / "mlperf.log") == [e for e in _evals(full / "mlperf.log") if e[0] >= 48]
+
+    keys = [e["key"] for e in mllog_events(resumed / "mlperf.log")]
+    assert "run_start" not in keys and keys.count("resumed_from_checkpoint") == 1  # never a timing result
+    event = next(e for e in mllog_events(resumed / "mlperf.log") if e["key"] == "resumed_from_checkpoint")
+    assert event["value"] == str(start) and event["metadata"]["epoch_num"] == 48 and event["metadata"]["step"] == 6
+
+
+def _parts(seed: int = 0) -> TrainingParts:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return TrainingParts(model, optimizer)
+
+
+def _save(checkpointer: Checkpointer, parts: TrainingParts, samples: int) -> Path:
+    state = {"step": samples // 8, "samples": samples, "skipped_steps": 0, "evals": [(8, 0.5)]}
+    return checkpointer.save(parts, state, {"epoch": 0, "step": samples // 8}, "periodic")
+
+
+def test_only_the_newest_checkpoints_are_kept_and_auto_picks_the_newest(tmp_path):
+    parts, folder = _parts(), tmp_path / "ckpts"
+    checkpointer = Checkpointer(folder, 2, SINGLE, torch.device("cpu"), every_samples=16)
+    for samples in (16, 32, 48, 64, 80):
+        _save(checkpointer, parts, samples)
+    (folder / ".ckpt-000000000096.pt.123.tmp").write_bytes(b"torn")  # a crashed write
+    assert [p.name for p in list_checkpoints(folder)] == ["ckpt-000000000064.pt", "ckpt-000000000080.pt"]
+    assert choose_resume("auto", folder, SINGLE) == folder / "ckpt-000000000080.pt"
+    assert choose_resume("auto", tmp_path / "none_yet", SINGLE) is None
+    assert checkpointer.samples_due(8, 16) and checkpointer.samples_due(15, 23) and not checkpointer.samples_due(16, 24)
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt-000000000016.pt"
+    write_atomic({"value": torch.ones(3)}, path)
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic({"value": torch.zeros(3)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["value"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary file left behind
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("open(__import__('os').environ['MARKER'], 'w').close()",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    marker = tmp_path / "code_ran"
+    monkeypatch.setenv("MARKER", str(marker))
+    path = tmp_path / "ckpt-000000000008.pt"
+    torch.save({"format": FORMAT, "version": 1, "payload": _RunsCode()}, path)
+    with pytest.raises(ResumeError, match="cannot read the checkpoint"):
+        read_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_restores_into_a_fresh_run_and_refuses_other_world_sizes(tmp_path):
+    parts = _parts(seed=1)
+    checkpointer = Checkpointer(tmp_path, 3, SINGLE, torch.device("cpu"))
+    path = _save(checkpointer, parts, 16)
+    fresh = _parts(seed=2)
+    ckpt = read_checkpoint(path)
+    restore(fresh, ckpt, path, SINGLE, torch.device("cpu"))
+    assert_same_tensors(fresh.model.state_dict(), parts.model.state_dict())
+    assert_same_tensors(fresh.optimizer.state_dict()["state"], parts.optimizer.state_dict()["state"])
+    two = DistEnv(0, 2, 0, 2, "127.0.0.1", 0)
+    with pytest.raises(ResumeError, match="written by 1 ranks, this run has 2"):
+        restore(fresh, ckpt, path, two, torch.device("cpu"))
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(5)
+    np.random.seed(6)
+    random.seed(7)
+    np.random.normal()  # leaves a cached Gaussian in numpy's state
+    write_atomic({"rng": [rng_state(torch.device("cpu"))]}, tmp_path / "rng.pt")
+    expected = (torch.rand(4), np.random.normal(size=3), np.random.rand(2), random.random(), random.gauss(0, 1))
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"][0], torch.device("cpu"))
+    again = (torch.rand(4), np.random.normal(size=3), np.random.rand(2), random.random(), random.gauss(0, 1))
+    assert torch.equal(expected[0], again[0])
+    for a, b in zip(expected[1:], again[1:]):
+        assert np.array_equal(a, b)
+
+
+def test_resume_needs_a_readable_run_checkpoint(tmp_path):
+    init_style = tmp_path / "init.pt"
+    torch.save({"model": {"w": torch.ones(1)}}, init_style)
+    with pytest.raises(ResumeError, match="not a run checkpoint"):
+        read_checkpoint(init_style)
+    with pytest.raises(ResumeError, match="not found on this rank"):
+        read_checkpoint(tmp_path / "missing.pt")

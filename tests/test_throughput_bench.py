@@ -1,0 +1,183 @@
+"""benchmarks/throughput.py: its synthetic data and its tiny CPU run, as a user runs it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import REPO, run_cli
+from mlperf_bert import flops
+from mlperf_bert.batch import flatten_items, pad_items
+from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
+
+SCRIPT = REPO / "benchmarks" / "throughput.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("throughput_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("throughput") / "tiny.json"
+    result = run_cli([sys.executable, str(SCRIPT), "--config", "tiny", "--device", "cpu", "--steps", "2",
+                      "--warmup", "1", "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(out.read_text())
+
+
+def test_tiny_cpu_run_reports_every_layout_with_positive_rates(tiny_run):
+    results = {r["layout"]: r for r in tiny_run["results"]}
+    assert set(results) == {"padded", "unpadded", "packed", "hf_padded"}
+    assert tiny_run["peak_tflops"] > 0 and tiny_run["peak_dtype"] == "float32"
+    for r in results.values():
+        assert r["status"] == "ok", r
+        assert r["steps"] == 2 and r["sequences_per_s"] > 0 and r["useful_tflops"] > 0
+        assert r["utilisation"] == pytest.approx(r["useful_tflops"] / tiny_run["peak_tflops"], rel=1e-6)
+        assert r["speedup_vs_hf"] == pytest.approx(r["sequences_per_s"] / results["hf_padded"]["sequences_per_s"])
+
+
+def test_tiny_cpu_run_times_the_same_work_in_every_layout(tiny_run):
+    results = tiny_run["results"]
+    assert len({(r["sequences"], r["tokens"], r["useful_flop"]) for r in results}) == 1
+    for r in results:
+        assert r["tokens_per_s"] / r["sequences_per_s"] == pytest.approx(r["tokens"] / r["sequences"])
+        assert r["sequences"] >= tiny_run["rows_per_step"] * r["steps"]  # at least one sequence per packed row
+
+
+def test_tiny_cpu_run_starts_from_the_uniform_loss(tiny_run):
+    """Freshly initialised models predict uniformly: loss ~ ln(vocab) + ln(2) in every layout."""
+    uniform = math.log(tiny_run["bert"]["vocab_size"]) + math.log(2)
+    for r in tiny_run["results"]:
+        assert abs(r["loss"] - uniform) < 0.5, r
+
+
+def test_synthetic_rows_follow_the_packed_shard_limits_and_the_masking_rule(bench):
+    cfg = bench.CONFIGS["tiny"]
+    steps = bench.synthetic_steps(cfg, seed=3)
+    assert len(steps) == cfg.warmup + cfg.steps and all(len(rows) == cfg.rows for rows in steps)
+    for row in (row for rows in steps for row in rows):
+        assert 1 <= len(row) <= bench.SEQS_PER_ROW and sum(s.length for s in row) <= cfg.max_seq_length
+        for s in row:
+            sep = np.flatnonzero(s.input_ids == bench.SEP)
+            assert s.input_ids[0] == bench.CLS and sep[-1] == s.length - 1
+            assert s.masked_lm_positions.shape[0] == flops.masked_count(np.array([s.length]), cfg.max_predictions)[0]
+            assert set(s.masked_lm_positions).isdisjoint({0, *sep})
+            assert (s.input_ids[s.masked_lm_positions] == bench.MASK).all() and (s.masked_lm_ids >= bench.FIRST_TOKEN).all()
+
+
+def test_synthetic_lengths_follow_the_rescaled_histogram(bench):
+    counts = bench.length_histogram(64)
+    assert counts.shape == (64,) and counts.sum() == flops_histogram_total()
+    strategies, probs = bench.row_strategies(64)
+    rng = np.random.default_rng(0)
+    picks = rng.choice(len(strategies), size=20000, p=probs)
+    lengths = np.concatenate([np.array(strategies[j]) for j in picks])
+    expected_mean = (np.arange(1, 65) * counts).sum() / counts.sum()
+    assert lengths.mean() == pytest.approx(expected_mean, rel=0.02)
+    assert (lengths == 64).mean() == pytest.approx(counts[-1] / counts.sum(), abs=0.02)
+
+
+def flops_histogram_total() -> int:
+    from mlperf_bert.packing import load_length_histogram
+
+    return int(load_length_histogram().sum())
+
+
+def test_hf_labels_hold_the_masked_tokens_only(bench):
+    cfg = bench.CONFIGS["tiny"]
+    seqs = [s for row in bench.synthetic_steps(cfg, seed=4)[0] for s in row]
+    padded = pad_items([(s,) for s in seqs], cfg.max_seq_length, cfg.max_predictions)
+    hf = bench.HFBatch.of(padded)
+    for i, s in enumerate(seqs):
+        expected = torch.full((cfg.max_seq_length,), -100, dtype=torch.int64)
+        expected[torch.from_numpy(s.masked_lm_positions)] = torch.from_numpy(s.masked_lm_ids)
+        assert torch.equal(hf.labels[i], expected)
+    assert torch.equal(hf.attention_mask.sum(1), torch.tensor([s.length for s in seqs]))
+
+
+def test_unknown_layout_is_named(bench):
+    with pytest.raises(SystemExit, match="unknown \\['fast'\\]"):
+        bench.build_context(bench.parse_args(["--config", "tiny", "--device", "cpu", "--layouts", "padded,fast"]))
+
+
+# ---------------------------------------------------------------- the FLOP formula
+
+TINY_BERT = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def counted_training_flops(model: BertForPreTraining, items: list) -> int:
+    """Matrix-multiply FLOP of forward + backward as torch's FlopCounterMode sees them.
+
+    The math SDPA back-end runs attention as bmm's the counter can see; a vocabulary that
+    is a multiple of 8 makes the decoder's padded vocabulary the real one.
+    """
+    batch = flatten_items(items)
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        pretraining_loss(model(batch), batch).total.backward()
+    return counter.get_total_flops()
+
+
+def lengths_and_masked(items: list) -> tuple[np.ndarray, np.ndarray]:
+    seqs = [s for item in items for s in item]
+    return np.array([s.length for s in seqs]), np.array([s.masked_lm_positions.shape[0] for s in seqs])
+
+
+def single_sequences(bench, seed: int, lengths: list[int]) -> list:
+    rng = np.random.default_rng(seed)
+    return [(bench.synthetic_sample(rng, n, TINY_BERT.vocab_size, 10),) for n in lengths]
+
+
+def test_formula_equals_torch_flop_counter_on_equal_lengths(bench):
+    torch.manual_seed(0)
+    model = BertForPreTraining(TINY_BERT)
+    items = single_sequences(bench, 0, [12, 12, 12])
+    shape = flops.ModelShape.of(TINY_BERT)
+    assert flops.training_flops(shape, *lengths_and_masked(items)) == counted_training_flops(model, items)
+
+
+def test_formula_counts_attention_per_sequence_not_per_padded_grid(bench):
+    torch.manual_seed(0)
+    model = BertForPreTraining(TINY_BERT)
+    items = single_sequences(bench, 1, [5, 9, 40])
+    per_sequence = sum(counted_training_flops(model, [item]) for item in items)
+    assert flops.training_flops(flops.ModelShape.of(TINY_BERT), *lengths_and_masked(items)) == per_sequence
+    assert counted_training_flops(model, items) > per_sequence  # the SDPA grid pads to the longest
+
+
+def test_formula_by_hand_for_one_small_sequence():
+    shape = flops.ModelShape(hidden=8, layers=1, intermediate=16, vocab_size=16)
+    encoder = 2 * 4 * (4 * 8 * 8 + 2 * 8 * 16)  # 4 tokens, QKV + output (4 h^2) and FFN (2 h i)
+    attention = 4 * 4 * 4 * 8  # 4 L s^2 h
+    pooler_nsp = 2 * (8 * 8 + 2 * 8)
+    mlm = 2 * 1 * (8 * 8 + 8 * 16)  # one masked position
+    assert flops.training_flops(shape, np.array([4]), np.array([1])) == 3 * (encoder + attention + pooler_nsp + mlm)
+
+
+def test_bert_large_costs_about_500_gflop_per_wikipedia_sequence():
+    """REFERENCE.md: ~500 GFLOP of training per real sequence; 790 TFLOP/s -> ~1,580 sequences/s."""
+    from mlperf_bert.packing import load_length_histogram
+
+    per_sequence = flops.expected_training_flops(flops.ModelShape.of(BertConfig(vocab_size=30522)),
+                                                 load_length_histogram())
+    assert per_sequence == pytest.approx(500e9, rel=0.01)
+    assert 790e12 / per_sequence == pytest.approx(1580, rel=0.01)
+
+
+def test_masked_count_follows_the_dataset_rule():
+    assert flops.masked_count(np.array([5, 100, 512, 600])).tolist() == [1, 15, 76, 76]
