@@ -183,11 +183,11 @@ def table(gathered: dict[str, list[list[dict]]], c: float) -> list[str]:
         local = [_rank_norm(s["local"]) for steps in ranks for s in steps]
         averaged = [_rank_norm(s["averaged"].values()) for s in ranks[0]]
         chosen = decisions(mode, ranks, c)
-        share = f"{chosen.clipped_share:.0%}"
-        if mode == "none":
-            share = f"none (after_allreduce's rule would clip {share})"
+        share, coefficient = f"{chosen.clipped_share:.0%}", f"{chosen.mean_coefficient:.3f}"
+        if mode == "none":  # what after_allreduce's rule would do to this run's gradients
+            share, coefficient = f"none (after_allreduce's rule: {share})", f"none ({coefficient})"
         rows.append(f"| {mode} | {len(ranks[0])} | {len(ranks[0][-1]['local'])} | {_median_p90(local)} | "
-                    f"{_median_p90(averaged)} | {share} | {chosen.mean_coefficient:.3f} |")
+                    f"{_median_p90(averaged)} | {share} | {coefficient} |")
     return rows
 
 

@@ -233,12 +233,12 @@ def per_seed_table(outcomes: Sequence[RunOutcome], modes: Sequence[str]) -> list
 
 def render(outcomes: Sequence[RunOutcome], modes: Sequence[str], setup: StudySetup) -> str:
     """The generated part of the study document: how it was run, then one section per max_grad_norm."""
-    interval = setup.eval_iter_samples or "the config's"
+    evals = f"an eval every {setup.eval_iter_samples} samples" if setup.eval_iter_samples else "the config's evals"
     lines = [
         "Command:", "", "    " + shlex.join(["python", "benchmarks/clip_study.py", *sys.argv[1:]]), "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; torch {torch.__version__}, "
         f"Python {platform.python_version()}. Date: {datetime.date.today().isoformat()}.",
-        f"Config: `{setup.config.name}` (2 processes, gloo), eval every {interval} samples; "
+        f"Config: `{setup.config.name}` (2 processes, gloo), {evals}; "
         "samples to target are those of the first eval at or above the target.",
     ]
     for norm in sorted({o.max_grad_norm for o in outcomes}):

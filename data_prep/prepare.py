@@ -110,8 +110,22 @@ def cmd_pack(args: argparse.Namespace) -> None:
     pack_dataset(list_shards(args.input), args.out, _pack_params(args))
 
 
+def _strata_bounds(args: argparse.Namespace) -> tuple[int, ...]:
+    """--strata_bounds, or the four quarters of --max_seq_length (128/256/384/512 at 512)."""
+    if not args.strata_bounds:
+        return tuple(args.max_seq_length * k // 4 for k in range(1, 5))
+    try:
+        bounds = tuple(int(b) for b in args.strata_bounds.split(","))
+    except ValueError as err:
+        raise SystemExit(f"--strata_bounds must be comma-separated integers, got {args.strata_bounds!r}") from err
+    if list(bounds) != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] != args.max_seq_length:
+        raise SystemExit(f"--strata_bounds must increase and end at --max_seq_length {args.max_seq_length}; "
+                         f"got {args.strata_bounds}")
+    return bounds
+
+
 def _stratify_params(args: argparse.Namespace) -> StratifyParams:
-    return StratifyParams(shards_per_stratum=args.shards_per_stratum, fmt=args.format,
+    return StratifyParams(bounds=_strata_bounds(args), shards_per_stratum=args.shards_per_stratum, fmt=args.format,
                           max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
                           compression=args.compression)
 
@@ -194,6 +208,8 @@ def _pack_args(p: argparse.ArgumentParser) -> None:
 def _stratify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("varlength", "fixed"), default="varlength")
     p.add_argument("--shards_per_stratum", type=int, help="default: as many as input shards")
+    p.add_argument("--strata_bounds", help="upper length bound of each stratum, comma-separated "
+                                           "(default: the quarters of --max_seq_length, 128,256,384,512)")
 
 
 def _run_verify(args: argparse.Namespace) -> None:

@@ -19,7 +19,8 @@ from mlperf_bert.cli import build_parser, config_from_args  # noqa: E402
 from mlperf_bert.config import ConfigError  # noqa: E402
 from mlperf_bert.data import DataError  # noqa: E402
 from mlperf_bert.distributed import dist_env_from, init_distributed, shutdown  # noqa: E402
-from mlperf_bert.faults import EXIT_BAD_INPUT, StopRequest, TrainingStopped  # noqa: E402
+from mlperf_bert.faults import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED  # noqa: E402
+from mlperf_bert.faults import StopRequest, TrainingStopped  # noqa: E402
 from mlperf_bert.liveness import LostRank, watch_ranks  # noqa: E402
 from mlperf_bert.trainer import resolve_device, run  # noqa: E402
 
@@ -68,7 +69,20 @@ def _train(args: argparse.Namespace, stop: StopRequest) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Ends the process at once with `code` (after flushing) when the run stopped early.
+
+    All ranks leave together after their checkpoint; a launcher (torchrun, srun
+    --kill-on-bad-exit) kills the others as soon as the first exits non-zero, and Python's
+    teardown would give such a kill time to replace the exit code 75 or 3. Nothing is left to
+    clean up: the checkpoint and the MLPerf log are written and the process group is closed.
+    """
+    if code in (EXIT_PREEMPTED, EXIT_DIVERGED):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    # The handlers stay until the process ends: a launcher's SIGTERM to the other ranks after one
-    # exits 75 must not turn their own 75 into a kill.
-    sys.exit(main(stop=StopRequest().install()))
+    exit_now(main(stop=StopRequest().install()))  # the handlers stay installed until the end

@@ -94,13 +94,18 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def assert_same_tensors(a: dict, b: dict) -> None:
-    """Bitwise equality of two (nested) state dicts."""
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
-        elif isinstance(a[key], dict):
-            assert_same_tensors(a[key], b[key])
-        else:
-            assert a[key] == b[key], key
+def assert_same_tensors(a: object, b: object, where: str = "") -> None:
+    """Bitwise equality of two nested state dicts (dicts, lists, tensors, plain values)."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where

@@ -76,10 +76,10 @@ def test_static_packed_batch_shapes_depend_only_on_the_sizes():
     sizes = dict(rows=4, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
     a = fast_path.static_packed_batch(make_rows(rng, ROWS), **sizes)
     b = fast_path.static_packed_batch(make_rows(rng, [(24,), (3, 3)]), **sizes)
+    example = fast_path.example_static_batch(**sizes)
     for f in fields(FlatBatch):
-        value_a, value_b = getattr(a, f.name), getattr(b, f.name)
-        assert (value_a.shape if isinstance(value_a, torch.Tensor) else value_a) == (
-            value_b.shape if isinstance(value_b, torch.Tensor) else value_b), f.name
+        shapes = {v.shape if isinstance(v, torch.Tensor) else v for v in (getattr(x, f.name) for x in (a, b, example))}
+        assert len(shapes) == 1, f.name
     assert a.num_tokens == 4 * ROW_LEN and a.num_sequences == 4 * (MAX_SEQS + 1)
     assert int(a.cu_seqlens[-1]) == a.num_tokens and a.masked_lm_ids.shape[0] == 4 * MAX_PREDICTIONS
 
@@ -164,6 +164,24 @@ def test_capturable_lamb_steps_like_foreach_lamb_with_a_device_lr():
     assert [float(g["step"]) for g in twin.param_groups] == [g["step"] for g in plain.param_groups]
 
 
+def test_snapshot_undoes_training_steps_in_place():
+    rng = np.random.default_rng(15)
+    batches = [flatten_items(make_rows(rng, ROWS)) for _ in range(3)]
+    model, fresh = tiny_model(), tiny_model()
+    optimizer, fresh_optimizer = fast_path.capturable(lamb(model)), fast_path.capturable(lamb(fresh))
+    snapshot = fast_path.TrainingSnapshot(model, optimizer)
+    weights = [p.data_ptr() for p in model.parameters()]
+    for batch in batches[:2]:  # the warm-up a graph capture would do
+        fast_path.train_step(model, optimizer, batch, "fp32")
+    snapshot.restore()
+    assert [p.data_ptr() for p in model.parameters()] == weights
+    fast_path.train_step(model, optimizer, batches[2], "fp32")
+    fast_path.train_step(fresh, fresh_optimizer, batches[2], "fp32")
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert [float(g["step"]) for g in optimizer.param_groups] == [1.0] * len(optimizer.param_groups)
+
+
 def test_capturable_names_the_fix_for_other_optimizers():
     model = tiny_model()
     reference = ReferenceLamb(model.parameters(), lr=1e-3)
@@ -213,19 +231,12 @@ def test_compile_model_rejects_unknown_modes():
         fast_path.compile_model(tiny_model(), mode="reduce-overhead")
 
 
-def test_graphed_step_refuses_fp16_and_plain_optimizers():
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="needs a CUDA device"):
-            fast_path.GraphedTrainStep(tiny_model(), lamb(tiny_model()), flatten_items(make_rows(
-                np.random.default_rng(10), ROWS)))
-        return
-    model = tiny_model().cuda()
-    example = fast_path.static_packed_batch(make_rows(np.random.default_rng(10), ROWS), 4, ROW_LEN, MAX_SEQS,
-                                            MAX_PREDICTIONS)
-    with pytest.raises(ValueError, match="bf16 or fp32"):
-        fast_path.GraphedTrainStep(model, fast_path.capturable(lamb(model)), example, precision="fp16")
-    with pytest.raises(ValueError, match="capturable"):
-        fast_path.GraphedTrainStep(model, lamb(model), example)
+def test_graphed_step_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        fast_path.GraphedTrainStep(model, fast_path.capturable(lamb(model)), static_batches(10, 1)[0])
 
 
 # ---------------------------------------------------------------- GPU only
@@ -239,11 +250,23 @@ def static_batches(seed: int, count: int, rows: int = 4) -> list[FlatBatch]:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_graphed_step_refuses_fp16_and_plain_optimizers():
+    model = tiny_model().cuda()
+    example = static_batches(10, 1)[0]
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        fast_path.GraphedTrainStep(model, fast_path.capturable(lamb(model)), example, precision="fp16")
+    with pytest.raises(ValueError, match="capturable"):
+        fast_path.GraphedTrainStep(model, lamb(model), example)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_graphed_step_matches_the_eager_step():
     batches = static_batches(11, 4)
     eager_model, graph_model = tiny_model().cuda(), tiny_model().cuda()
     eager_opt = fast_path.capturable(lamb(eager_model))
-    graphed = fast_path.GraphedTrainStep(graph_model, fast_path.capturable(lamb(graph_model)), batches[0],
+    example = fast_path.example_static_batch(4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)  # captured, then undone
+    graphed = fast_path.GraphedTrainStep(graph_model, fast_path.capturable(lamb(graph_model)), example,
                                          precision="fp32")
     for step, batch in enumerate(batches):
         set_lr(eager_opt, 1e-3 * (step + 1))

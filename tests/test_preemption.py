@@ -26,7 +26,7 @@ from _fault_launch import (
     worker_command,
 )
 from conftest import REPO, trainer_args
-from mlperf_bert.faults import EXIT_PREEMPTED
+from mlperf_bert.faults import EXIT_PREEMPTED, StopRequest
 
 FAKES = REPO / "tests" / "fakes"
 
@@ -149,3 +149,12 @@ def test_run_sub_requeues_a_preempted_run_and_the_next_attempt_resumes_it(tmp_pa
     both = (logs / "first_1.log").read_text()
     assert "attempt 1 of run 1, rank 0: preempted" in both and "rank 0: run finished" in both  # appended
     assert not list(logs.glob(".resume_*"))
+
+
+def test_a_stop_request_records_the_signal_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.signal_number == signal.SIGUSR1 and stop.requested
+    assert signal.getsignal(signal.SIGUSR1) is before

@@ -92,6 +92,8 @@ def test_only_the_newest_checkpoints_are_kept_and_auto_picks_the_newest(tmp_path
     assert [p.name for p in list_checkpoints(folder)] == ["ckpt-000000000064.pt", "ckpt-000000000080.pt"]
     assert choose_resume("auto", folder, SINGLE) == folder / "ckpt-000000000080.pt"
     assert choose_resume("auto", tmp_path / "none_yet", SINGLE) is None
+    (folder / "ckpt-1000000000000.pt").write_bytes(b"")  # 13 digits: ordered by number, not by name
+    assert list_checkpoints(folder)[-1].name == "ckpt-1000000000000.pt"
     assert checkpointer.samples_due(8, 16) and checkpointer.samples_due(15, 23) and not checkpointer.samples_due(16, 24)
 
 

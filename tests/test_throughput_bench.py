@@ -17,6 +17,7 @@ from conftest import REPO, run_cli
 from mlperf_bert import flops
 from mlperf_bert.batch import flatten_items, pad_items
 from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
+from mlperf_bert.packing import load_length_histogram
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 
@@ -76,12 +77,13 @@ def test_synthetic_rows_follow_the_packed_shard_limits_and_the_masking_rule(benc
             assert s.input_ids[0] == bench.CLS and sep[-1] == s.length - 1
             assert s.masked_lm_positions.shape[0] == flops.masked_count(np.array([s.length]), cfg.max_predictions)[0]
             assert set(s.masked_lm_positions).isdisjoint({0, *sep})
-            assert (s.input_ids[s.masked_lm_positions] == bench.MASK).all() and (s.masked_lm_ids >= bench.FIRST_TOKEN).all()
+            assert (s.input_ids[s.masked_lm_positions] == bench.MASK).all()
+            assert (s.masked_lm_ids >= bench.FIRST_TOKEN).all()
 
 
 def test_synthetic_lengths_follow_the_rescaled_histogram(bench):
     counts = bench.length_histogram(64)
-    assert counts.shape == (64,) and counts.sum() == flops_histogram_total()
+    assert counts.shape == (64,) and counts.sum() == load_length_histogram().sum()
     strategies, probs = bench.row_strategies(64)
     rng = np.random.default_rng(0)
     picks = rng.choice(len(strategies), size=20000, p=probs)
@@ -89,12 +91,6 @@ def test_synthetic_lengths_follow_the_rescaled_histogram(bench):
     expected_mean = (np.arange(1, 65) * counts).sum() / counts.sum()
     assert lengths.mean() == pytest.approx(expected_mean, rel=0.02)
     assert (lengths == 64).mean() == pytest.approx(counts[-1] / counts.sum(), abs=0.02)
-
-
-def flops_histogram_total() -> int:
-    from mlperf_bert.packing import load_length_histogram
-
-    return int(load_length_histogram().sum())
 
 
 def test_hf_labels_hold_the_masked_tokens_only(bench):
@@ -171,8 +167,6 @@ def test_formula_by_hand_for_one_small_sequence():
 
 def test_bert_large_costs_about_500_gflop_per_wikipedia_sequence():
     """REFERENCE.md: ~500 GFLOP of training per real sequence; 790 TFLOP/s -> ~1,580 sequences/s."""
-    from mlperf_bert.packing import load_length_histogram
-
     per_sequence = flops.expected_training_flops(flops.ModelShape.of(BertConfig(vocab_size=30522)),
                                                  load_length_histogram())
     assert per_sequence == pytest.approx(500e9, rel=0.01)

@@ -117,7 +117,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 
 def _fault_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and faults (docs/FAULTS.md)")
-    g.add_argument("--checkpoint_dir", help="run checkpoints; must be inside --output_dir (default OUTPUT_DIR/checkpoints)")
+    g.add_argument("--checkpoint_dir",
+                   help="run checkpoints; must be inside --output_dir (default OUTPUT_DIR/checkpoints)")
     g.add_argument("--checkpoint_every_samples", type=int,
                    help="write a checkpoint after the step that passes each multiple of this many samples")
     g.add_argument("--checkpoint_every_minutes", type=float,

@@ -77,6 +77,20 @@ def _text(name: str, value: str | None, *, required: bool = True, hint: str = ""
     _require(ok, f"--{name} must be a non-empty string{hint}; got {value!r}")
 
 
+def _path(name: str, value: str | None, *, required: bool = True, hint: str = "") -> None:
+    """A path the file system can take: names of at most 255 bytes, at most 4096 bytes in all."""
+    _text(name, value, required=required, hint=hint)
+    if value is None:
+        return
+    try:
+        raw = os.fsencode(value)
+    except UnicodeError:
+        raw = b"/" * 4096  # not encodable for the file system: rejected below
+    ok = len(raw) < 4096 and all(len(part) <= 255 for part in raw.split(b"/"))
+    _require(ok, f"--{name} {value[:60]!r}...: a file name longer than 255 bytes, or a path longer than 4096, "
+                 "cannot exist; shorten it")
+
+
 def _flag(name: str, value: bool) -> None:
     _require(isinstance(value, bool), f"--{name} is a switch (True or False); got {value!r}")
 
@@ -89,8 +103,8 @@ class ModelSettings:
 
     def __post_init__(self) -> None:
         _choice("attention_backend", self.attention_backend, ("auto", "sdpa", "varlen"))
-        _text("bert_config_path", self.bert_config_path, hint=" (the Google bert_config.json)")
-        _text("init_checkpoint", self.init_checkpoint, required=False)
+        _path("bert_config_path", self.bert_config_path, hint=" (the Google bert_config.json)")
+        _path("init_checkpoint", self.init_checkpoint, required=False)
 
 
 @dataclass(frozen=True)
@@ -107,8 +121,8 @@ class DataSettings:
         _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
         _choice("balance", self.balance, BALANCE_POLICIES)
         _choice("balance_deal", self.balance_deal, BALANCE_DEALS)
-        _text("input_dir", self.input_dir, required=False)
-        _text("eval_dir", self.eval_dir, hint=" (the folder of the eval hdf5 file)")
+        _path("input_dir", self.input_dir, required=False)
+        _path("eval_dir", self.eval_dir, hint=" (the folder of the eval hdf5 file)")
         _count("max_seq_length", self.max_seq_length, 1, MAX_SEQ_LENGTH_LIMIT)
         _count("max_predictions_per_seq", self.max_predictions_per_seq, 1, self.max_seq_length)
         _require(
@@ -268,7 +282,7 @@ class RunSettings:
         _choice("device", self.device, DEVICES)
         _choice("submission_division", self.submission_division, DIVISIONS)
         _choice("submission_status", self.submission_status, SUBMISSION_STATUSES)
-        _text("output_dir", self.output_dir)
+        _path("output_dir", self.output_dir)
         _count("seed", self.seed, 0, 2**32 - 1)
         _flag("do_train", self.do_train)
         _flag("cuda_graphs", self.cuda_graphs)
@@ -276,7 +290,7 @@ class RunSettings:
         _real("init_loss_scale", self.init_loss_scale, 2.0**-24, 2.0**64)
         if self.max_samples_termination is not None:
             _count("max_samples_termination", self.max_samples_termination)
-        _text("mlperf_log_file", self.mlperf_log_file, required=False)
+        _path("mlperf_log_file", self.mlperf_log_file, required=False)
         for name in ("submission_org", "submission_platform"):
             _text(name, getattr(self, name))
 
@@ -300,15 +314,15 @@ class CheckpointSettings:
     resume_from: str | None = None  # a checkpoint file, or "auto": the newest in `directory`, if any
 
     def __post_init__(self) -> None:
-        _text("checkpoint_dir", self.directory, required=False)
+        _path("checkpoint_dir", self.directory, required=False)
         if self.every_samples is not None:
             _count("checkpoint_every_samples", self.every_samples)
         if self.every_minutes is not None:
             _real("checkpoint_every_minutes", self.every_minutes, 1e-3, 1e6)
         _count("keep_checkpoints", self.keep, 1)
-        _text("resume_from_checkpoint", self.resume_from, required=False, hint=" (a checkpoint file or 'auto')")
+        _path("resume_from_checkpoint", self.resume_from, required=False, hint=" (a checkpoint file or 'auto')")
         if self.resume_from not in (None, RESUME_AUTO):
-            _require(Path(self.resume_from).is_file(),
+            _require(os.path.isfile(self.resume_from),
                      f"--resume_from_checkpoint {self.resume_from}: no such file; give a checkpoint file "
                      f"written by a training run, or '{RESUME_AUTO}' for the newest one in --checkpoint_dir")
 
@@ -341,14 +355,15 @@ def _check_output_paths(run: RunSettings, checkpoint_dir: Path) -> None:
     the log is collected (run_and_time.sh puts it next to OUTPUT_DIR, as the MLPerf layout wants).
     """
     out = Path(run.output_dir)
-    _require(not out.exists() or out.is_dir(), f"--output_dir {out} exists and is not a directory; pick another")
+    _require(not os.path.lexists(out) or os.path.isdir(out),
+             f"--output_dir {out} exists and is not a directory; pick another")
     _require(_inside(checkpoint_dir, out),
              f"--checkpoint_dir {checkpoint_dir} resolves to {os.path.realpath(checkpoint_dir)}, outside "
              f"--output_dir {out}: give a folder inside it (the default is {out / 'checkpoints'})")
     for name in ("mlperf.log", "resolved_config.json"):
         _require(_inside(out / name, out), f"{out / name} is a symlink that leads outside --output_dir; remove it")
     log = run.mlperf_log_path
-    _require(not log.is_dir(), f"--mlperf_log_file {log} is a directory; give a file path")
+    _require(not os.path.isdir(log), f"--mlperf_log_file {log} is a directory; give a file path")
 
 
 @dataclass(frozen=True)
@@ -369,17 +384,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _count("train_batch_size", self.train_batch_size)
         _count("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        _count("world_size (WORLD_SIZE)", self.world_size)
+        _require(isinstance(self.world_size, int) and not isinstance(self.world_size, bool) and self.world_size >= 1,
+                 f"the world size (WORLD_SIZE, or the launcher's task count) must be an integer >= 1; "
+                 f"got {self.world_size!r}")
         _require(isinstance(self.extra, dict), f"extra must be a dict; got {self.extra!r}")
-        _check_output_paths(self.run, self.checkpoint_dir)
+        self._check_checkpoints()
         _require(
             self.schedule.end_learning_rate <= self.optim.learning_rate,
             f"--end_learning_rate {self.schedule.end_learning_rate} is above --learning_rate "
             f"{self.optim.learning_rate}; the decay must go down (lower --end_learning_rate)",
-        )
-        _require(
-            self.run.do_train or (self.checkpoint.resume_from is None and not self.checkpoint.periodic),
-            "checkpoints and --resume_from_checkpoint belong to training: add --do_train or drop them",
         )
         _require(
             self.train_batch_size % self.gradient_accumulation_steps == 0,
@@ -404,8 +417,20 @@ class TrainConfig:
             "--cuda_graphs needs static shapes: use it with --input_layout packed",
         )
         _require(
+            not self.run.cuda_graphs,
+            "--cuda_graphs: the graphed training step (fast_path.GraphedTrainStep) is measured by "
+            "benchmarks/throughput.py but not used by the trainer yet; run without --cuda_graphs",
+        )
+        _require(
             self.optim.optimizer == "lamb" or self.run.submission_division == "open",
             "the closed division requires LAMB: use --optimizer lamb or --submission_division open",
+        )
+
+    def _check_checkpoints(self) -> None:
+        _check_output_paths(self.run, self.checkpoint_dir)
+        _require(
+            self.run.do_train or (self.checkpoint.resume_from is None and not self.checkpoint.periodic),
+            "checkpoints and --resume_from_checkpoint belong to training: add --do_train or drop them",
         )
 
     @property

@@ -81,6 +81,9 @@ class ShardFile:
         if missing:
             found = ", ".join(sorted(self.handle.keys())) or "no keys"
             raise self.error(f"key {missing[0]!r} missing (found: {found})")
+        groups = [k for k in keys if not isinstance(self.handle[k], h5py.Dataset)]
+        if groups:
+            raise self.error(f"{groups[0]!r} is an hdf5 group, not a dataset; regenerate the shard with data_prep")
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.handle[key].shape)

@@ -105,9 +105,7 @@ def encode_body(sample: Sample) -> np.ndarray:
 def decode_body(body: np.ndarray, header: np.ndarray) -> Sample:
     """Inverse of `encode_body`, given the sample's header row (length n, masked count k, label)."""
     n, k, label = (int(v) for v in header)
-    cuts = np.cumsum([n, n, k])
-    ids, segments, positions, masked_ids = np.split(body, cuts)
-    return Sample(ids, segments, positions, masked_ids, label)
+    return Sample(body[:n], body[n:2 * n], body[2 * n:2 * n + k], body[2 * n + k:2 * n + 2 * k], label)
 
 
 def outgoing(assignment: np.ndarray, rank: int, local_batch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,10 +11,11 @@ GPU is added here, each piece usable on its own and each with a CPU-testable par
 - `StepMetrics`: loss and masked-LM accuracy summed on the device, read every N steps.
 - `static_packed_batch`: packed rows as a `FlatBatch` of fixed shapes (padding tokens form
   their own dummy sequences, empty sequences pad `cu_seqlens`, ignored labels pad the
-  predictions), so one CUDA graph serves every batch.
+  predictions), so one CUDA graph serves every batch; `example_static_batch` gives one of
+  the same shapes without reading data, for capturing at init.
 - `DevicePrefetcher`: pinned host memory and host-to-device copies on a side stream.
 - `train_step` (eager) and `GraphedTrainStep` (forward + backward + optimizer step
-  captured as one CUDA graph on static buffers).
+  captured as one CUDA graph on static buffers; `TrainingSnapshot` undoes its warm-up).
 
 Precision: bf16 and fp16 through autocast; fp16 needs a `torch.amp.GradScaler`, whose
 skip decision reads the device, so fp16 runs eagerly and CUDA graphs take bf16 or fp32.
@@ -309,6 +310,17 @@ def static_packed_batch(items: Sequence[Item], rows: int, row_len: int, max_seqs
     )
 
 
+def example_static_batch(rows: int, row_len: int, max_seqs_per_row: int, max_predictions: int) -> FlatBatch:
+    """A static packed batch of these sizes holding one synthetic sequence.
+
+    For capturing a CUDA graph before any training data is read (at init, before
+    run_start): GraphedTrainStep restores the weights after capture, so the content of
+    the example never reaches the model.
+    """
+    placeholder = Sample(np.zeros(row_len, np.int64), np.zeros(row_len, np.int64), np.array([1]), np.array([0]), 0)
+    return static_packed_batch([(placeholder,)], rows, row_len, max_seqs_per_row, max_predictions)
+
+
 # ---------------------------------------------------------------- host-to-device prefetch
 
 BatchT = TypeVar("BatchT")
@@ -397,14 +409,31 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return result
 
 
-def _training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor a step changes: weights, buffers, optimizer moments, step counts, lr."""
-    tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
-    for group in optimizer.param_groups:
-        tensors += [v for v in group.values() if isinstance(v, torch.Tensor)]
-    for state in optimizer.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
+class TrainingSnapshot:
+    """A copy of every tensor a step changes, written back in place by `restore`.
+
+    Weights, buffers, optimizer moments, device step counts and lr: in place, because a
+    captured graph keeps the addresses of exactly these tensors. Optimizer state must exist
+    when the snapshot is taken (`capturable` creates it).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._live = self._tensors(model, optimizer)
+        self._saved = [t.clone() for t in self._live]
+
+    @staticmethod
+    def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
+        for group in optimizer.param_groups:
+            tensors += [v for v in group.values() if isinstance(v, torch.Tensor)]
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for live, saved in zip(self._live, self._saved):
+            live.copy_(saved)
 
 
 def _copy_batch(dst: FlatBatch, src: FlatBatch) -> None:
@@ -426,7 +455,9 @@ class GraphedTrainStep:
     steps on a side stream (they also trigger torch.compile and allocate optimizer state),
     gradients set to None so that backward allocates them from the graph's private pool,
     then capture. The warm-up steps change weights and optimizer state; both are restored
-    afterwards, so the first replay is the run's first real step.
+    afterwards, so the first replay is the run's first real step. Load checkpoints before
+    building it: `load_state_dict` replaces optimizer state tensors, and the graph keeps
+    reading the old ones.
 
     Each call copies a batch (host, ideally pinned, or device) into the static input
     buffers and replays the graph. The returned StepOutput holds static tensors that the
@@ -447,15 +478,13 @@ class GraphedTrainStep:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         device = next(model.parameters()).device
         self.static = map_tensors(example, lambda t: t.to(device).clone())
-        saved = [t.clone() for t in _training_tensors(model, optimizer)]
+        snapshot = TrainingSnapshot(model, optimizer)
         self._warm_up(warmup_steps)
         self.graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.cuda.graph(self.graph):
             self.result = self._step()
-        with torch.no_grad():
-            for live, value in zip(_training_tensors(model, optimizer), saved):
-                live.copy_(value)
+        snapshot.restore()
 
     def _step(self) -> StepOutput:
         result = _forward_backward(self.model, self.static, self.precision, cache_enabled=False)

@@ -1,15 +1,14 @@
 """Stopping a run on purpose: preemption signals, numeric blow-ups, and the exit codes.
 
 Exit codes of `run_pretraining.py` (docs/FAULTS.md has the user's view):
-
-| code | meaning |
-|---|---|
-| 0  | the run ended: target reached (`success`) or its sample/step limit (`aborted`) |
-| 1  | an unexpected error (a traceback) |
-| 2  | bad input (flag, shard, checkpoint); the message names it |
-| 3  | numeric blow-up: a non-finite loss (fp32/bf16) or too many fp16 overflow skips in a row; a checkpoint of the last good state was written |
-| 75 | preempted (EX_TEMPFAIL, "try again"): SIGTERM or SIGUSR1 arrived, a checkpoint was written; rerun with `--resume_from_checkpoint auto` |
-| 76 | a rank was lost (EX_PROTOCOL): another process died or stopped answering (`liveness.py`) |
+   0  the run ended: target reached (`success`) or its sample / step limit (`aborted`)
+   1  an unexpected error (a traceback)
+   2  bad input (flag, shard, checkpoint); the message names it
+   3  numeric blow-up: a non-finite loss (fp32/bf16) or too many fp16 overflow skips in a row;
+      a checkpoint of the last good state was written
+  75  preempted (EX_TEMPFAIL, "try again"): SIGTERM or SIGUSR1 arrived, a checkpoint was
+      written; rerun with `--resume_from_checkpoint auto`
+  76  a rank was lost (EX_PROTOCOL): another process died or stopped answering (`liveness.py`)
 
 Agreement. A decision that changes what the ranks do next (stop for a signal, stop for a
 non-finite loss, write a time-based checkpoint) must be taken at the same step by every rank,
@@ -133,9 +132,14 @@ class StepGuard:
 
         stop_signal: the signal number this rank received, 0 for none.
         """
-        flags = torch.tensor([0.0, float(stop_signal), float(checkpoint_due)], device=self.device)
+        # Filled in place (no host-to-device copy, which would wait for the backward a second time).
+        flags = torch.zeros(3, device=self.device)  # nonfinite loss, stop signal, checkpoint due
         if self.check_loss:
             flags[0] = (~torch.isfinite(loss.detach().float())).float()
+        if stop_signal:
+            flags[1] = float(stop_signal)
+        if checkpoint_due:
+            flags[2] = 1.0
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, signum, due = flags.tolist()  # signal numbers are small: exact in floating point

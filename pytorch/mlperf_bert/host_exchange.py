@@ -4,26 +4,28 @@ A background thread reads the rank's next micro-batch, exchanges it over MPI_COM
 (`exchange.exchange`: all-gather of the headers, deal, all-to-all of the samples) and builds
 its flat batch (token stream, cu_seqlens, masked positions; pinned when training on a GPU),
 so `next_batch` / `next_flat_batch` receive ready work and the exchange is off the trainer's
-critical path. The thread runs up to two micro-batches ahead (one waiting in the queue, one
-waiting to be queued).
+critical path. The thread works up to two micro-batches ahead of the trainer.
 
 MPI and threads: mpi4py calls MPI_Init_thread when it is imported (on the main thread); after
-that every MPI call comes from the one background thread, and MPI_Finalize (mpi4py's exit
-hook) comes after that thread has ended, so MPI_THREAD_SERIALIZED suffices (MPICH and Open MPI
-provide MULTIPLE). MPI and torch.distributed share the job: torch.distributed (the trainer's
-DDP and the imbalance meter) uses its own TCP rendezvous from the launcher's rank variables
-(`distributed.dist_env_from` reads PMI_RANK / PMI_SIZE), MPI only carries the exchange.
+that every MPI call comes from the one background thread, except MPI_Abort after that thread
+failed and MPI_Finalize (mpi4py's exit hook) after it ended, so MPI_THREAD_SERIALIZED suffices
+(MPICH and Open MPI provide MULTIPLE). MPI and torch.distributed share the job:
+torch.distributed (the trainer's DDP and the imbalance meter) meets over its own TCP
+rendezvous, from the launcher's rank variables (`distributed.dist_env_from` reads PMI_RANK /
+PMI_SIZE); MPI only carries the exchange.
 
-Shutdown: the thread never stops between collectives; it checks for `close()` only while
-waiting to queue a finished batch. Every rank's thread therefore runs the same number of
-exchanges (the trainers consume the same number of batches), and no rank is left waiting
-in a collective that another rank has abandoned.
+Shutdown: how many exchanges a thread runs depends only on how many batches the trainer
+took (`Prefetcher`), so every rank's thread runs the same collectives and none is left
+waiting in one that another rank abandoned. A rank whose thread fails aborts the MPI job,
+since the others would wait for it forever.
 """
 
 from __future__ import annotations
 
-import queue
+import sys
 import threading
+import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
@@ -31,14 +33,13 @@ import numpy as np
 
 from .batch import FlatBatch, Item, flatten_items
 from .distributed import DistEnv
-from .exchange import Collectives, exchange
+from .exchange import exchange
 from .sources import ItemStream, LocalSource, TokenMeter
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
 T = TypeVar("T")
-_POLL_S = 0.1  # how often a thread waiting to queue a batch checks for close()
 
 
 class MpiCollectives:
@@ -63,6 +64,10 @@ class MpiCollectives:
         self.comm.Alltoallv([np.ascontiguousarray(send, dtype=np.int32), (send_counts, _displacements(send_counts)),
                              self._int32], [out, (recv_counts, _displacements(recv_counts)), self._int32])
         return out
+
+
+    def abort(self, code: int = 1) -> None:
+        self.comm.Abort(code)
 
 
 def _displacements(counts: np.ndarray) -> np.ndarray:
@@ -91,46 +96,62 @@ class _Failure:
 
 
 class Prefetcher(Generic[T]):
-    """Calls `produce` on one background thread and hands its results to `get` in order.
+    """Calls `produce` on one background thread, at most `ahead` results ahead of `get`.
 
-    At most `depth` results wait in the queue (plus one waiting to be queued). An exception in
-    `produce` ends the thread and is raised by the `get` that would have returned its result.
+    Result j (1, 2, ...) is produced once j <= consumed + ahead, consumed = results taken by
+    `get` so far. `close` lets the thread finish every result it may produce at that moment
+    and no other, so the number of `produce` calls is a function of the number of `get` calls
+    alone, never of thread timing: ranks that consumed the same number of results run the
+    same collectives. An exception in `produce` ends the thread; the `get` that would have
+    returned that result raises it.
     """
 
-    def __init__(self, produce: Callable[[], T], depth: int = 1, name: str = "prefetch") -> None:
+    def __init__(self, produce: Callable[[], T], ahead: int = 2, name: str = "prefetch") -> None:
+        if ahead < 1:
+            raise ValueError(f"ahead must be >= 1, got {ahead}")
         self._produce = produce
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
+        self.ahead = ahead
+        self._ready: deque[T | _Failure] = deque()
+        self._produced = self._consumed = 0
+        self._closing = False
+        self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _may_produce(self) -> bool:
+        return self._produced < self._consumed + self.ahead
+
     def _run(self) -> None:
         while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._may_produce() or self._closing)
+                if not self._may_produce():
+                    return
             try:
                 result: T | _Failure = self._produce()
             except BaseException as err:  # handed to the consumer, which raises it
                 result = _Failure(err)
-            if not self._put(result) or isinstance(result, _Failure):
+            with self._cond:
+                self._ready.append(result)
+                self._produced += 1
+                self._cond.notify_all()
+            if isinstance(result, _Failure):
                 return
 
-    def _put(self, result: object) -> bool:
-        """Queues `result`; False when close() was called while waiting."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(result, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def get(self) -> T:
-        result = self._queue.get()
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._ready))
+            result = self._ready.popleft()
+            self._consumed += 1
+            self._cond.notify_all()
         if isinstance(result, _Failure):
             raise RuntimeError(f"the {self._thread.name} thread failed: {result.error}") from result.error
         return result
 
     def close(self, timeout_s: float = 60.0) -> None:
-        self._stop.set()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         self._thread.join(timeout=timeout_s)
 
 
@@ -148,7 +169,7 @@ class CpuExchangeSource(LocalSource):
     is the position after the last batch handed out, not the thread's read-ahead position.
     """
 
-    def __init__(self, dataset: ItemStream, comm: Collectives, order: str, meter: TokenMeter | None = None,
+    def __init__(self, dataset: ItemStream, comm: MpiCollectives, order: str, meter: TokenMeter | None = None,
                  pin: bool = False) -> None:
         super().__init__(dataset, meter)
         self.comm = comm
@@ -166,7 +187,14 @@ class CpuExchangeSource(LocalSource):
     def _next(self) -> _Prepared:
         if self._prefetch is None:
             self._prefetch = Prefetcher(self._prepare, name="cpu-exchange")
-        prepared = self._prefetch.get()
+        try:
+            prepared = self._prefetch.get()
+        except RuntimeError:
+            # The other ranks' threads wait in a collective this rank will never join: end the job.
+            traceback.print_exc()
+            sys.stderr.flush()
+            self.comm.abort()
+            raise
         self._state = prepared.state
         self.meter.record(prepared.items)
         return prepared

@@ -39,7 +39,7 @@ from typing import Callable, ContextManager
 import torch.distributed as dist
 
 from .distributed import DistEnv
-from .faults import EXIT_LOST_RANK
+from .faults import EXIT_LOST_RANK, TrainingStopped
 
 FINISHED = "finished"
 LEFT_AFTER_LOSS = "left after a lost peer"  # a survivor's exit status: not a root cause
@@ -88,7 +88,7 @@ class RankWatch:
     def _exit_status(self, rank: int) -> str | None:
         key = f"exit/{rank}"
         with self._lock:
-            return self.store.get(key).decode() if self.store.check([key]) else None
+            return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
     def counters(self) -> list[int]:
         return [self._add(f"beat/{r}", 0) for r in range(self.world_size)]
@@ -159,7 +159,7 @@ class RankWatch:
             return self._store_lost_message(err)
         failed = [f"rank {r} stopped: {s}" for r, s in status.items()
                   if s is not None and s != FINISHED and not s.startswith(LEFT_AFTER_LOSS)]
-        silent = [f"rank {r} was lost (no heartbeat for {self.diagnose_window_s:.0f} s)"
+        silent = [f"rank {r} was lost (no heartbeat for {self.diagnose_window_s:g} s)"
                   for r, s in status.items() if s is None and before[r] == after[r]]
         return "; ".join(failed + silent) or None
 
@@ -168,8 +168,6 @@ class RankWatch:
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         """Turns a collective failure into LostRank when a lost rank explains it."""
-        from .faults import TrainingStopped
-
         if exc is None or isinstance(exc, TrainingStopped):
             self.stop(FINISHED)
             return

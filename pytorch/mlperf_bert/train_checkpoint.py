@@ -52,7 +52,7 @@ from .distributed import DistEnv
 
 FORMAT = "mlperf_bert.run_checkpoint"
 VERSION = 1
-NAME = re.compile(r"ckpt-(\d{12})\.pt")
+NAME = re.compile(r"ckpt-(\d{12,})\.pt")
 REQUIRED_KEYS = ("model", "optimizer", "scaler", "train_state", "data", "rng", "run")
 
 
@@ -111,7 +111,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
     """Finished checkpoints of a folder, oldest first (temporary files are not listed)."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if NAME.fullmatch(p.name) and p.is_file())
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.fullmatch(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
 
 
 def write_atomic(payload: dict[str, Any], path: Path) -> None:

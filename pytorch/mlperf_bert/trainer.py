@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import sys
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .batch import FlatBatch, Item, flatten_items, pad_items, unpad
+from .batch import FlatBatch, flatten_items, pad_items, unpad
 from .checkpoint import load_init_checkpoint
 from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .config import TrainConfig
@@ -112,6 +113,7 @@ def seed_everything(seed: int, rank: int) -> None:
     """Same weights on every rank (seed), different dropout per rank (seed + rank later)."""
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def autocast(cfg: TrainConfig, device: torch.device) -> ContextManager:
@@ -125,12 +127,16 @@ def data_limits(cfg: TrainConfig, bert: BertConfig) -> DataLimits:
     return DataLimits(cfg.data.max_seq_length, cfg.data.max_predictions_per_seq, bert.vocab_size)
 
 
-def to_device_batch(items: list[Item], cfg: TrainConfig, device: torch.device) -> FlatBatch:
-    """Host items -> the flat batch on `device`, by the configured input layout."""
+def next_device_batch(data: BatchSource, cfg: TrainConfig, device: torch.device) -> FlatBatch:
+    """This rank's next micro-batch on `device`, by the configured input layout.
+
+    Padded batches are unpadded on the device; unpadded and packed ones arrive flat from the
+    source (prebuilt on a host thread by `cpu_exchange`).
+    """
     if cfg.data.input_layout == "padded":
-        padded = pad_items(items, cfg.data.max_seq_length, cfg.data.max_predictions_per_seq)
+        padded = pad_items(data.next_batch(), cfg.data.max_seq_length, cfg.data.max_predictions_per_seq)
         return unpad(padded.to(device, non_blocking=True))
-    return flatten_items(items).to(device, non_blocking=True)
+    return data.next_flat_batch().to(device, non_blocking=True)
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
@@ -204,7 +210,7 @@ def evaluate(rt: Runtime) -> tuple[float, float]:
 
 def _micro_batches(data: BatchSource, rt: Runtime) -> Iterator[FlatBatch]:
     for _ in range(rt.cfg.gradient_accumulation_steps):
-        yield to_device_batch(data.next_batch(), rt.cfg, rt.device)
+        yield next_device_batch(data, rt.cfg, rt.device)
 
 
 def train_step(rt: Runtime, data: BatchSource, state: TrainState) -> torch.Tensor:
@@ -473,8 +479,8 @@ def train(rt: Runtime, data: BatchSource, state: TrainState) -> tuple[str, float
     rt.logger.init_stop()
     record = log_run_start(rt, resumed, state)
     ckpt = rt.cfg.checkpoint
-    rt.checkpoints = Checkpointer(rt.cfg.checkpoint_dir, ckpt.keep, rt.denv, rt.device, every_samples=ckpt.every_samples,
-                                  every_minutes=ckpt.every_minutes, record=record)
+    rt.checkpoints = Checkpointer(rt.cfg.checkpoint_dir, ckpt.keep, rt.denv, rt.device,
+                                  every_samples=ckpt.every_samples, every_minutes=ckpt.every_minutes, record=record)
     start = time.time()
     try:
         status = train_loop(rt, data, state)
