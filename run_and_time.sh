@@ -111,6 +111,12 @@ if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "
     if [[ -x "$python_dir/mpiexec" ]]; then MPIEXEC=${MPIEXEC:-$python_dir/mpiexec}; fi
     export MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
     trainer=("${MPIEXEC:-mpiexec}" -n "$DGXNGPU" "$PYTHON" "$here/pytorch/run_pretraining.py")
+  elif [[ "$DGXNNODES" -gt 1 ]]; then
+    # Once per node (run_with_docker.sh on every node): torchrun meets node 0 at MASTER_ADDR.
+    require NODE_RANK MASTER_ADDR
+    trainer=("$PYTHON" -m torch.distributed.run --nnodes="$DGXNNODES" --node_rank="$NODE_RANK" \
+      --nproc_per_node="$DGXNGPU" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}" \
+      "$here/pytorch/run_pretraining.py")
   else
     trainer=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$DGXNGPU" \
       "$here/pytorch/run_pretraining.py")
@@ -128,7 +134,7 @@ status=0
 end=$(date +%s)
 echo "ENDING TIMING RUN AT $(date +%Y-%m-%d\ %r)"
 [[ $status -eq 0 ]] || exit "$status"
-if [[ "${SLURM_PROCID:-${RANK:-0}}" != 0 ]]; then
+if [[ "${SLURM_PROCID:-${RANK:-${NODE_RANK:-0}}}" != 0 ]]; then
   exit 0
 elif [[ -n "${RESUME_FROM_CHECKPOINT:-}" ]]; then
   echo "no RESULT line: a run started with RESUME_FROM_CHECKPOINT is not a timing result"

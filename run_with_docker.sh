@@ -16,7 +16,9 @@
 # cache_clear with mlperf_logging.mllog, print a :::SYSJSON line describing the machine, run
 # run_and_time.sh, all into $LOGDIR/<DATESTAMP>_<i>.log; then run the MLPerf compliance checker
 # on that log (its report goes to $LOGDIR/<DATESTAMP>_<i>.compliance.txt).
-# --dry-run prints the docker commands instead of running them. Multi-node systems use run.sub.
+# --dry-run prints the docker commands instead of running them. A multi-node system runs this
+# script on every node with NODE_RANK (0..DGXNNODES-1) and MASTER_ADDR (node 0) set; under SLURM
+# use run.sub instead.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -60,7 +62,15 @@ config="$here/config_${DGXSYSTEM}.sh"
 source "$config"
 # The names the config exports; each is handed to the container with `docker exec --env NAME`.
 mapfile -t config_names < <(sed -n 's/^[[:space:]]*export[[:space:]]\{1,\}\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' "$config")
-[[ "${DGXNNODES:-1}" == 1 ]] || die "$DGXSYSTEM has DGXNNODES=$DGXNNODES: multi-node runs use run.sub (sbatch)"
+NODE_RANK=${NODE_RANK:-0}
+if [[ "${DGXNNODES:-1}" != 1 ]]; then
+  # Without SLURM, a multi-node system runs this script once on every node (pdsh, ansible, ...).
+  [[ -n "${MASTER_ADDR:-}" ]] || die "$DGXSYSTEM has DGXNNODES=$DGXNNODES: run this script on every node with \
+NODE_RANK=0..$((DGXNNODES - 1)) and MASTER_ADDR=<node 0's address>, or use run.sub under SLURM"
+  [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$DGXNNODES" ]] \
+    || die "NODE_RANK=$NODE_RANK must be an integer in 0..$((DGXNNODES - 1))"
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
 
 if [[ $DRY_RUN == 0 ]]; then
   for dir in "$DATADIR_PHASE2" "$EVALDIR" "$CHECKPOINTDIR_PHASE1"; do
@@ -112,6 +122,10 @@ exec_env() {
     --env "CHECKPOINTDIR_PHASE1=$CONT_PHASE1" --env "LOGDIR=$CONT_LOGS" \
     --env "OUTPUT_DIR=$CONT_LOGS/${DATESTAMP}_${index}"
   if [[ -n "${SEED:-}" ]]; then printf '%s\0' --env "SEED=$((SEED + index - 1))"; fi
+  if [[ "$CLEAR_CACHES" == 1 ]]; then printf '%s\0' --env MLPERF_CACHE_CLEARED=1; fi
+  if [[ "${DGXNNODES:-1}" != 1 ]]; then
+    printf '%s\0' --env "NODE_RANK=$NODE_RANK" --env "MASTER_ADDR=$MASTER_ADDR" --env "MASTER_PORT=$MASTER_PORT"
+  fi
 }
 
 run_one() {
@@ -130,6 +144,7 @@ run_one() {
 
 check_log() {
   local index=$1
+  [[ "$NODE_RANK" == 0 ]] || return 0  # the MLPerf log is written by global rank 0, on node 0
   quiet dock exec "$CONT_NAME" python -m mlperf_logging.compliance_checker --usage training \
     --ruleset "$MLPERF_RULESET" --log_output "$CONT_LOGS/${DATESTAMP}_${index}.compliance.txt" \
     "$CONT_LOGS/${DATESTAMP}_${index}.log" 2>/dev/null

@@ -37,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RUN_AND_TIME = REPO / "run_and_time.sh"
 CLIP_MODES = ("none", "after_allreduce", "before_allreduce", "bucketwise")
+BASELINE_MODE = "after_allreduce"  # the reference semantics: clip the averaged gradient
 MLLOG_TOKEN = ":::MLLOG "
 # Sources the config ($0), then runs `env NAME=value ... run_and_time.sh` ("$@"): the
 # overrides win over the config's exports, and no value is ever parsed by a shell.
@@ -231,6 +232,27 @@ def per_seed_table(outcomes: Sequence[RunOutcome], modes: Sequence[str]) -> list
     return rows
 
 
+def paired_table(outcomes: Sequence[RunOutcome], modes: Sequence[str], baseline: str) -> list[str]:
+    """Each mode against `baseline` on the same seeds (same weights and batches): the seed noise.
+
+    Delta = mode's samples to target - baseline's, over the seeds where both reached the target.
+    """
+    by_key = {(o.seed, o.mode): o for o in outcomes if o.reached}
+    rows = [f"| clip mode | seeds | mean delta vs {baseline} | std of delta | standard error | "
+            "fewer / same / more samples |", "|---|---|---|---|---|---|"]
+    for mode in (m for m in modes if m != baseline):
+        seeds = sorted(seed for seed, m in by_key if m == mode and (seed, baseline) in by_key)
+        deltas = [by_key[(seed, mode)].samples - by_key[(seed, baseline)].samples for seed in seeds]
+        if len(deltas) < 2:
+            rows.append(f"| {mode} | {len(deltas)} | - | - | - | - |")
+            continue
+        std = statistics.stdev(deltas)
+        counts = (sum(d < 0 for d in deltas), sum(d == 0 for d in deltas), sum(d > 0 for d in deltas))
+        rows.append(f"| {mode} | {len(deltas)} | {statistics.mean(deltas):+,.0f} | {std:,.0f} | "
+                    f"{std / math.sqrt(len(deltas)):,.0f} | {' / '.join(map(str, counts))} |")
+    return rows
+
+
 def render(outcomes: Sequence[RunOutcome], modes: Sequence[str], setup: StudySetup) -> str:
     """The generated part of the study document: how it was run, then one section per max_grad_norm."""
     evals = f"an eval every {setup.eval_iter_samples} samples" if setup.eval_iter_samples else "the config's evals"
@@ -245,6 +267,8 @@ def render(outcomes: Sequence[RunOutcome], modes: Sequence[str], setup: StudySet
         runs = [o for o in outcomes if o.max_grad_norm == norm]
         lines += ["", f"### max_grad_norm {norm:g}", "", *summary_table(runs, modes), "",
                   *per_seed_table(runs, modes)]
+        if BASELINE_MODE in modes:
+            lines += ["", *paired_table(runs, modes, BASELINE_MODE)]
     return "\n".join(lines)
 
 

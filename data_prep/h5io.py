@@ -92,8 +92,14 @@ def sequence_lengths(path: Path | str) -> np.ndarray:
 def _create(handle: h5py.File, key: str, values: np.ndarray, compression: str | None) -> None:
     if values.dtype == object:
         dtype = h5py.vlen_dtype(values[0].dtype if values.shape[0] else np.int16)
-        handle.create_dataset(key, shape=values.shape, dtype=dtype, compression=compression)
-        handle[key][...] = values
+        dataset = handle.create_dataset(key, shape=values.shape, dtype=dtype, compression=compression)
+        if len({row.shape[0] for row in values}) > 1:
+            dataset[...] = values
+        else:
+            # h5py turns an object array of equal-length rows into a 2-D array and refuses
+            # it, so such a column (e.g. a stratum of one length) is written row by row.
+            for i, row in enumerate(values):
+                dataset[i] = row
     else:
         handle.create_dataset(key, data=values, compression=compression)
 

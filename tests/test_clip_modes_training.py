@@ -24,6 +24,7 @@ from clip_study import (  # noqa: E402
     RunOutcome,
     launch_command,
     launch_env,
+    paired_table,
     read_mllog,
     summary_table,
     trainer_flags,
@@ -121,7 +122,9 @@ def _config_from_launcher(config: str, world_size: int, tmp_path: Path) -> Train
         {"bounds": [128, 256, 384, 512], "counts": [369, 197, 117, 316], "shares": [0.369, 0.197, 0.117, 0.317]}))
     overrides = {"DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
                  "BERT_CONFIG": str(tmp_path / "bert_config.json"), "INIT_CHECKPOINT": "none",
-                 "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1"}
+                 "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1",
+                 # multi-node configs launch once per node, told the node's place
+                 "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     return parse_config(trainer_flags(REPO / config, overrides), world_size=world_size)
 
 
@@ -179,6 +182,17 @@ def test_study_table_counts_every_run_but_averages_only_those_reaching_the_targe
     cells = [cell.strip() for cell in summary_table(runs, ["bucketwise"])[2].split("|")[1:-1]]
     assert cells[:5] == ["bucketwise", "2 / 3", "7,200", "1,131", "6,400 / 8,000"]  # std of (6400, 8000)
     assert cells[5] == f"{(0.73 + 0.72 + 0.70) / 3:.4f}"
+
+
+def test_study_pairs_modes_by_seed_and_skips_seeds_where_either_missed_the_target():
+    samples = {("after_allreduce", 1): 8000, ("after_allreduce", 2): 7000, ("after_allreduce", 3): 9000,
+               ("bucketwise", 1): 7000, ("bucketwise", 2): 7000, ("bucketwise", 3): 64000}
+    runs = [RunOutcome(mode, seed, 1.0, "aborted" if n == 64000 else "success", n, 0.72, 1.0)
+            for (mode, seed), n in samples.items()]
+    cells = [cell.strip() for cell in paired_table(runs, ["after_allreduce", "bucketwise"], "after_allreduce")[2]
+             .split("|")[1:-1]]
+    # Seeds 1 and 2 only: deltas -1000 and 0.
+    assert cells == ["bucketwise", "2", "-500", "707", "500", "1 / 1 / 0"]
 
 
 def test_study_rewrites_only_its_own_section(tmp_path):

@@ -231,14 +231,19 @@ def test_run_with_docker_dry_run_with_each_config(shipped, tmp_path):
            "DATADIR_PHASE2": "/data/phase2", "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt"}
     done = _run(["bash", str(where / "run_with_docker.sh"), "--dry-run"], env, tmp_path)
     assert not (tmp_path / "docker_calls.jsonl").exists()  # nothing was run
-    if _exports(where / f"config_{system}.sh").get("DGXNNODES", "1") != "1":
-        assert done.returncode == 2 and "run.sub" in done.stderr
-        return
+    nodes = int(_exports(where / f"config_{system}.sh").get("DGXNNODES", "1"))
+    if nodes > 1:
+        # Without SLURM a multi-node system runs the script on every node, told its place.
+        assert done.returncode == 2 and "NODE_RANK" in done.stderr and "run.sub" in done.stderr
+        env.update(NODE_RANK=str(nodes - 1), MASTER_ADDR="node000")
+        done = _run(["bash", str(where / "run_with_docker.sh"), "--dry-run"], env, tmp_path)
+        assert f"NODE_RANK={nodes - 1}" in done.stdout and "MASTER_ADDR=node000" in done.stdout
+        assert "compliance_checker" not in done.stdout  # only node 0 holds the MLPerf log
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("docker run ") and "--gpus all" in lines[0]
     assert any(line.endswith("/workspace/bert/run_and_time.sh ") for line in lines)
-    assert any("compliance_checker" in line for line in lines)
+    assert any("compliance_checker" in line for line in lines) == (nodes == 1)
 
 
 # ---------------------------------------------------------------------------------------------
