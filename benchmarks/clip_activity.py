@@ -36,11 +36,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from clip_study import CLIP_MODES, REPO, StudySetup, RunSpec, trainer_flags, write_section
+from clip_study import REPO, RunSpec, StudySetup, trainer_flags, write_section
 from mlperf_bert import trainer
 from mlperf_bert.cli import parse_config
-from mlperf_bert.clipping import ClipConfig, apply_clip_mode
-from mlperf_bert.config import TrainConfig
+from mlperf_bert.clipping import ClipConfig, ClipMode, apply_clip_mode
+from mlperf_bert.config import CLIP_MODES, TrainConfig
 from mlperf_bert.distributed import DistEnv, init_distributed
 from mlperf_bert.mllog import MLPerfLogger
 from mlperf_bert.sources import open_batch_source
@@ -101,8 +101,8 @@ def build_recorded(cfg: TrainConfig, denv: DistEnv) -> tuple[trainer.Runtime, No
     trainer.seed_everything(cfg.run.seed, denv.rank)
     model = trainer.build_model(cfg, device)
     clip = ClipConfig(cfg.optim.clip_mode, cfg.optim.max_grad_norm)
-    build_mode = "after_allreduce" if clip.mode.value == "after_allreduce" else "none"
-    build_cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_mode=build_mode))
+    build_mode = ClipMode.AFTER_ALLREDUCE if clip.mode is ClipMode.AFTER_ALLREDUCE else ClipMode.NONE
+    build_cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_mode=build_mode.value))
     rt = trainer.Runtime(build_cfg, denv, device, model, MLPerfLogger(None, denv.rank))
     trainer.build_training(rt)
     slot = _HookSlot(rt.ddp.process_group)

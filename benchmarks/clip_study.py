@@ -34,9 +34,10 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from mlperf_bert.config import CLIP_MODES
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_AND_TIME = REPO / "run_and_time.sh"
-CLIP_MODES = ("none", "after_allreduce", "before_allreduce", "bucketwise")
 BASELINE_MODE = "after_allreduce"  # the reference semantics: clip the averaged gradient
 MLLOG_TOKEN = ":::MLLOG "
 # Sources the config ($0), then runs `env NAME=value ... run_and_time.sh` ("$@"): the
@@ -170,8 +171,9 @@ def run_once(spec: RunSpec, setup: StudySetup, attempts: int = 2) -> RunOutcome:
                                   env=launch_env(), stdout=stdout, stderr=stderr, timeout=3600, check=False)
         if done.returncode == 0:
             return outcome_from_log(spec, read_mllog(out / "mlperf.log"))
-        print(f"{spec.name}: attempt {attempt} exited with {done.returncode}", file=sys.stderr, flush=True)
-    raise RuntimeError(f"run {spec.name} failed {attempts} times; see {out / 'stderr.txt'}")
+        kept = (out / "stderr.txt").replace(out / f"stderr.attempt{attempt}.txt")
+        print(f"{spec.name}: attempt {attempt} exited with {done.returncode}; see {kept}", file=sys.stderr, flush=True)
+    raise RuntimeError(f"run {spec.name} failed {attempts} times; see {out}/stderr.attempt*.txt")
 
 
 def load_outcomes(path: Path) -> dict[RunSpec, RunOutcome]:

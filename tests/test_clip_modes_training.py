@@ -31,11 +31,10 @@ from clip_study import (  # noqa: E402
     write_section,
 )
 from mlperf_bert.cli import parse_config  # noqa: E402
-from mlperf_bert.config import TrainConfig  # noqa: E402
+from mlperf_bert.config import CLIP_MODES, TrainConfig  # noqa: E402
 from mlperf_bert.evaluation_interval import eval_interval_samples  # noqa: E402
 from mlperf_bert.trainer import hyperparameters, lr_schedule  # noqa: E402
 
-CLIP_MODES = ("none", "after_allreduce", "before_allreduce", "bucketwise")
 DEMO_CONFIG = REPO / "config_CPU_1x2.sh"
 # A clip norm far below the tiny model's gradient norms, so that every mode really clips.
 SMALL_CLIP_NORM = 0.01
@@ -207,10 +206,8 @@ def test_study_rewrites_only_its_own_section(tmp_path):
 
 
 @pytest.mark.benchmark
-def test_clip_study_trains_the_demo_and_writes_its_table(tmp_path, request):
+def test_clip_study_trains_the_demo_and_writes_its_table(tmp_path):
     """Two real demo runs (minutes): `pytest -m benchmark tests/test_clip_modes_training.py`."""
-    if not request.config.getoption("markexpr"):
-        pytest.skip("a study, not a test of the default run: select it with -m benchmark")
     if not (REPO / "demo_data" / "bert_config.json").is_file():
         pytest.skip("no demo dataset: `make demo` makes it")
     out = tmp_path / "study.md"
