@@ -274,29 +274,25 @@ class Progress:
         self.steps = 0
         self.window = TokenImbalance.empty()  # micro-batches since the last progress line
         self.interval = TokenImbalance.empty()  # micro-batches since the last eval
-        cfg = rt.cfg
-        self.evals = EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
-                                                 cfg.eval.eval_iter_samples)
 
-    def _ends_interval(self, state: TrainState) -> bool:
-        """Whether train_loop evaluates after this step: an eval point, the sample limit or max_steps."""
-        cfg = self.rt.cfg
-        return (self.evals.due(state.samples - cfg.global_batch_size, state.samples)
-                or state.samples >= _stop_samples(cfg) or state.step >= cfg.schedule.max_steps)
+    def _gather_loads(self) -> None:
+        loads = self.source.token_imbalance()
+        self.window, self.interval = self.window + loads, self.interval + loads
 
     def update(self, loss: torch.Tensor, state: TrainState) -> None:
         self.loss_sum += loss
         self.steps += 1
-        print_now, interval_done = state.step % self.rt.cfg.run.log_freq == 0, self._ends_interval(state)
-        if print_now or interval_done:
-            loads = self.source.token_imbalance()
-            self.window, self.interval = self.window + loads, self.interval + loads
-        if print_now:
+        if state.step % self.rt.cfg.run.log_freq == 0:
+            self._gather_loads()
             self._print(state)
-        if interval_done:
+
+    def end_interval(self, state: TrainState) -> None:
+        """Collective, called by every rank after the last step before an eval: logs the interval's load."""
+        self._gather_loads()
+        if self.interval.micro_batches:
             self.rt.logger.tracked_stats({"max_rank_tokens": self.interval.mean_max(),
                                           "min_rank_tokens": self.interval.mean_min()}, step=state.step)
-            self.interval = TokenImbalance.empty()
+        self.interval = TokenImbalance.empty()
 
     def _print(self, state: TrainState) -> None:
         now = time.perf_counter()
@@ -359,6 +355,7 @@ def train_loop(rt: Runtime, data: BatchSource, state: TrainState) -> str:
             first = state.samples
             log.block_start(first_epoch_num=first, epoch_count=max(point - first, 1))
             train_block(rt, data, state, point, progress)
+            progress.end_interval(state)
             log.block_stop(first_epoch_num=first)
         accuracy = run_eval(rt, state)
         if accuracy >= cfg.eval.target_mlm_accuracy:
