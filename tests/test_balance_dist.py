@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
-from conftest import REPO, trainer_args
+from conftest import REPO, require_tool, trainer_args
 
 if str(REPO) not in sys.path:  # data_prep lives at the repository root
     sys.path.insert(0, str(REPO))
@@ -66,8 +66,7 @@ def launch_gloo(args: list[str], world: int, per_node: int, timeout: float = 240
 
 
 def launch_mpi(args: list[str], world: int, timeout: float = 240) -> str:
-    if not MPIEXEC.exists():
-        pytest.skip(f"{MPIEXEC} not found (pip install mpich)")
+    require_tool(MPIEXEC.exists(), f"{MPIEXEC} not found (pip install mpich)")
     result = subprocess.run([str(MPIEXEC), "-n", str(world), sys.executable, str(WORKER), *args], cwd=REPO,
                             env=base_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

