@@ -27,13 +27,18 @@ def _command(demo_data: Path, out: Path) -> list[str]:
     return worker_command(flags, out / "rec", "--step_sleep", "0.1")
 
 
+def _signal_rank_1_after_two_steps(demo_data, tmp_path, sig: signal.Signals):
+    """Starts 2 ranks directly, waits until rank 0 has trained 2 steps, signals rank 1."""
+    procs = start_ranks(_command(demo_data, tmp_path), 2, tmp_path / "logs")
+    wait_for_steps(tmp_path / "rec", 0, 2, procs)
+    os.kill(pid_of(tmp_path / "rec", 1), sig)
+    return procs, time.monotonic()
+
+
 @pytest.mark.slow
 def test_killing_rank_1_of_a_direct_launch_ends_rank_0_naming_it(demo_data, tmp_path):
     """Two processes started with RANK / WORLD_SIZE (no torchrun): only our liveness check helps."""
-    procs = start_ranks(_command(demo_data, tmp_path), 2, tmp_path / "logs")
-    wait_for_steps(tmp_path / "rec", 0, 2, procs)
-    os.kill(pid_of(tmp_path / "rec", 1), signal.SIGKILL)
-    killed_at = time.monotonic()
+    procs, killed_at = _signal_rank_1_after_two_steps(demo_data, tmp_path, signal.SIGKILL)
     codes = wait_all(procs, timeout=BOUND_S)
     assert time.monotonic() - killed_at < BOUND_S
     assert codes == [EXIT_LOST_RANK, -signal.SIGKILL]
@@ -44,10 +49,7 @@ def test_killing_rank_1_of_a_direct_launch_ends_rank_0_naming_it(demo_data, tmp_
 @pytest.mark.slow
 def test_a_frozen_rank_ends_rank_0_within_the_timeout(demo_data, tmp_path):
     """SIGSTOP: the peer's sockets stay open, so no collective fails at once (as in an NCCL hang)."""
-    procs = start_ranks(_command(demo_data, tmp_path), 2, tmp_path / "logs")
-    wait_for_steps(tmp_path / "rec", 0, 2, procs)
-    os.kill(pid_of(tmp_path / "rec", 1), signal.SIGSTOP)
-    frozen_at = time.monotonic()
+    procs, frozen_at = _signal_rank_1_after_two_steps(demo_data, tmp_path, signal.SIGSTOP)
     assert procs[0].wait(timeout=BOUND_S) == EXIT_LOST_RANK
     assert time.monotonic() - frozen_at < BOUND_S
     procs[1].kill()
