@@ -377,7 +377,6 @@ class TrainConfig:
     train_batch_size: int = 8  # per rank and optimizer step (sequences, or packs when packed)
     gradient_accumulation_steps: int = 1
     world_size: int = 1
-    extra: dict = field(default_factory=dict)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     faults: FaultSettings = field(default_factory=FaultSettings)
 
@@ -387,7 +386,6 @@ class TrainConfig:
         _require(isinstance(self.world_size, int) and not isinstance(self.world_size, bool) and self.world_size >= 1,
                  f"the world size (WORLD_SIZE, or the launcher's task count) must be an integer >= 1; "
                  f"got {self.world_size!r}")
-        _require(isinstance(self.extra, dict), f"extra must be a dict; got {self.extra!r}")
         self._check_checkpoints()
         _require(
             self.schedule.end_learning_rate <= self.optim.learning_rate,
