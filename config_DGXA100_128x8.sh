@@ -35,10 +35,12 @@ export MAX_PREDICTIONS_PER_SEQ=76
 export INPUT_LAYOUT=packed
 export BALANCE=none
 export PRECISION=bf16
-# NVIDIA's run captured the whole packed iteration as one CUDA graph. The graphed step
-# (fast_path.GraphedTrainStep) is measured by benchmarks/throughput.py and joins the trainer
-# once it is validated on a GPU (docs/PERFORMANCE.md, GPU section); until then, eager steps.
+# NVIDIA's run captured the whole packed iteration as one CUDA graph. The trainer's
+# --cuda_graphs captures one process's step (single-GPU runs); multi-GPU runs step eagerly.
 export CUDA_GRAPHS=0
+# Host reads of the device (loss check, stop agreement) every 10 steps, not every step; a
+# non-finite loss rolls back to the last read (docs/FAULTS.md).
+export SYNC_EVERY=10
 
 export DIVISION=closed
 export SUBMISSION_ORG=reference

@@ -36,6 +36,7 @@ export INPUT_LAYOUT=unpadded
 export BALANCE=global_presort
 export PRECISION=bf16
 export CUDA_GRAPHS=0
+export SYNC_EVERY=10  # host reads every 10 steps; a non-finite loss rolls back (docs/FAULTS.md)
 
 export DIVISION=closed
 export SUBMISSION_ORG=reference

@@ -80,6 +80,9 @@ optional MAX_PREDICTIONS_PER_SEQ --max_predictions_per_seq
 optional ATTENTION_BACKEND --attention_backend
 optional DEVICE --device
 optional LOG_FREQ --log_freq
+optional COMPILE_MODE --compile_mode
+optional SYNC_EVERY --sync_every
+optional INPUT_PIPELINE --input_pipeline
 optional DIVISION --submission_division
 optional SUBMISSION_ORG --submission_org
 optional SUBMISSION_PLATFORM --submission_platform

@@ -120,8 +120,9 @@ def record_mode(flags: list[str], denv: DistEnv, steps: int) -> list[StepNorms]:
     data = open_batch_source(cfg, denv, trainer.data_limits(cfg, rt.model.config))
     state = trainer.TrainState()
     try:
+        feed = trainer.device_input(rt, data)
         for _ in range(steps):
-            trainer.train_step(rt, data, state)
+            trainer.train_step(rt, feed, state)
     finally:
         data.close()
     return recorder.steps

@@ -234,8 +234,10 @@ def packed_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
     """Our model on static-shape packed batches: one CUDA graph per step on a GPU."""
     model, optimizer, notes = build_ours(ctx, dynamic=False)
     cfg = ctx.cfg
-    host = [pinned(fast_path.static_packed_batch(rows, cfg.rows, cfg.max_seq_length, SEQS_PER_ROW,
-                                                 cfg.max_predictions), ctx) for rows in steps]
+    # Q of a packed shard: the widest row's predictions (three sequences can exceed the per-sequence 76).
+    widest = max(sum(s.masked_lm_positions.shape[0] for s in row) for rows in steps for row in rows)
+    host = [pinned(fast_path.static_packed_batch(rows, cfg.rows, cfg.max_seq_length, SEQS_PER_ROW, widest), ctx)
+            for rows in steps]
     metrics = fast_path.StepMetrics(ctx.device)
     if ctx.graphs and ctx.device.type == "cuda" and ctx.precision != "fp16":
         graphed = fast_path.GraphedTrainStep(model, fast_path.capturable(optimizer), host[0], ctx.precision)

@@ -56,9 +56,9 @@ def fp16_runtime(demo_data, tmp_path):
     trainer.load_eval_batches(rt)
     rt.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     rt.guard = StepGuard(device, check_loss=False, max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps)
-    data = open_batch_source(cfg, denv, trainer.data_limits(cfg, rt.model.config))
-    yield rt, data
-    data.close()
+    source = open_batch_source(cfg, denv, trainer.data_limits(cfg, rt.model.config))
+    yield rt, trainer.device_input(rt, source)
+    source.close()
     logger.close()
 
 

@@ -9,9 +9,11 @@ from .config import (
     BALANCE_DEALS,
     BALANCE_POLICIES,
     CLIP_MODES,
+    COMPILE_MODES,
     DEVICES,
     DIVISIONS,
     INPUT_LAYOUTS,
+    INPUT_PIPELINES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
@@ -106,6 +108,13 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="fp32 (CPU), bf16 or fp16 with dynamic loss scaling (GPU)")
     g.add_argument("--init_loss_scale", type=float, default=2.0**16, help="fp16 initial loss scale")
     g.add_argument("--cuda_graphs", action="store_true", help="capture the packed training step as a CUDA graph")
+    g.add_argument("--compile_mode", choices=COMPILE_MODES, default="none",
+                   help="torch.compile each encoder layer (fuses bias+GELU and dropout+residual+LayerNorm)")
+    g.add_argument("--sync_every", type=int, default=1,
+                   help="steps between host reads of the device (loss check, stop agreement); above 1 a "
+                        "non-finite loss rolls the run back to the last good read (docs/FAULTS.md)")
+    g.add_argument("--input_pipeline", choices=INPUT_PIPELINES, default="torch",
+                   help="host-to-device input: torch (pinned memory, side-stream copies) or NVIDIA DALI")
     g.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available")
     g.add_argument("--log_freq", type=int, default=10, help="steps between progress lines on stderr")
     g.add_argument("--mlperf_log_file", help="MLPerf log path (default OUTPUT_DIR/mlperf.log)")
@@ -161,7 +170,7 @@ def config_from_args(args: argparse.Namespace, world_size: int) -> TrainConfig:
         run=RunSettings(args.output_dir, args.seed, args.do_train, args.max_samples_termination, args.precision,
                         args.device, args.log_freq, args.init_loss_scale, args.cuda_graphs, args.mlperf_log_file,
                         args.submission_division, args.submission_org, args.submission_platform,
-                        args.submission_status),
+                        args.submission_status, args.compile_mode, args.sync_every, args.input_pipeline),
         train_batch_size=args.train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         world_size=world_size,

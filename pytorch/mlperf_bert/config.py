@@ -18,6 +18,8 @@ INPUT_LAYOUTS = ("padded", "unpadded", "packed")
 OPTIMIZERS = ("lamb", "adam")
 OPTIMIZER_IMPLS = ("auto", "reference", "foreach", "apex")
 PRECISIONS = ("fp32", "bf16", "fp16")
+COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs")  # torch.compile modes without its own graphs
+INPUT_PIPELINES = ("torch", "dali")
 DEVICES = ("auto", "cpu", "cuda")
 DIVISIONS = ("closed", "open")
 SUBMISSION_STATUSES = ("onprem", "cloud", "preview", "research")
@@ -276,6 +278,9 @@ class RunSettings:
     submission_org: str = "reference"
     submission_platform: str = "unknown"
     submission_status: str = "onprem"
+    compile_mode: str = "none"
+    sync_every: int = 1
+    input_pipeline: str = "torch"
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
@@ -286,6 +291,9 @@ class RunSettings:
         _count("seed", self.seed, 0, 2**32 - 1)
         _flag("do_train", self.do_train)
         _flag("cuda_graphs", self.cuda_graphs)
+        _choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        _count("sync_every", self.sync_every)
+        _choice("input_pipeline", self.input_pipeline, INPUT_PIPELINES)
         _count("log_freq", self.log_freq)
         _real("init_loss_scale", self.init_loss_scale, 2.0**-24, 2.0**64)
         if self.max_samples_termination is not None:
@@ -406,23 +414,32 @@ class TrainConfig:
             self.run.precision != "fp16" or self.run.device != "cpu",
             "--precision fp16 needs a GPU; use fp32 (or bf16) on the CPU",
         )
-        _require(
-            not (self.run.cuda_graphs and self.run.device == "cpu"),
-            "--cuda_graphs needs a GPU; drop it on the CPU",
-        )
-        _require(
-            not (self.run.cuda_graphs and self.data.input_layout != "packed"),
-            "--cuda_graphs needs static shapes: use it with --input_layout packed",
-        )
-        _require(
-            not self.run.cuda_graphs,
-            "--cuda_graphs: the graphed training step (fast_path.GraphedTrainStep) is measured by "
-            "benchmarks/throughput.py but not used by the trainer yet; run without --cuda_graphs",
-        )
+        self._check_fast_path()
         _require(
             self.optim.optimizer == "lamb" or self.run.submission_division == "open",
             "the closed division requires LAMB: use --optimizer lamb or --submission_division open",
         )
+
+    def _check_fast_path(self) -> None:
+        """--cuda_graphs and --sync_every: what a step without host reads can take."""
+        run = self.run
+        _require(run.precision != "fp16" or run.sync_every == 1,
+                 "--sync_every > 1 needs --precision bf16 or fp32: fp16's loss scaler reads the device every step")
+        if not run.cuda_graphs:
+            return
+        for ok, message in (
+            (run.device != "cpu", "--cuda_graphs needs a GPU; drop it on the CPU"),
+            (self.data.input_layout == "packed", "--cuda_graphs needs static shapes: use it with --input_layout packed"),
+            (run.precision != "fp16", "--cuda_graphs takes --precision bf16 or fp32: fp16's loss scaler skips "
+                                      "steps from the host"),
+            (self.world_size == 1, f"--cuda_graphs captures one process's step; this run has {self.world_size} "
+                                   "processes: run multi-GPU jobs without --cuda_graphs"),
+            (self.gradient_accumulation_steps == 1, "--cuda_graphs captures one micro-batch per step: use "
+                                                    "--gradient_accumulation_steps 1"),
+            (self.optim.implementation in ("auto", "foreach"), "--cuda_graphs needs --optimizer_impl foreach "
+                                                               "(or auto): its step runs inside the graph"),
+        ):
+            _require(ok, message)
 
     def _check_checkpoints(self) -> None:
         _check_output_paths(self.run, self.checkpoint_dir)

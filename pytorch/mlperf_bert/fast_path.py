@@ -15,7 +15,8 @@ GPU is added here, each piece usable on its own and each with a CPU-testable par
   the same shapes without reading data, for capturing at init.
 - `DevicePrefetcher`: pinned host memory and host-to-device copies on a side stream.
 - `train_step` (eager) and `GraphedTrainStep` (forward + backward + optimizer step
-  captured as one CUDA graph on static buffers; `TrainingSnapshot` undoes its warm-up).
+  captured as one CUDA graph on static buffers; `sync_window.InPlaceSnapshot` undoes its
+  warm-up).
 
 Precision: bf16 and fp16 through autocast; fp16 needs a `torch.amp.GradScaler`, whose
 skip decision reads the device, so fp16 runs eagerly and CUDA graphs take bf16 or fp32.
@@ -31,13 +32,14 @@ import numpy as np
 import torch
 
 from .batch import FlatBatch, Item, Sample
+from .config import COMPILE_MODES
 from .model import BertForPreTraining, PretrainingLoss, PretrainingOutput, pretraining_loss
 from .optim import ForeachAdamW, ForeachLamb
+from .sync_window import InPlaceSnapshot
 
 # F.cross_entropy's default ignore_index: labels of padded predictions and NSP slots.
 IGNORE_INDEX = -100
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs")
 
 
 def autocast(device: torch.device, precision: str, cache_enabled: bool = True) -> ContextManager:
@@ -409,33 +411,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return result
 
 
-class TrainingSnapshot:
-    """A copy of every tensor a step changes, written back in place by `restore`.
-
-    Weights, buffers, optimizer moments, device step counts and lr: in place, because a
-    captured graph keeps the addresses of exactly these tensors. Optimizer state must exist
-    when the snapshot is taken (`capturable` creates it).
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._live = self._tensors(model, optimizer)
-        self._saved = [t.clone() for t in self._live]
-
-    @staticmethod
-    def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
-        for group in optimizer.param_groups:
-            tensors += [v for v in group.values() if isinstance(v, torch.Tensor)]
-        for state in optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for live, saved in zip(self._live, self._saved):
-            live.copy_(saved)
-
-
 def _copy_batch(dst: FlatBatch, src: FlatBatch) -> None:
     """Copies `src` into the static buffers `dst`; shapes and max_seqlen must match."""
     if src.max_seqlen != dst.max_seqlen:
@@ -478,7 +453,7 @@ class GraphedTrainStep:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         device = next(model.parameters()).device
         self.static = map_tensors(example, lambda t: t.to(device).clone())
-        snapshot = TrainingSnapshot(model, optimizer)
+        snapshot = InPlaceSnapshot(model, optimizer)
         self._warm_up(warmup_steps)
         self.graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)

@@ -54,6 +54,7 @@ class TrainingStopped(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.checkpoint: str | None = None  # set once the checkpoint of this stop is written
+        self.data_state: dict | None = None  # the data position to checkpoint, when not the current one
 
 
 class Preempted(TrainingStopped):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from . import fast_path
 from .batch import FlatBatch, flatten_items, pad_items, unpad
 from .checkpoint import load_init_checkpoint
 from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
@@ -29,7 +30,9 @@ from .config import TrainConfig
 from .data import DataLimits, load_eval_set
 from .distributed import DistEnv, all_reduce_sum
 from .evaluation_interval import EvalSchedule
-from .faults import Preempted, StepGuard, StopRequest, TrainingStopped, nonfinite_loss_error
+from .device_input import DeviceInput, HostBuilder
+from .faults import NumericBlowUp, Preempted, StepGuard, StopRequest, TrainingStopped, Verdict, nonfinite_loss_error
+from .graphed_training import StaticPackedStep, packed_shape
 from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model import BertConfig, BertForPreTraining, pretraining_loss
 from .optim import build_optimizer, parameter_groups
@@ -44,6 +47,7 @@ from .train_checkpoint import (
     restore,
 )
 from .sources import BatchSource, TokenImbalance, open_batch_source
+from .sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 
 
 @dataclass
@@ -90,6 +94,8 @@ class Runtime:
     guard: StepGuard | None = None
     stop: StopRequest = field(default_factory=StopRequest)  # not installed: never requested
     checkpoints: Checkpointer | None = None
+    graphed: StaticPackedStep | None = None  # --cuda_graphs: the static packed step
+    window: SyncWindow | None = None  # --sync_every > 1 or --cuda_graphs: checks after the update
 
     @property
     def train_module(self) -> torch.nn.Module:
@@ -127,16 +133,31 @@ def data_limits(cfg: TrainConfig, bert: BertConfig) -> DataLimits:
     return DataLimits(cfg.data.max_seq_length, cfg.data.max_predictions_per_seq, bert.vocab_size)
 
 
-def next_device_batch(data: BatchSource, cfg: TrainConfig, device: torch.device) -> FlatBatch:
-    """This rank's next micro-batch on `device`, by the configured input layout.
+def host_builder(cfg: TrainConfig, graphed: StaticPackedStep | None = None) -> HostBuilder:
+    """How a micro-batch is built on the host, by the configured input layout.
 
-    Padded batches are unpadded on the device; unpadded and packed ones arrive flat from the
-    source (prebuilt on a host thread by `cpu_exchange`).
+    Padded batches are unpadded on the device (`device_finisher`); unpadded and packed ones
+    are flat on the host (prebuilt on a host thread by `cpu_exchange`); --cuda_graphs packs
+    them into static shapes.
     """
+    if graphed is not None:
+        return lambda source: graphed.shape.batch(source.next_batch())
     if cfg.data.input_layout == "padded":
-        padded = pad_items(data.next_batch(), cfg.data.max_seq_length, cfg.data.max_predictions_per_seq)
-        return unpad(padded.to(device, non_blocking=True))
-    return data.next_flat_batch().to(device, non_blocking=True)
+        return lambda source: pad_items(source.next_batch(), cfg.data.max_seq_length,
+                                        cfg.data.max_predictions_per_seq)
+    return lambda source: source.next_flat_batch()
+
+
+def device_input(rt: "Runtime", source: BatchSource) -> DeviceInput:
+    """The source's micro-batches on the device; read ahead (pinned, async copies) on CUDA.
+
+    On the CPU the batches are read when needed, unless DALI is asked for (its CPU pipeline).
+    """
+    cfg = rt.cfg
+    finish = unpad if cfg.data.input_layout == "padded" and rt.graphed is None else (lambda batch: batch)
+    ahead = rt.device.type == "cuda" or cfg.run.input_pipeline == "dali"
+    return DeviceInput(source, host_builder(cfg, rt.graphed), rt.device, finish, ahead=ahead,
+                       pipeline=cfg.run.input_pipeline)
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
@@ -152,7 +173,9 @@ def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     model = BertForPreTraining(bert, attention_backend=backend)
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)
-    return model.to(device)
+    # Static shapes compile once; flat batches change their token count every step.
+    dynamic = False if cfg.run.cuda_graphs else None
+    return fast_path.compile_model(model.to(device), cfg.run.compile_mode, dynamic=dynamic)
 
 
 def build_training(rt: Runtime) -> None:
@@ -208,13 +231,15 @@ def evaluate(rt: Runtime) -> tuple[float, float]:
     return correct / count, loss / count
 
 
-def _micro_batches(data: BatchSource, rt: Runtime) -> Iterator[FlatBatch]:
+def _micro_batches(data: DeviceInput, rt: Runtime) -> Iterator[FlatBatch]:
     for _ in range(rt.cfg.gradient_accumulation_steps):
-        yield next_device_batch(data, rt.cfg, rt.device)
+        yield data.next()
 
 
-def train_step(rt: Runtime, data: BatchSource, state: TrainState) -> torch.Tensor:
+def train_step(rt: Runtime, data: DeviceInput, state: TrainState) -> torch.Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the mean loss."""
+    if rt.graphed is not None:
+        return _graphed_step(rt, data, state)
     accum = rt.cfg.gradient_accumulation_steps
     loss_sum = torch.zeros((), device=rt.device)
     if rt.clip is not None and rt.scaler is not None:
@@ -226,8 +251,13 @@ def train_step(rt: Runtime, data: BatchSource, state: TrainState) -> torch.Tenso
             loss = pretraining_loss(rt.train_module(batch), batch).total / accum
         (rt.scaler.scale(loss) if rt.scaler else loss).backward()
         loss_sum += loss.detach()
-    # Before the update, so a non-finite loss never reaches the weights (faults.StepGuard).
-    verdict = rt.guard.check(loss_sum, rt.stop.signal_number, rt.checkpoints is not None and rt.checkpoints.time_due())
+    # Before the update, so a non-finite loss never reaches the weights (faults.StepGuard);
+    # with a sync window the check comes every N steps and rolls back instead.
+    if rt.window is None:
+        verdict = rt.guard.check(loss_sum, rt.stop.signal_number, _time_checkpoint_due(rt))
+    else:
+        verdict = Verdict()
+        rt.window.observe(loss_sum)
     set_lr(rt.optimizer, rt.schedule.lr_at(state.step))
     applied = not verdict.nonfinite_loss and _optimizer_step(rt)
     rt.optimizer.zero_grad(set_to_none=True)
@@ -240,6 +270,20 @@ def train_step(rt: Runtime, data: BatchSource, state: TrainState) -> torch.Tenso
         raise nonfinite_loss_error(state.step, state.samples)
     rt.guard.count(applied, state.step, state.samples)
     return loss_sum
+
+
+def _time_checkpoint_due(rt: Runtime) -> bool:
+    return rt.checkpoints is not None and rt.checkpoints.time_due()
+
+
+def _graphed_step(rt: Runtime, data: DeviceInput, state: TrainState) -> torch.Tensor:
+    """--cuda_graphs: learning rate written on the device, one replay; checked by the window later."""
+    set_lr(rt.optimizer, rt.schedule.lr_at(state.step))
+    loss = rt.graphed(data.next())
+    rt.window.observe(loss)
+    state.samples += rt.cfg.global_batch_size
+    state.step += 1
+    return loss
 
 
 def _optimizer_step(rt: Runtime) -> bool:
@@ -316,34 +360,74 @@ def _stop_samples(cfg: TrainConfig) -> int:
     return limit
 
 
-def train_block(rt: Runtime, data: BatchSource, state: TrainState, until: int, progress: Progress) -> None:
+def train_block(rt: Runtime, data: DeviceInput, state: TrainState, until: int, progress: Progress) -> None:
     """Steps until `until` samples have been consumed (or max_steps)."""
     while state.samples < until and state.step < rt.cfg.schedule.max_steps:
         before = state.samples
         progress.update(train_step(rt, data, state), state)
+        if rt.window is not None:
+            last = state.samples >= until or state.step >= rt.cfg.schedule.max_steps
+            _read_window(rt, data, state, last or _samples_checkpoint_due(rt, before, state))
         _after_step(rt, data, state, before)
 
 
-def _after_step(rt: Runtime, data: BatchSource, state: TrainState, samples_before: int) -> None:
+def _samples_checkpoint_due(rt: Runtime, samples_before: int, state: TrainState) -> bool:
+    return rt.checkpoints is not None and rt.checkpoints.samples_due(samples_before, state.samples)
+
+
+def _read_window(rt: Runtime, data: DeviceInput, state: TrainState, force: bool) -> None:
+    """The window's agreement every N steps (and before an eval or a checkpoint).
+
+    A non-finite loss since the last read rolls weights, optimizer, progress and data
+    position back to that read and stops the run with its checkpoint.
+    """
+    if not (force or rt.window.due(state.step)):
+        rt.guard.last = Verdict()
+        return
+    verdict = rt.window.agree(rt.stop.signal_number, _time_checkpoint_due(rt))
+    if not verdict.nonfinite_loss:
+        rt.window.mark_good(state.state_dict(), data.state_dict())
+        return
+    last_step = state.step
+    good = rt.window.roll_back()
+    # Evals done since that read stay done: they scored the good weights, and they are logged.
+    evals = [e for e in state.evals if e[0] <= good.train_state["samples"]]
+    state.load_state_dict({**good.train_state, "evals": evals})
+    blowup = NumericBlowUp(
+        f"the training loss was not finite (NaN or inf) on at least one rank between steps {state.step + 1} "
+        f"and {last_step}; weights, optimizer and data position are rolled back to step {state.step} "
+        f"({state.samples} samples). Lower the learning rate or check the data, then resume from the "
+        "checkpoint, or rerun with --sync_every 1 to stop at the first such step"
+    )
+    blowup.data_state = good.data_state
+    raise blowup
+
+
+def _after_step(rt: Runtime, data: DeviceInput, state: TrainState, samples_before: int) -> None:
     """A periodic checkpoint when one is due; the stop for a signal (both agreed by every rank)."""
     verdict, checkpoints = rt.guard.last, rt.checkpoints
-    if checkpoints is not None and (verdict.checkpoint_due or checkpoints.samples_due(samples_before, state.samples)):
+    if checkpoints is not None and (verdict.checkpoint_due or _samples_checkpoint_due(rt, samples_before, state)):
         save_checkpoint(rt, data, state, "periodic")
     if verdict.stop:
         raise Preempted(f"{signal.Signals(verdict.stop_signal).name} arrived; every rank stopped after step "
                         f"{state.step} ({state.samples} samples)")
 
 
-def save_checkpoint(rt: Runtime, data: BatchSource, state: TrainState, reason: str) -> Path:
-    """Collective: every rank calls it at the same step; rank 0 writes the file and logs it."""
+def save_checkpoint(rt: Runtime, data: DeviceInput, state: TrainState, reason: str,
+                    data_state: dict | None = None) -> Path:
+    """Collective: every rank calls it at the same step; rank 0 writes the file and logs it.
+
+    data_state: the data position to record instead of the input's (after a roll-back).
+    """
     if rt.checkpoints.is_saved(state.state_dict()):
         return checkpoint_path(rt.checkpoints.directory, state.samples)
-    path = rt.checkpoints.save(rt.parts, state.state_dict(), data.state_dict(), reason, rt.cfg.to_dict())
+    position = data.state_dict() if data_state is None else data_state
+    path = rt.checkpoints.save(rt.parts, state.state_dict(), position, reason, rt.cfg.to_dict())
     rt.logger.event("checkpoint_saved", str(path), {"epoch_num": state.samples, "step": state.step, "reason": reason})
     return path
 
 
-def train_loop(rt: Runtime, data: BatchSource, state: TrainState) -> str:
+def train_loop(rt: Runtime, data: DeviceInput, state: TrainState) -> str:
     cfg, log = rt.cfg, rt.logger
     stop_at = _stop_samples(cfg)
     evals = EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
@@ -473,23 +557,45 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest
 def train(rt: Runtime, data: BatchSource, state: TrainState) -> tuple[str, float]:
     """Resumes when asked, trains until a stop, checkpoints as configured; (status, seconds)."""
     resumed = resume_from_checkpoint(rt, data, state)
+    build_fast_path(rt, state, data)
     rt.logger.init_stop()
     record = log_run_start(rt, resumed, state)
     ckpt = rt.cfg.checkpoint
     rt.checkpoints = Checkpointer(rt.cfg.checkpoint_dir, ckpt.keep, rt.denv, rt.device,
                                   every_samples=ckpt.every_samples, every_minutes=ckpt.every_minutes, record=record)
+    feed = device_input(rt, data)
     start = time.time()
     try:
-        status = train_loop(rt, data, state)
+        status = train_loop(rt, feed, state)
     except TrainingStopped as stopped:
         # Every rank stops at the same step (faults.StepGuard); the state is the last good one.
-        stopped.checkpoint = str(save_checkpoint(rt, data, state, stopped.reason))
+        stopped.checkpoint = str(save_checkpoint(rt, feed, state, stopped.reason, stopped.data_state))
         rt.logger.event(stopped.reason, str(stopped), {"epoch_num": state.samples, "step": state.step})
         log_run_end(rt, state, "aborted")
         raise
+    finally:
+        feed.close()
     if ckpt.periodic:
-        save_checkpoint(rt, data, state, "final")
+        save_checkpoint(rt, feed, state, "final")
     return status, time.time() - start
+
+
+def build_fast_path(rt: Runtime, state: TrainState, data: BatchSource) -> None:
+    """--cuda_graphs (static packed step) and the sync window; after any resume, before run_start.
+
+    Both hold on to the optimizer's current state tensors, so they come after the checkpoint
+    is loaded. The graph is captured here, inside the untimed init phase.
+    """
+    cfg = rt.cfg
+    if cfg.run.cuda_graphs:
+        if rt.device.type != "cuda":
+            raise RuntimeError(f"--cuda_graphs needs a CUDA device; this run trains on {rt.device}")
+        shape = packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length)
+        rt.graphed = StaticPackedStep(rt.model, rt.optimizer, shape, cfg.run.precision, graph=True)
+        rt.optimizer = rt.graphed.optimizer
+    if cfg.run.cuda_graphs or cfg.run.sync_every > 1:
+        snapshot = (InPlaceSnapshot if rt.graphed is not None else StateDictSnapshot)(rt.model, rt.optimizer)
+        rt.window = SyncWindow(cfg.run.sync_every, rt.guard, snapshot, state.state_dict(), data.state_dict())
 
 
 @dataclass(frozen=True)

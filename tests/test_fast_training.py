@@ -1,0 +1,279 @@
+"""The trainer's fast path on the CPU: --sync_every, the static packed step, read-ahead input, --compile_mode.
+
+Everything of --cuda_graphs but the capture itself runs here: the static packed batches,
+the capturable optimizer with its device learning rate, and the sync window that checks
+losses after the update. The graph replay is tested on a GPU in test_fast_path.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from _fault_launch import assert_same_tensors, load_checkpoint, run_ranks, worker_command
+from conftest import TRAINER, require_tool, run_cli, trainer_args
+from mlperf_bert import trainer
+from mlperf_bert.cli import parse_config
+from mlperf_bert.config import ConfigError
+from mlperf_bert.dali_input import dali_available
+from mlperf_bert.data_validate import DataError
+from mlperf_bert.device_input import DeviceInput
+from mlperf_bert.distributed import DistEnv
+from mlperf_bert.faults import EXIT_DIVERGED
+from mlperf_bert.graphed_training import StaticPackedStep, packed_shape
+from mlperf_bert.mllog import MLPerfLogger
+from mlperf_bert.sources import open_batch_source
+from mlperf_bert.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
+
+ONE = DistEnv(0, 1, 0, 1, "127.0.0.1", 0)
+
+
+@pytest.fixture(scope="module")
+def packed_dir(demo_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packed")
+    made = run_cli([sys.executable, "data_prep/prepare.py", "--quiet", "pack", "--input", str(demo_data / "train"),
+                    "--out", str(out), "--algorithm", "nnlshp", "--max_seq_length", "64",
+                    "--max_predictions", "10", "--workers", "1"])
+    assert made.returncode == 0, made.stderr[-3000:]
+    return sorted(out.rglob("*.hdf5"))[0].parent
+
+
+def no_dropout(demo_data: Path, tmp_path: Path) -> str:
+    """The demo model's config without dropout, for comparing paths that draw different random numbers."""
+    config = json.loads((demo_data / "bert_config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    path = tmp_path / "bert_config_no_dropout.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def packed_flags(demo_data: Path, packed: Path, out: Path, *extra: str) -> list[str]:
+    flags = trainer_args(demo_data, out, "--do_train", "--input_layout", "packed", "--train_batch_size", "4", *extra)
+    flags[flags.index("--input_dir") + 1] = str(packed)
+    return flags
+
+
+def runtime(flags: list[str], tmp_path: Path) -> tuple[trainer.Runtime, DeviceInput]:
+    """The trainer's runtime and input as `trainer.run` builds them, on the CPU, one process."""
+    cfg = parse_config(flags, 1)
+    device = torch.device("cpu")
+    trainer.seed_everything(cfg.run.seed, 0)
+    rt = trainer.Runtime(cfg, ONE, device, trainer.build_model(cfg, device), MLPerfLogger(None, 0))
+    trainer.build_training(rt)
+    torch.manual_seed(cfg.run.seed)
+    source = open_batch_source(cfg, ONE, trainer.data_limits(cfg, rt.model.config))
+    return rt, trainer.device_input(rt, source)
+
+
+# ---------------------------------------------------------------- --sync_every
+
+
+def final_checkpoint(out: Path) -> dict:
+    return load_checkpoint(sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1])
+
+
+def test_sync_every_trains_bit_for_bit_like_per_step_checks(demo_data, tmp_path):
+    for every in ("1", "4"):
+        args = trainer_args(demo_data, tmp_path / every, "--do_train", "--checkpoint_every_samples", "48",
+                            "--sync_every", every)
+        result = run_cli([sys.executable, str(TRAINER), *args])
+        assert result.returncode == 0, result.stderr[-3000:]
+    per_step, windowed = final_checkpoint(tmp_path / "1"), final_checkpoint(tmp_path / "4")
+    assert windowed["train_state"] == per_step["train_state"]
+    assert_same_tensors(windowed["model"], per_step["model"])
+    assert_same_tensors(windowed["optimizer"], per_step["optimizer"])
+
+
+def test_dali_input_trains_bit_for_bit_like_the_torch_input(demo_data, tmp_path):
+    require_tool(dali_available(), "NVIDIA DALI (nvidia-dali-cuda120) is not installed")
+    for pipeline in ("torch", "dali"):
+        args = trainer_args(demo_data, tmp_path / pipeline, "--do_train", "--checkpoint_every_samples", "48",
+                            "--input_layout", "padded", "--input_pipeline", pipeline)
+        result = run_cli([sys.executable, str(TRAINER), *args])
+        assert result.returncode == 0, result.stderr[-3000:]
+    torch_run, dali_run = final_checkpoint(tmp_path / "torch"), final_checkpoint(tmp_path / "dali")
+    assert dali_run["data"] == torch_run["data"]  # read ahead, yet the position of the last batch used
+    assert_same_tensors(dali_run["model"], torch_run["model"])
+
+
+@pytest.mark.slow
+def test_a_nan_inside_a_window_rolls_both_ranks_back_to_the_last_read(demo_data, tmp_path):
+    # 2 ranks x 4 samples a step; reads at steps 4 and 8; rank 1's loss is NaN in step 6.
+    flags = trainer_args(demo_data, tmp_path, "--do_train", "--train_batch_size", "4", "--max_steps", "8",
+                         "--sync_every", "4")
+    command = worker_command(flags, None, "--nan_at_step", "6", "--nan_rank", "1")
+    assert run_ranks(command, 2, tmp_path / "logs") == [EXIT_DIVERGED, EXIT_DIVERGED]
+    error = (tmp_path / "logs" / "rank0.err").read_text()
+    assert "between steps 5 and 8; weights, optimizer and data position are rolled back to step 4" in error, \
+        error[-2000:]
+    rolled = load_checkpoint(tmp_path / "checkpoints" / "ckpt-000000000032.pt")
+    assert rolled["run"]["reason"] == "numeric_blowup"
+
+    # The same run stopped cleanly after 4 steps is the state the roll-back must give.
+    clean_flags = trainer_args(demo_data, tmp_path / "clean", "--do_train", "--train_batch_size", "4",
+                               "--max_steps", "8", "--max_samples_termination", "32",
+                               "--checkpoint_every_samples", "32")
+    assert run_ranks(worker_command(clean_flags), 2, tmp_path / "clean_logs") == [0, 0]
+    clean = load_checkpoint(tmp_path / "clean" / "checkpoints" / "ckpt-000000000032.pt")
+    assert rolled["train_state"] == clean["train_state"] == {"step": 4, "samples": 32, "skipped_steps": 0,
+                                                              "evals": [(32, clean["train_state"]["evals"][0][1])]}
+    assert_same_tensors(rolled["model"], clean["model"])
+    assert_same_tensors(rolled["optimizer"], clean["optimizer"])
+    assert rolled["data"] == clean["data"]
+
+
+def test_state_dict_snapshot_restores_an_optimizer_that_had_no_state(demo_data, tmp_path):
+    rt, feed = runtime(trainer_args(demo_data, tmp_path, "--do_train"), tmp_path)
+    snapshot = StateDictSnapshot(rt.model, rt.optimizer)
+    weights = {k: v.clone() for k, v in rt.model.state_dict().items()}
+    state = trainer.TrainState()
+    trainer.train_step(rt, feed, state)
+    assert rt.optimizer.state_dict()["state"]
+    snapshot.restore()
+    assert_same_tensors(dict(rt.model.state_dict()), weights)
+    assert rt.optimizer.state_dict()["state"] == {}
+    assert all("step" not in g for g in rt.optimizer.param_groups)
+
+
+def test_window_reads_only_when_due_and_flags_a_nan_seen_between_reads(demo_data, tmp_path):
+    rt, feed = runtime(trainer_args(demo_data, tmp_path, "--do_train"), tmp_path)
+    window = SyncWindow(3, rt.guard, StateDictSnapshot(rt.model, rt.optimizer), {"step": 0}, {})
+    assert [window.due(s) for s in range(1, 7)] == [False, False, True, False, False, True]
+    window.observe(torch.tensor(1.0))
+    assert not window.agree(0, False).nonfinite_loss
+    window.observe(torch.tensor(float("nan")))
+    window.observe(torch.tensor(2.0))  # a finite loss later does not clear it
+    assert window.agree(0, False).nonfinite_loss
+    window.roll_back()
+    assert not window.agree(0, False).nonfinite_loss
+
+
+# ---------------------------------------------------------------- the static packed step (--cuda_graphs)
+
+
+def test_packed_shape_reads_k_and_q_from_the_shards(packed_dir, demo_data):
+    shape = packed_shape(str(packed_dir), rows=4, row_len=64)
+    with h5py.File(sorted(packed_dir.glob("*.hdf5"))[0]) as f:
+        per_row = f["packed_masked_lm_len"][:].sum(axis=1)
+        assert (shape.max_seqs_per_row, shape.max_predictions) == (3, f["masked_lm_positions"].shape[1])
+    assert (shape.rows, shape.row_len) == (4, 64)
+    assert per_row.max() <= shape.max_predictions  # every row fits a static batch
+    with pytest.raises(DataError, match="not a packed shard.*--input_layout packed"):
+        packed_shape(str(demo_data / "train"), rows=4, row_len=64)
+
+
+def test_static_packed_step_trains_like_the_flat_packed_step(demo_data, packed_dir, tmp_path):
+    """--cuda_graphs' step, eager: static shapes, capturable LAMB, device lr, checked by the window."""
+    # Without dropout: static batches hold more tokens (padding), so their dropout masks differ.
+    flags = packed_flags(demo_data, packed_dir, tmp_path, "--bert_config_path", no_dropout(demo_data, tmp_path))
+    flat_rt, flat_feed = runtime(flags, tmp_path / "flat")
+    static_rt, static_feed = runtime(flags, tmp_path / "static")
+    shape = packed_shape(str(packed_dir), rows=4, row_len=64)
+    static_rt.graphed = StaticPackedStep(static_rt.model, static_rt.optimizer, shape, "fp32", graph=False)
+    static_rt.optimizer = static_rt.graphed.optimizer
+    static_rt.window = SyncWindow(2, static_rt.guard, InPlaceSnapshot(static_rt.model, static_rt.optimizer),
+                                  {}, {})
+    static_feed = trainer.device_input(static_rt, static_feed.source)
+    assert isinstance(static_rt.optimizer.param_groups[0]["lr"], torch.Tensor)
+    flat_state, static_state = trainer.TrainState(), trainer.TrainState()
+    for _ in range(5):
+        flat_loss = trainer.train_step(flat_rt, flat_feed, flat_state)
+        static_loss = trainer.train_step(static_rt, static_feed, static_state)
+        torch.testing.assert_close(static_loss, flat_loss, rtol=1e-5, atol=1e-6)
+        assert static_feed.state_dict() == flat_feed.state_dict()
+    assert (static_state.step, static_state.samples) == (flat_state.step, flat_state.samples) == (5, 40)
+    assert float(static_rt.optimizer.param_groups[0]["lr"]) == pytest.approx(flat_rt.schedule.lr_at(4))
+    for (name, p), q in zip(flat_rt.model.named_parameters(), static_rt.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cuda_graphs", "--device", "cuda", "--input_layout", "unpadded"], "static shapes: use it with --input_layout packed"),
+    (["--cuda_graphs", "--device", "cuda", "--input_layout", "packed", "--precision", "fp16"], "bf16 or fp32"),
+    (["--cuda_graphs", "--device", "cuda", "--input_layout", "packed", "--gradient_accumulation_steps", "2"],
+     "--gradient_accumulation_steps 1"),
+    (["--cuda_graphs", "--device", "cuda", "--input_layout", "packed", "--optimizer_impl", "reference"],
+     "--optimizer_impl foreach"),
+    (["--sync_every", "0"], "--sync_every"),
+    (["--sync_every", "5", "--precision", "fp16", "--device", "cuda"], "--sync_every > 1 needs --precision bf16"),
+    (["--compile_mode", "reduce-overhead"], "compile_mode"),
+])
+def test_fast_path_flags_are_checked(demo_data, tmp_path, extra, message):
+    with pytest.raises((ConfigError, SystemExit)) as caught:
+        parse_config(trainer_args(demo_data, tmp_path, "--do_train", *extra), 1)
+    if caught.type is ConfigError:
+        assert message in str(caught.value)
+
+
+def test_cuda_graphs_need_one_process(demo_data, tmp_path):
+    flags = trainer_args(demo_data, tmp_path, "--do_train", "--cuda_graphs", "--device", "cuda",
+                         "--input_layout", "packed")
+    with pytest.raises(ConfigError, match="captures one process's step; this run has 8 processes"):
+        parse_config(flags, 8)
+
+
+# ---------------------------------------------------------------- read-ahead input
+
+
+@dataclasses.dataclass
+class Flat:
+    values: torch.Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Flat":
+        return Flat(self.values.to(device, non_blocking=non_blocking))
+
+
+class CountingSource:
+    """A BatchSource stand-in whose position is the number of batches read."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def next_flat_batch(self) -> Flat:
+        self.read += 1
+        return Flat(torch.full((3,), self.read))
+
+    def state_dict(self) -> dict:
+        return {"step": self.read}
+
+
+@pytest.mark.parametrize("pipeline", ["torch", "dali"])
+def test_read_ahead_hands_out_the_same_batches_and_keeps_the_position_of_the_last_one(pipeline):
+    if pipeline == "dali":
+        require_tool(dali_available(), "NVIDIA DALI (nvidia-dali-cuda120) is not installed")
+    plain, ahead = CountingSource(), CountingSource()
+    build = lambda source: source.next_flat_batch()  # noqa: E731
+    plain_input = DeviceInput(plain, build, torch.device("cpu"))
+    ahead_input = DeviceInput(ahead, build, torch.device("cpu"), ahead=True, pipeline=pipeline)
+    for step in range(1, 6):
+        assert torch.equal(ahead_input.next().values, plain_input.next().values)
+        assert ahead_input.state_dict() == plain_input.state_dict() == {"step": step}
+        assert ahead.read > step  # the next batch is already read
+    ahead_input.close()
+
+
+# ---------------------------------------------------------------- --compile_mode
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones(demo_data, tmp_path):
+    """Inductor on the CPU (C++ kernels): about a minute, most of it compiling.
+
+    Without dropout: compiled dropout draws its own random numbers.
+    """
+    config = no_dropout(demo_data, tmp_path)
+    for mode in ("none", "default"):
+        args = trainer_args(demo_data, tmp_path / mode, "--do_train", "--max_steps", "3", "--bert_config_path", config,
+                            "--checkpoint_every_samples", "24", "--compile_mode", mode, "--device", "cpu")
+        result = run_cli([sys.executable, str(TRAINER), *args])
+        assert result.returncode == 0, result.stderr[-3000:]
+    eager, compiled = final_checkpoint(tmp_path / "none"), final_checkpoint(tmp_path / "default")
+    assert eager["model"].keys() == compiled["model"].keys()  # the checkpoint keeps the plain names
+    for name, weight in eager["model"].items():
+        torch.testing.assert_close(compiled["model"][name], weight, rtol=1e-3, atol=1e-5, msg=name)
