@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mlperf_bert import fast_path
+from mlperf_bert.attention import flat_layout, row_attention, sdpa_attention
 from mlperf_bert.batch import FlatBatch, Item, Sample, flatten_items, pad_items
 from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.optim import ForeachLamb, ReferenceLamb, parameter_groups
@@ -70,6 +71,38 @@ def test_static_packed_batch_gives_the_unpadded_loss_and_gradients():
     np.testing.assert_allclose(static_losses, flat_losses, rtol=1e-6)
     for name, grad in flat_grads.items():
         torch.testing.assert_close(static_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def qkv_for(batch: FlatBatch, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch.num_tokens, 2, 8, generator=g) for _ in range(3)]
+
+
+def test_row_attention_equals_per_sequence_attention_on_a_static_batch():
+    static = fast_path.static_packed_batch(make_rows(np.random.default_rng(3), ROWS), rows=5, row_len=ROW_LEN,
+                                           max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
+    assert static.row_len == ROW_LEN
+    rows = flat_layout(static.cu_seqlens, static.max_seqlen, static.num_tokens, static.row_len)
+    grid = flat_layout(static.cu_seqlens, static.max_seqlen, static.num_tokens)
+    q, k, v = qkv_for(static, 0)
+    torch.testing.assert_close(row_attention(q, k, v, rows, 0.0), sdpa_attention(q, k, v, grid, 0.0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_row_attention_with_dropout_never_reads_another_sequence_of_the_row():
+    static = fast_path.static_packed_batch(make_rows(np.random.default_rng(4), ROWS[:1]), rows=1, row_len=ROW_LEN,
+                                           max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
+    layout = flat_layout(static.cu_seqlens, static.max_seqlen, static.num_tokens, static.row_len)
+    q, k, v = qkv_for(static, 1)
+    first = slice(0, int(static.seqlens()[static.seqlens() > 0][0]))  # the row's first sequence
+    changed = v.clone()
+    changed[first.stop:] += 100.0  # every other token of the row, the dummy tail included
+    torch.manual_seed(5)
+    before = row_attention(q, k, v, layout, 0.5)
+    torch.manual_seed(5)
+    after = row_attention(q, k, changed, layout, 0.5)
+    torch.testing.assert_close(after[first], before[first])
+    assert not torch.allclose(after[first.stop:], before[first.stop:])
 
 
 def test_static_packed_batch_shapes_depend_only_on_the_sizes():

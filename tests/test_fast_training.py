@@ -277,3 +277,22 @@ def test_compiled_layers_train_like_eager_ones(demo_data, tmp_path):
     assert eager["model"].keys() == compiled["model"].keys()  # the checkpoint keeps the plain names
     for name, weight in eager["model"].items():
         torch.testing.assert_close(compiled["model"][name], weight, rtol=1e-3, atol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_run_trains_like_the_eager_packed_run(demo_data, packed_dir, tmp_path):
+    """The trainer with --cuda_graphs against the same run stepping eagerly, fp32, no dropout."""
+    config = no_dropout(demo_data, tmp_path)
+    for name, extra in (("eager", []), ("graph", ["--cuda_graphs", "--sync_every", "3"])):
+        args = packed_flags(demo_data, packed_dir, tmp_path / name, "--bert_config_path", config, "--device", "cuda",
+                            "--optimizer_impl", "foreach", "--checkpoint_every_samples", "48", *extra)
+        result = run_cli([sys.executable, str(TRAINER), *args])
+        assert result.returncode == 0, result.stderr[-3000:]
+    eager, graph = final_checkpoint(tmp_path / "eager"), final_checkpoint(tmp_path / "graph")
+    assert graph["train_state"]["step"] == eager["train_state"]["step"] == 6
+    for name, weight in eager["model"].items():
+        torch.testing.assert_close(graph["model"][name], weight, rtol=1e-3, atol=1e-5, msg=name)

@@ -6,7 +6,12 @@ only attends to tokens of its own sequence, which is what makes packed rows exac
 
 - `sdpa`: the reference. Scatters the tokens into a padded [S, heads, L, head_dim] tensor,
   runs `torch.nn.functional.scaled_dot_product_attention` with a key-padding mask and
-  gathers the real tokens back. Runs anywhere and supports attention dropout.
+  gathers the real tokens back. Runs anywhere and supports attention dropout. For a static
+  packed batch (rows of row_len tokens that no sequence crosses) it runs row by row instead
+  (`row_attention`): the rows are a view of the tokens (no scatter, no gather) and a
+  block-diagonal mask keeps each token inside its sequence. Work: rows x row_len^2 score
+  entries, against (rows x slots per row) x row_len^2 for the per-sequence grid, whose
+  empty slots of a static batch cost as much as full ones.
 - `varlen`: GPU kernels that work on the flat tokens directly (flash-attn's
   `flash_attn_varlen_func` when importable, else `torch.nn.attention.varlen.varlen_attn`).
   PyTorch's kernel has no dropout, so it is only chosen when no attention dropout is needed.
@@ -32,9 +37,11 @@ class FlatLayout:
     pos_index: torch.Tensor  # [T] position of each token inside its sequence
     num_seqs: int
     max_seqlen: int
+    row_len: int | None = None  # tokens per row when no sequence crosses a row (static packed batches)
 
 
-def flat_layout(cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int | None = None) -> FlatLayout:
+def flat_layout(cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int | None = None,
+                row_len: int | None = None) -> FlatLayout:
     """Index maps of a flat batch. Give `num_tokens` (T) to avoid a device-to-host sync
     (without it `repeat_interleave` reads the total length back), e.g. inside a CUDA graph."""
     cu = cu_seqlens.long()
@@ -42,7 +49,7 @@ def flat_layout(cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int | Non
     num_seqs = lengths.shape[0]
     seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=cu.device), lengths, output_size=num_tokens)
     pos_index = torch.arange(seq_index.shape[0], device=cu.device) - cu[:-1][seq_index]
-    return FlatLayout(seq_index, pos_index, num_seqs, max_seqlen)
+    return FlatLayout(seq_index, pos_index, num_seqs, max_seqlen, row_len)
 
 
 def sdpa_attention(
@@ -68,6 +75,29 @@ def sdpa_attention(
         to_grid(q), to_grid(k), to_grid(v), attn_mask=key_mask, dropout_p=dropout_p
     )
     return out.transpose(1, 2)[layout.seq_index, layout.pos_index]
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: FlatLayout,
+                  dropout_p: float) -> torch.Tensor:
+    """Attention per row of a static packed batch: SDPA over [rows, heads, row_len, dim] views
+    with a block-diagonal mask (token i may attend to token j when both are in one sequence).
+
+    A row's unused tail is a sequence of its own, so every token attends to at least itself.
+    """
+    t, heads, dim = q.shape
+    row_len = layout.row_len
+    if row_len is None or t % row_len:
+        raise ValueError(f"row attention needs T ({t}) to be a whole number of rows of row_len {row_len}")
+    rows = t // row_len
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:
+        return x.view(rows, row_len, heads, dim).transpose(1, 2)  # [R, heads, L, dim]
+
+    seq = layout.seq_index.view(rows, row_len)
+    same_sequence = (seq[:, :, None] == seq[:, None, :])[:, None]  # [R, 1, L, L]
+    out = F.scaled_dot_product_attention(to_rows(q), to_rows(k), to_rows(v), attn_mask=same_sequence,
+                                         dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(t, heads, dim)
 
 
 def _flash_attn_varlen() -> Callable | None:
@@ -144,4 +174,6 @@ class FlatAttention(torch.nn.Module):
         p = self.dropout_p if self.training else 0.0
         if self.backend == "varlen":
             return varlen_attention(q, k, v, cu_seqlens, layout.max_seqlen, p)
+        if layout.row_len is not None:
+            return row_attention(q, k, v, layout, p)
         return sdpa_attention(q, k, v, layout, p)

@@ -58,6 +58,9 @@ class FlatBatch:
     masked_positions: torch.Tensor  # [M] int64 indices into the flat tokens
     masked_lm_ids: torch.Tensor  # [M] int64 labels
     next_sentence_labels: torch.Tensor  # [S] int64
+    # Set for static packed batches: tokens lie in rows of row_len that no sequence crosses,
+    # so attention can run row by row (T = rows * row_len) instead of per sequence.
+    row_len: int | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -286,7 +286,8 @@ def static_packed_batch(items: Sequence[Item], rows: int, row_len: int, max_seqs
     front of cu_seqlens (zero lengths starting at token 0, so every slot's [CLS] index is
     a valid token). Dummy and empty slots have NSP label IGNORE_INDEX, padded predictions
     point at token 0 with label IGNORE_INDEX: the loss, its gradients and StepMetrics equal
-    those of `flatten_items(items)`.
+    those of `flatten_items(items)`. `row_len` is set, so attention runs row by row
+    (`attention.row_attention`).
     """
     _check_static_rows(items, rows, row_len, max_seqs_per_row, max_predictions)
     t = rows * row_len
@@ -309,6 +310,7 @@ def static_packed_batch(items: Sequence[Item], rows: int, row_len: int, max_seqs
         masked_lm_ids=_padded(layout.masked_ids, m, IGNORE_INDEX),
         next_sentence_labels=_padded([np.full(empty, IGNORE_INDEX), np.asarray(layout.nsp, np.int64)], slots,
                                      IGNORE_INDEX),
+        row_len=row_len,
     )
 
 
@@ -413,9 +415,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 def _copy_batch(dst: FlatBatch, src: FlatBatch) -> None:
     """Copies `src` into the static buffers `dst`; shapes and max_seqlen must match."""
-    if src.max_seqlen != dst.max_seqlen:
-        raise ValueError(f"batch max_seqlen {src.max_seqlen} differs from the captured {dst.max_seqlen}: "
-                         "build every batch with the same static_packed_batch sizes")
+    if (src.max_seqlen, src.row_len) != (dst.max_seqlen, dst.row_len):
+        raise ValueError(f"batch max_seqlen / row_len {src.max_seqlen} / {src.row_len} differ from the captured "
+                         f"{dst.max_seqlen} / {dst.row_len}: build every batch with the same static_packed_batch sizes")
     for d, s in zip(_tensors(dst), _tensors(src)):
         if d.shape != s.shape:
             raise ValueError(f"batch tensor of shape {tuple(s.shape)} does not match the captured "

@@ -195,7 +195,7 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(cfg)
 
     def forward(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = flat_layout(batch.cu_seqlens, batch.max_seqlen, batch.num_tokens)
+        layout = flat_layout(batch.cu_seqlens, batch.max_seqlen, batch.num_tokens, batch.row_len)
         x = self.encoder(self.embeddings(batch), batch.cu_seqlens, layout)  # [T, H]
         return x, self.pooler(x, batch.cu_seqlens)
 
