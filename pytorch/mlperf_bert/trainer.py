@@ -136,7 +136,7 @@ def data_limits(cfg: TrainConfig, bert: BertConfig) -> DataLimits:
 def host_builder(cfg: TrainConfig, graphed: StaticPackedStep | None = None) -> HostBuilder:
     """How a micro-batch is built on the host, by the configured input layout.
 
-    Padded batches are unpadded on the device (`device_finisher`); unpadded and packed ones
+    Padded batches are unpadded on the device (`device_input`); unpadded and packed ones
     are flat on the host (prebuilt on a host thread by `cpu_exchange`); --cuda_graphs packs
     them into static shapes.
     """
@@ -173,9 +173,9 @@ def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     model = BertForPreTraining(bert, attention_backend=backend)
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)
-    # Static shapes compile once; flat batches change their token count every step.
-    dynamic = False if cfg.run.cuda_graphs else None
-    return fast_path.compile_model(model.to(device), cfg.run.compile_mode, dynamic=dynamic)
+    # dynamic=None: the first shape compiles static (all of training under --cuda_graphs); the
+    # first other shape (the next flat batch, or eval's) recompiles once with dynamic sizes.
+    return fast_path.compile_model(model.to(device), cfg.run.compile_mode, dynamic=None)
 
 
 def build_training(rt: Runtime) -> None:
