@@ -31,6 +31,7 @@ demo: $(STAMP)
 	PYTHON=$(abspath $(PY)) bash tools/run_demo.sh
 
 test: $(TEST_STAMP)
+	bash tools/install_test_tools.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean-demo:

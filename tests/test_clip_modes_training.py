@@ -208,11 +208,14 @@ def test_study_rewrites_only_its_own_section(tmp_path):
 @pytest.mark.benchmark
 def test_clip_study_trains_the_demo_and_writes_its_table(tmp_path):
     """Two real demo runs (minutes): `pytest -m benchmark tests/test_clip_modes_training.py`."""
-    if not (REPO / "demo_data" / "bert_config.json").is_file():
-        pytest.skip("no demo dataset: `make demo` makes it")
+    data = tmp_path / "demo_data"
+    made = subprocess.run(["bash", "tools/run_demo.sh", "--data-only"], cwd=REPO,
+                          env={**launch_env(), "DEMO_DATA": str(data), "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
     out = tmp_path / "study.md"
     command = [sys.executable, "benchmarks/clip_study.py", "--seeds", "1", "--modes", "none", "bucketwise",
-               "--runs_dir", str(tmp_path / "runs"), "--out", str(out)]
+               "--demo_data", str(data), "--runs_dir", str(tmp_path / "runs"), "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "runs" / "runs.jsonl").read_text().splitlines()]

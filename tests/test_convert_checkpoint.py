@@ -56,7 +56,7 @@ def tf_variable_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def tf_checkpoint(tmp_path_factory):
-    tf = pytest.importorskip("tensorflow")
+    import tensorflow as tf  # `make test` installs tensorflow-cpu; imported here, as it takes seconds
     root = tmp_path_factory.mktemp("tf1")
     rng = np.random.default_rng(0)
     weights = {}
@@ -152,8 +152,7 @@ def test_padded_pt_file_loads_into_the_trainer_model(tf_checkpoint, tmp_path):
                                   weights["bert/encoder/layer_1/intermediate/dense/kernel"].T)
     np.testing.assert_array_equal(state["cls.seq_relationship.weight"].numpy(),
                                   weights["cls/seq_relationship/output_weights"])
-    model_module = pytest.importorskip("mlperf_bert.model")
-    batch_module, checkpoint = pytest.importorskip("mlperf_bert.batch"), pytest.importorskip("mlperf_bert.checkpoint")
+    from mlperf_bert import batch as batch_module, checkpoint, model as model_module
     model = model_module.BertForPreTraining(model_module.BertConfig.from_json(root / "bert_config.json")).eval()
     checkpoint.load_init_checkpoint(model, tmp_path / "phase1.pt")
     ids, segments = _inputs()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: make the demo data, train config_CPU_1x2.sh to its target on the CPU, check the
 # MLPerf log with the official compliance checker (rulesets 5.0.0 and 2.0.0), print the result.
+# `tools/run_demo.sh --data-only` makes the demo data (in DEMO_DATA) and stops.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,6 +22,7 @@ if [[ ! -f "$DEMO_DATA/.complete" ]]; then
     --intermediate_size "$DEMO_INTERMEDIATE_SIZE"
   touch "$DEMO_DATA/.complete"
 fi
+if [[ "${1:-}" == --data-only ]]; then exit 0; fi
 
 SEED=${SEED:-$RANDOM}
 stamp=$(date +%y%m%d%H%M%S)

@@ -445,15 +445,16 @@ class GraphedTrainStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example: FlatBatch,
                  precision: str = "bf16", warmup_steps: int = 3) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("GraphedTrainStep needs a CUDA device; run the eager train_step elsewhere")
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise RuntimeError(f"GraphedTrainStep needs a CUDA device, the model is on {device}; "
+                               "run the eager train_step elsewhere")
         if precision == "fp16":
             raise ValueError("CUDA graphs take --precision bf16 or fp32: fp16 needs a loss scaler that skips "
                              "steps from the host")
         if not isinstance(optimizer, _DeviceStepCount):
             raise ValueError("wrap the optimizer with fast_path.capturable() before capturing it")
         self.model, self.optimizer, self.precision = model, optimizer, precision
-        device = next(model.parameters()).device
         self.static = map_tensors(example, lambda t: t.to(device).clone())
         snapshot = InPlaceSnapshot(model, optimizer)
         self._warm_up(warmup_steps)
