@@ -107,6 +107,7 @@ class _DeviceStepCount:
 
     param_groups: list[dict[str, Any]]
     state: dict[torch.Tensor, dict[str, Any]]
+    _ensure_state: Callable[[torch.Tensor], None]  # from the optimizer class it is mixed into
 
     def _advance(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         step = self._step_tensor(group)
@@ -127,10 +128,7 @@ class _DeviceStepCount:
         for group in self.param_groups:
             self._step_tensor(group)
             for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._ensure_state(p)
 
 
 class CapturableLamb(_DeviceStepCount, ForeachLamb):

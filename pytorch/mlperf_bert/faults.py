@@ -133,10 +133,15 @@ class StepGuard:
 
         stop_signal: the signal number this rank received, 0 for none.
         """
+        nonfinite = ~torch.isfinite(loss.detach().float()) if self.check_loss else None
+        return self.agree(nonfinite, stop_signal, checkpoint_due)
+
+    def agree(self, nonfinite: torch.Tensor | None, stop_signal: int, checkpoint_due: bool) -> Verdict:
+        """Collective: the verdict from this rank's device flag "a loss was not finite" (None: unchecked)."""
         # Filled in place (no host-to-device copy, which would wait for the backward a second time).
         flags = torch.zeros(3, device=self.device)  # nonfinite loss, stop signal, checkpoint due
-        if self.check_loss:
-            flags[0] = (~torch.isfinite(loss.detach().float())).float()
+        if nonfinite is not None:
+            flags[0] = nonfinite.float()
         if stop_signal:
             flags[1] = float(stop_signal)
         if checkpoint_due:

@@ -118,11 +118,15 @@ class _ApexSemantics(torch.optim.Optimizer):
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError("sparse gradients are not supported")
-            state = self.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._ensure_state(p)
         return params
+
+    def _ensure_state(self, p: torch.Tensor) -> None:
+        """Zero moments for a parameter that has none yet (apex's layout: exp_avg, exp_avg_sq)."""
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _all_grads(self) -> list[torch.Tensor]:
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]

@@ -18,7 +18,6 @@ milliseconds on an H200, i.e. well under 1 % of N steps for N >= 10).
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,9 +117,7 @@ class SyncWindow:
 
     def agree(self, stop_signal: int, checkpoint_due: bool) -> Verdict:
         """Collective, every rank at the same step: the window's verdict (the one host read)."""
-        flagged = torch.where(self._bad, torch.tensor(math.nan, device=self._bad.device),
-                              torch.zeros((), device=self._bad.device))
-        return self.guard.check(flagged, stop_signal, checkpoint_due)
+        return self.guard.agree(self._bad, stop_signal, checkpoint_due)
 
     def mark_good(self, train_state: dict, data_state: dict) -> None:
         """After a verdict without a non-finite loss: this is the new point to roll back to."""

@@ -16,7 +16,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ContextManager, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -122,13 +122,6 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed)
 
 
-def autocast(cfg: TrainConfig, device: torch.device) -> ContextManager:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.run.precision)
-    if dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def data_limits(cfg: TrainConfig, bert: BertConfig) -> DataLimits:
     return DataLimits(cfg.data.max_seq_length, cfg.data.max_predictions_per_seq, bert.vocab_size)
 
@@ -218,7 +211,7 @@ def evaluate(rt: Runtime) -> tuple[float, float]:
     rt.model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # correct, count, loss sum
     for batch in rt.eval_batches:
-        with autocast(rt.cfg, rt.device):
+        with fast_path.autocast(rt.device, rt.cfg.run.precision):
             logits = rt.model(batch).mlm_logits.float()
         totals[0] += (logits.argmax(dim=-1) == batch.masked_lm_ids).sum()
         totals[1] += batch.masked_lm_ids.numel()
@@ -247,7 +240,7 @@ def train_step(rt: Runtime, data: DeviceInput, state: TrainState) -> torch.Tenso
     for i, batch in enumerate(_micro_batches(data, rt)):
         # DDP all-reduces on the last micro-batch only; earlier ones accumulate locally.
         sync = rt.ddp is None or i == accum - 1
-        with (nullcontext() if sync else rt.ddp.no_sync()), autocast(rt.cfg, rt.device):
+        with (nullcontext() if sync else rt.ddp.no_sync()), fast_path.autocast(rt.device, rt.cfg.run.precision):
             loss = pretraining_loss(rt.train_module(batch), batch).total / accum
         (rt.scaler.scale(loss) if rt.scaler else loss).backward()
         loss_sum += loss.detach()
