@@ -25,25 +25,24 @@ import json
 import os
 import platform
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+
+import numpy as np
+
+from data_prep import reference_algorithm as ref
+from data_prep.corpus import installed_sentences, make_documents, train_vocab, write_documents
+from data_prep.fileio import Manifest
+from data_prep.pack import PackParams, pack_dataset, plan_packs
+from data_prep.reshard import ReshardParams, reshard
+from data_prep.samples import SampleJob, SampleParams, create_file_samples, create_samples
+from data_prep.stratify import StratifyParams, stratify
+from data_prep.vocab import load_vocab
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "pytorch")]
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: per-core numbers
-
-import numpy as np  # noqa: E402
-
-from data_prep import reference_algorithm as ref  # noqa: E402
-from data_prep.corpus import installed_sentences, make_documents, train_vocab, write_documents  # noqa: E402
-from data_prep.fileio import Manifest  # noqa: E402
-from data_prep.pack import PackParams, pack_dataset, plan_packs  # noqa: E402
-from data_prep.reshard import ReshardParams, reshard  # noqa: E402
-from data_prep.samples import SampleJob, SampleParams, create_file_samples, create_samples  # noqa: E402
-from data_prep.stratify import StratifyParams, stratify  # noqa: E402
-from data_prep.vocab import load_vocab  # noqa: E402
 
 HISTOGRAM = ROOT / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"
 

@@ -21,18 +21,14 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository and the trainer package importable
-    _ROOT = Path(__file__).resolve().parents[1]
-    sys.path[:0] = [str(_ROOT), str(_ROOT / "pytorch")]
-
-from data_prep import convert_checkpoint, verify_dataset  # noqa: E402
-from data_prep.eval_set import EvalParams, make_eval_set  # noqa: E402
-from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES, DataPrepError  # noqa: E402
-from data_prep.pack import PackParams, pack_dataset  # noqa: E402
-from data_prep.reshard import ReshardParams, reshard, shard_dir_name  # noqa: E402
-from data_prep.samples import SampleParams, create_samples  # noqa: E402
-from data_prep.sources import list_shards  # noqa: E402
-from data_prep.stratify import StratifyParams, stratify  # noqa: E402
+from data_prep import convert_checkpoint, verify_dataset
+from data_prep.eval_set import EvalParams, make_eval_set
+from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES, DataPrepError
+from data_prep.pack import PackParams, pack_dataset
+from data_prep.reshard import ReshardParams, reshard, shard_dir_name
+from data_prep.samples import SampleParams, create_samples
+from data_prep.sources import list_shards
+from data_prep.stratify import StratifyParams, stratify
 
 log = logging.getLogger("data_prep")
 

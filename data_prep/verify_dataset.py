@@ -20,21 +20,18 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import h5py
+import numpy as np
 
-import h5py  # noqa: E402
-import numpy as np  # noqa: E402
-
-from data_prep.fileio import Manifest, read_json, sha256_file  # noqa: E402
-from data_prep.formats import (  # noqa: E402
+from data_prep.fileio import Manifest, read_json, sha256_file
+from data_prep.formats import (
     FORMAT_KEYS, MANIFEST_NAME, MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError,
     detect_format,
 )
-from data_prep.h5io import open_h5  # noqa: E402
-from data_prep.parallel import run_jobs  # noqa: E402
-from data_prep.ragged import Samples, from_fixed, from_packed, from_varlength, offsets  # noqa: E402
-from data_prep.vocab import load_vocab  # noqa: E402
+from data_prep.h5io import open_h5
+from data_prep.parallel import run_jobs
+from data_prep.ragged import Samples, from_fixed, from_packed, from_varlength, offsets
+from data_prep.vocab import load_vocab
 
 BLOCK_ROWS = 1 << 15
 MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token each in A and B

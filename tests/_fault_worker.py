@@ -22,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "pytorch"))
+from mlperf_bert import main as run_pretraining
+from mlperf_bert import trainer
+from mlperf_bert.faults import StopRequest
 
-import run_pretraining  # noqa: E402
-from mlperf_bert import trainer  # noqa: E402
-from mlperf_bert.faults import StopRequest  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _rank() -> int:

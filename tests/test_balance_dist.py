@@ -22,10 +22,8 @@ import pytest
 from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
 from conftest import REPO, require_tool, trainer_args
 
-if str(REPO) not in sys.path:  # data_prep lives at the repository root
-    sys.path.insert(0, str(REPO))
-from data_prep.sources import list_shards  # noqa: E402
-from data_prep.stratify import StratifyParams, stratify  # noqa: E402
+from data_prep.sources import list_shards
+from data_prep.stratify import StratifyParams, stratify
 from mlperf_bert import balance
 from mlperf_bert.data import discover_shards, read_shard
 

@@ -18,9 +18,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from clip_study import (  # noqa: E402
+from clip_study import (
     RunOutcome,
     launch_command,
     launch_env,
@@ -30,10 +28,10 @@ from clip_study import (  # noqa: E402
     trainer_flags,
     write_section,
 )
-from mlperf_bert.cli import parse_config  # noqa: E402
-from mlperf_bert.config import CLIP_MODES, TrainConfig  # noqa: E402
-from mlperf_bert.evaluation_interval import eval_interval_samples  # noqa: E402
-from mlperf_bert.trainer import hyperparameters, lr_schedule  # noqa: E402
+from mlperf_bert.cli import parse_config
+from mlperf_bert.config import CLIP_MODES, TrainConfig
+from mlperf_bert.evaluation_interval import eval_interval_samples
+from mlperf_bert.trainer import hyperparameters, lr_schedule
 
 DEMO_CONFIG = REPO / "config_CPU_1x2.sh"
 # A clip norm far below the tiny model's gradient norms, so that every mode really clips.

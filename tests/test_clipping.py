@@ -18,10 +18,10 @@ import torch
 
 from mlperf_bert.clipping import ClipConfig, ClipHandle, ClipMode, optimizer_clip_norm
 
+import _clipping_worker as worker  # shares the run's constants
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_clipping_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-import _clipping_worker as worker  # noqa: E402  (shares the run's constants)
 
 CLIP_MODES = ["before_allreduce", "bucketwise"]
 ALL_MODES = [m.value for m in ClipMode]

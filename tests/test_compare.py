@@ -5,17 +5,15 @@ from __future__ import annotations
 import glob
 import math
 import shutil
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
+import compare
+
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "tests" / "data" / "mlperf_logs"
-sys.path.insert(0, str(REPO / "tools"))
-
-import compare  # noqa: E402
 
 PACKAGES = [("v2.0/NVIDIA", "2.0.0"), ("v2.0/Baidu", "2.0.0"), ("v4.0/NVIDIA", "4.0.0")]
 

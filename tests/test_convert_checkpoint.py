@@ -10,20 +10,16 @@ load_tf_weights_in_bert, hence the numpy reference.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("data_prep") is None:  # plain `pytest` without the repository root on sys.path
-    sys.path.insert(0, str(ROOT))
+from data_prep.convert_checkpoint import convert, read_pt
+from data_prep.formats import DataPrepError
 
-from data_prep.convert_checkpoint import convert, read_pt  # noqa: E402
-from data_prep.formats import DataPrepError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
           "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,

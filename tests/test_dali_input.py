@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, require_tool
+from conftest import require_tool
 from mlperf_bert import dali_input, fast_path
 from mlperf_bert.batch import FlatBatch, Sample, flatten_items, pad_items
 from mlperf_bert.dali_input import DaliPrefetcher, dali_available
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import input_pipeline  # noqa: E402
+import input_pipeline
 
 ROW_LEN, MAX_SEQS, MAX_PREDICTIONS = 24, 3, 6
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,7 +8,6 @@ the MLCommons algorithm, and with small independent loops written here.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
@@ -20,20 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("data_prep") is None:  # plain `pytest` without the repository root on sys.path
-    sys.path.insert(0, str(ROOT))
+from data_prep import reference_algorithm as ref
+from data_prep.corpus import EVAL_MARKER, installed_sentences, make_documents, write_corpus, write_documents
+from data_prep.fileio import Manifest
+from data_prep.formats import DataPrepError
+from data_prep.h5io import read_samples
+from data_prep.pairs import A_END, A_START, B_END, B_START, IS_RANDOM, PairMaker, PairParams, truncate_pairs
+from data_prep.samples import SampleParams, create_samples, file_rngs
+from data_prep.text import tokenize_file
+from data_prep.verify_dataset import Limits, verify_directory
+from data_prep.vocab import LineEncoder, load_vocab, make_tokenizer
 
-from data_prep import reference_algorithm as ref  # noqa: E402
-from data_prep.corpus import EVAL_MARKER, installed_sentences, make_documents, write_corpus, write_documents  # noqa: E402
-from data_prep.fileio import Manifest  # noqa: E402
-from data_prep.formats import DataPrepError  # noqa: E402
-from data_prep.h5io import read_samples  # noqa: E402
-from data_prep.pairs import A_END, A_START, B_END, B_START, IS_RANDOM, PairMaker, PairParams, truncate_pairs  # noqa: E402
-from data_prep.samples import SampleParams, create_samples, file_rngs  # noqa: E402
-from data_prep.text import tokenize_file  # noqa: E402
-from data_prep.verify_dataset import Limits, verify_directory  # noqa: E402
-from data_prep.vocab import LineEncoder, load_vocab, make_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PARAMS = SampleParams(dupe_factor=5)
 

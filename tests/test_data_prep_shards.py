@@ -6,8 +6,6 @@ multiset comparison that does not trust any index bookkeeping of the code under 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,24 +14,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("data_prep") is None:  # plain `pytest` without the repository root on sys.path
-    sys.path.insert(0, str(ROOT))
-
-from data_prep.corpus import write_corpus  # noqa: E402
-from data_prep.eval_set import EvalParams, make_eval_set  # noqa: E402
-from data_prep.fileio import read_json  # noqa: E402
-from data_prep.formats import DataPrepError  # noqa: E402
-from data_prep.h5io import read_samples  # noqa: E402
-from data_prep.pack import PackParams, pack_dataset  # noqa: E402
-from data_prep.ragged import (  # noqa: E402
+from data_prep.corpus import write_corpus
+from data_prep.eval_set import EvalParams, make_eval_set
+from data_prep.fileio import read_json
+from data_prep.formats import DataPrepError
+from data_prep.h5io import read_samples
+from data_prep.pack import PackParams, pack_dataset
+from data_prep.ragged import (
     Samples, from_fixed, from_packed, from_varlength, offsets, to_fixed, to_packed, to_varlength,
 )
-from data_prep.reshard import ReshardParams, reshard  # noqa: E402
-from data_prep.samples import SampleParams, create_samples  # noqa: E402
-from data_prep.stratify import StratifyParams, stratify  # noqa: E402
-from data_prep.verify_dataset import Limits, verify_directory  # noqa: E402
-from data_prep.vocab import load_vocab  # noqa: E402
+from data_prep.reshard import ReshardParams, reshard
+from data_prep.samples import SampleParams, create_samples
+from data_prep.stratify import StratifyParams, stratify
+from data_prep.verify_dataset import Limits, verify_directory
+from data_prep.vocab import load_vocab
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NUM_SHARDS = 5
 

@@ -16,13 +16,12 @@ from typing import Iterator
 
 import pytest
 
+import fake_trainer
+from conftest import require_tool
+
 REPO = Path(__file__).resolve().parents[1]
 FAKES = REPO / "tests" / "fakes"
 VENV_BIN = Path(sys.executable).parent
-sys.path.insert(0, str(FAKES))
-
-import fake_trainer  # noqa: E402
-from conftest import require_tool  # noqa: E402
 
 # The shipped configs; a sample stands in until the first one exists.
 CONFIGS = sorted(REPO.glob("config_*.sh"))

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
+import fake_trainer
+import package_results
+
 REPO = Path(__file__).resolve().parents[1]
 NVIDIA_V20 = REPO / "tests" / "data" / "mlperf_logs" / "v2.0" / "NVIDIA"
 TOOL = REPO / "tools" / "package_results.py"
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(REPO / "tests" / "fakes"))
-
-import fake_trainer  # noqa: E402
-import package_results  # noqa: E402
 
 CACHE_CLEAR = (':::MLLOG {"namespace": "", "time_ms": 1, "event_type": "POINT_IN_TIME", '
                '"key": "cache_clear", "value": true, "metadata": {"file": "<string>", "lineno": 1}}\n')

@@ -7,7 +7,6 @@ The multi-process behaviour (real collectives, gloo and MPI) is in test_balance_
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -16,7 +15,6 @@ import numpy as np
 import pytest
 
 from _balance_worker import ID_BASE, LIMITS, MAX_LEN, MAX_PRED, write_dataset
-from conftest import REPO
 from mlperf_bert import balance
 from mlperf_bert.batch import Sample, flatten_items
 from mlperf_bert.config import ConfigError, DataSettings
@@ -27,10 +25,8 @@ from mlperf_bert.host_exchange import Prefetcher
 from mlperf_bert.sources import LocalSource, TokenImbalance, TokenMeter
 from mlperf_bert.stratified import Strata, StratifiedDataset
 
-if str(REPO) not in sys.path:  # data_prep lives at the repository root
-    sys.path.insert(0, str(REPO))
-from data_prep.sources import list_shards  # noqa: E402
-from data_prep.stratify import StratifyParams, stratify  # noqa: E402
+from data_prep.sources import list_shards
+from data_prep.stratify import StratifyParams, stratify
 
 BOUNDS = (16, 32, 48, 64)
 

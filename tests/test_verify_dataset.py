@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -14,16 +13,14 @@ import h5py
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("data_prep") is None:  # plain `pytest` without the repository root on sys.path
-    sys.path.insert(0, str(ROOT))
+from data_prep.h5io import write_samples
+from data_prep.pack import PackParams, pack_dataset
+from data_prep.ragged import Samples
+from data_prep.reshard import ReshardParams, reshard
+from data_prep.stratify import StratifyParams, stratify
+from data_prep.verify_dataset import main
 
-from data_prep.h5io import write_samples  # noqa: E402
-from data_prep.pack import PackParams, pack_dataset  # noqa: E402
-from data_prep.ragged import Samples  # noqa: E402
-from data_prep.reshard import ReshardParams, reshard  # noqa: E402
-from data_prep.stratify import StratifyParams, stratify  # noqa: E402
-from data_prep.verify_dataset import main  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB, CLS, SEP, MASK = 600, 2, 3, 4
 

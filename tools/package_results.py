@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import SYSJSON_TOKEN, is_run_log, natural_key, read_run  # noqa: E402
+from compare import SYSJSON_TOKEN, is_run_log, natural_key, read_run
 
 BENCHMARK = "bert"
 RUNS_PER_SUBMISSION = 10  # MLPerf Training needs 10 BERT runs for an olympic score

@@ -1,0 +1,81 @@
+"""The trainer's entry point: parse flags, build the config, run, report (`pytorch/run_pretraining.py`).
+
+Bad input (flags, shards, checkpoints) ends with one clear `error:` line and exit code 2; the
+other exit codes (preemption, lost rank, numeric blow-up) are listed in `mlperf_bert.faults`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .checkpoint import CheckpointError
+from .cli import build_parser, config_from_args
+from .config import ConfigError
+from .data import DataError
+from .distributed import dist_env_from, init_distributed, shutdown
+from .faults import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED
+from .faults import StopRequest, TrainingStopped
+from .liveness import LostRank, watch_ranks
+from .trainer import resolve_device, run
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 75 preempted, 76 lost rank (mlperf_bert.faults).
+
+    stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
+    """
+    args = build_parser().parse_args(argv)
+    if stop is not None:
+        return _train(args, stop)
+    with StopRequest() as own:
+        return _train(args, own)
+
+
+def _train(args: argparse.Namespace, stop: StopRequest) -> int:
+    group_broken = False
+    try:
+        denv = dist_env_from(os.environ)
+        cfg = config_from_args(args, denv.world_size)
+        device = resolve_device(cfg.run.device, denv.local_rank)
+        init_distributed(denv, device, cfg.faults.collective_timeout_s)
+        with watch_ranks(denv, cfg.faults.collective_timeout_s):
+            result = run(cfg, denv, device, stop)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingStopped as stopped:
+        if denv.is_main:
+            print(f"stopped ({stopped.reason}): {stopped}. Checkpoint: {stopped.checkpoint}; continue with "
+                  f"--resume_from_checkpoint {stopped.checkpoint} (or auto)", file=sys.stderr)
+        return stopped.exit_code
+    except LostRank as lost:
+        group_broken = True  # tearing down a group with a dead member can hang: leave it to the exit
+        print(f"error: {lost}", file=sys.stderr)
+        return lost.exit_code
+    finally:
+        if not group_broken:
+            shutdown()
+    if denv.is_main:
+        print(f"run_stop status={result.status} samples={result.samples} "
+              f"mlm_accuracy={result.accuracy:.4f} seconds={result.seconds:.1f}", file=sys.stderr)
+    return 0
+
+
+def exit_now(code: int) -> None:
+    """Ends the process at once with `code` (after flushing) when the run stopped early.
+
+    All ranks leave together after their checkpoint; a launcher (torchrun, srun
+    --kill-on-bad-exit) kills the others as soon as the first exits non-zero, and Python's
+    teardown would give such a kill time to replace the exit code 75 or 3. Nothing is left to
+    clean up: the checkpoint and the MLPerf log are written and the process group is closed.
+    """
+    if code in (EXIT_PREEMPTED, EXIT_DIVERGED):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
