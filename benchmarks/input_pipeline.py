@@ -5,10 +5,10 @@
 
 Batches are the packed rows of throughput.py's synthetic data (config large: 48 rows of 512
 tokens, K = 3 sequences per row, lengths from the Wikipedia phase-2 histogram) as static
-packed batches (fast_path.static_packed_batch; Q = the widest row, as in the packed shards).
+packed batches (static_batch.static_packed_batch; Q = the widest row, as in the packed shards).
 Every path delivers the same batches to the same consumer:
 
-  torch          fast_path.DevicePrefetcher over batches prepared before timing
+  torch          device_input.DevicePrefetcher over batches prepared before timing
   dali           DaliPrefetcher over the same prepared batches
   torch_prepare  DevicePrefetcher over static_packed_batch applied as batches are pulled
                  (on the consumer's thread, one batch ahead)
@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from mlperf_bert import fast_path
+from mlperf_bert.device_input import DevicePrefetcher
+from mlperf_bert.static_batch import static_packed_batch
 from mlperf_bert.batch import FlatBatch, Item
 from mlperf_bert.dali_input import INSTALL_HINT, DaliPrefetcher, dali_available
 from throughput import CONFIGS, SEQS_PER_ROW, BenchConfig, resolve_device, synthetic_steps
@@ -79,7 +80,7 @@ def widest_row(steps: list[list[Item]]) -> int:
 def build_workload(cfg: BenchConfig, seed: int) -> Workload:
     rows = synthetic_steps(cfg, seed)
     q = widest_row(rows)
-    prepare = partial(fast_path.static_packed_batch, rows=cfg.rows, row_len=cfg.max_seq_length,
+    prepare = partial(static_packed_batch, rows=cfg.rows, row_len=cfg.max_seq_length,
                       max_seqs_per_row=SEQS_PER_ROW, max_predictions=q)
     return Workload(rows, prepare, [prepare(r) for r in rows], q)
 
@@ -195,7 +196,7 @@ def open_path(path: str, work: Workload, ctx: Context) -> Iterator[Iterator[Flat
     """The path's prefetcher over the workload; DALI's is closed on the way out."""
     prepare = path.endswith("_prepare")
     if path.startswith("torch"):
-        yield fast_path.DevicePrefetcher(map(work.prepare, work.rows) if prepare else work.prepared, ctx.device)
+        yield DevicePrefetcher(map(work.prepare, work.rows) if prepare else work.prepared, ctx.device)
         return
     prefetcher = (DaliPrefetcher.from_items(work.rows, work.prepare, ctx.device, ctx.depth) if prepare
                   else DaliPrefetcher(work.prepared, ctx.device, ctx.depth))

@@ -42,7 +42,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from mlperf_bert import fast_path, flops, packing
+from mlperf_bert import flops, packing
+from mlperf_bert.compiling import compile_model
+from mlperf_bert.config import COMPILE_MODES
+from mlperf_bert.cuda_graphs import capturable, device_lr
+from mlperf_bert.device_input import DevicePrefetcher, map_tensors
+from mlperf_bert.metrics import StepMetrics
+from mlperf_bert.precision import autocast
+from mlperf_bert.static_batch import IGNORE_INDEX, static_packed_batch
+from mlperf_bert.step import EagerStep, GraphedStep, Step
 from mlperf_bert.attention import resolve_backend
 from mlperf_bert.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
 from mlperf_bert.model import BertConfig, BertForPreTraining
@@ -151,7 +159,7 @@ class Runner:
 
 
 def feed(runner: Runner, ctx: Context, batches: list[Any]) -> Iterator[Any]:
-    return iter(fast_path.DevicePrefetcher(batches, ctx.device)) if runner.prefetch else iter(batches)
+    return iter(DevicePrefetcher(batches, ctx.device)) if runner.prefetch else iter(batches)
 
 
 def time_steps(runner: Runner, ctx: Context) -> float:
@@ -189,7 +197,7 @@ def matmul_peak_tflops(device: torch.device, size: int, repeats: int = 10) -> tu
 
 
 def pinned(batch: Any, ctx: Context) -> Any:
-    return fast_path.map_tensors(batch, torch.Tensor.pin_memory) if ctx.device.type == "cuda" else batch
+    return map_tensors(batch, torch.Tensor.pin_memory) if ctx.device.type == "cuda" else batch
 
 
 def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.optim.Optimizer, str]:
@@ -197,15 +205,18 @@ def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.o
     bert = ctx.cfg.bert
     backend = resolve_backend(ctx.attention_backend, ctx.device, bert.attention_probs_dropout_prob)
     model = BertForPreTraining(bert, attention_backend=backend).to(ctx.device)
-    fast_path.compile_model(model, ctx.compile_mode, dynamic=dynamic)
+    compile_model(model, ctx.compile_mode, dynamic=dynamic)
     optimizer = lamb(model)
-    fast_path.device_lr(optimizer, ctx.device)
+    device_lr(optimizer, ctx.device)
     return model, optimizer, f"attention {backend}, compile {ctx.compile_mode}"
+
+
+LR = 9.6e-4  # the MLPerf 1x8 H100 peak learning rate (REFERENCE.md)
 
 
 def lamb(model: torch.nn.Module) -> ForeachLamb:
     """The MLPerf 1x8 H100 optimizer settings (REFERENCE.md), multi-tensor LAMB."""
-    return ForeachLamb(parameter_groups(model, 0.1), lr=9.6e-4, betas=(0.60466, 0.85437), eps=1e-6,
+    return ForeachLamb(parameter_groups(model, 0.1), lr=LR, betas=(0.60466, 0.85437), eps=1e-6,
                        weight_decay=0.1, max_grad_norm=1.0)
 
 
@@ -216,7 +227,7 @@ def scaler_for(ctx: Context) -> torch.amp.GradScaler | None:
 def flat_runner(ctx: Context, steps: list[list[Item]], layout: str) -> Runner:
     """Our model on padded (unpadded on the device) or presorted unpadded batches."""
     model, optimizer, notes = build_ours(ctx, dynamic=True)
-    metrics, scaler = fast_path.StepMetrics(ctx.device), scaler_for(ctx)
+    metrics, train = StepMetrics(ctx.device), EagerStep(model, optimizer, ctx.precision, scaler=scaler_for(ctx))
     cfg = ctx.cfg
     if layout == "padded":
         host = [pad_items([(s,) for s in sequences(rows)], cfg.max_seq_length, cfg.max_predictions) for rows in steps]
@@ -225,7 +236,7 @@ def flat_runner(ctx: Context, steps: list[list[Item]], layout: str) -> Runner:
 
     def step(batch: PaddedBatch | FlatBatch) -> None:
         flat = unpad(batch) if isinstance(batch, PaddedBatch) else batch
-        metrics.update(fast_path.train_step(model, optimizer, flat, ctx.precision, scaler), flat)
+        metrics.update(train([flat], LR).last, flat)
 
     return Runner(step, [pinned(b, ctx) for b in host], lambda: metrics.read().loss, notes=notes)
 
@@ -238,22 +249,22 @@ def packed_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
     cfg = ctx.cfg
     # Q of a packed shard: the widest row's predictions (three sequences can exceed the per-sequence 76).
     widest = max(sum(s.masked_lm_positions.shape[0] for s in row) for rows in steps for row in rows)
-    host = [pinned(fast_path.static_packed_batch(rows, cfg.rows, cfg.max_seq_length, SEQS_PER_ROW, widest), ctx)
+    host = [pinned(static_packed_batch(rows, cfg.rows, cfg.max_seq_length, SEQS_PER_ROW, widest), ctx)
             for rows in steps]
-    metrics = fast_path.StepMetrics(ctx.device)
-    if ctx.graphs and ctx.device.type == "cuda" and ctx.precision != "fp16":
-        graphed = fast_path.GraphedTrainStep(model, fast_path.capturable(optimizer), host[0], ctx.precision)
-
-        def replay(batch: FlatBatch) -> None:
-            metrics.update(graphed(batch), graphed.static)
-
-        return Runner(replay, host, lambda: metrics.read().loss, prefetch=False, notes=notes + ", CUDA graph")
-    scaler = scaler_for(ctx)
+    metrics = StepMetrics(ctx.device)
+    graphed = ctx.graphs and ctx.device.type == "cuda" and ctx.precision != "fp16"
+    train: Step
+    if graphed:
+        train = GraphedStep(model, capturable(optimizer), host[0], ctx.precision)
+    else:
+        train = EagerStep(model, optimizer, ctx.precision, scaler=scaler_for(ctx))
 
     def step(batch: FlatBatch) -> None:
-        metrics.update(fast_path.train_step(model, optimizer, batch, ctx.precision, scaler), batch)
+        # A graph reads its own static copy of the batch: the metrics read the same copy.
+        metrics.update(train([batch], LR).last, train.static if isinstance(train, GraphedStep) else batch)
 
-    return Runner(step, host, lambda: metrics.read().loss, notes=notes + ", eager")
+    notes += ", CUDA graph" if graphed else ", eager"
+    return Runner(step, host, lambda: metrics.read().loss, prefetch=not graphed, notes=notes)
 
 
 # ---------------------------------------------------------------- HuggingFace
@@ -271,13 +282,13 @@ class HFBatch:
 
     @classmethod
     def of(cls, padded: PaddedBatch) -> "HFBatch":
-        labels = torch.full_like(padded.input_ids, fast_path.IGNORE_INDEX)
+        labels = torch.full_like(padded.input_ids, IGNORE_INDEX)
         rows, slots = torch.nonzero(padded.masked_lm_positions, as_tuple=True)
         labels[rows, padded.masked_lm_positions[rows, slots]] = padded.masked_lm_ids[rows, slots]
         return cls(padded.input_ids, padded.input_mask, padded.segment_ids, labels, padded.next_sentence_labels)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "HFBatch":
-        return fast_path.map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+        return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def hf_model(ctx: Context) -> torch.nn.Module:
@@ -304,7 +315,7 @@ def hf_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
 
     def step(batch: HFBatch) -> None:
         optimizer.zero_grad(set_to_none=True)
-        with fast_path.autocast(ctx.device, ctx.precision):
+        with autocast(ctx.device, ctx.precision):
             loss = model(**vars(batch)).loss
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
@@ -456,7 +467,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention_backend", choices=("auto", "sdpa", "varlen"), default="auto")
     p.add_argument("--attention_dropout", type=float,
                    help="override the config's 0.1 (e.g. 0 for PyTorch's varlen kernel, which has no dropout)")
-    p.add_argument("--compile", choices=("auto",) + fast_path.COMPILE_MODES, default="auto",
+    p.add_argument("--compile", choices=("auto",) + COMPILE_MODES, default="auto",
                    help="torch.compile mode for our layers; auto: default on a GPU, none on a CPU")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graph for packed")
     p.add_argument("--hf_attention", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")

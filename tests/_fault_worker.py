@@ -8,59 +8,65 @@
 --step_sleep S sleeps S seconds after every step (an idle wait that leaves time to send a signal);
 --nan_at_step  makes the loss of that training step (1-based) NaN on rank --nan_rank (default 0).
 
-The instruments wrap `mlperf_bert.trainer.train_step` and `pretraining_loss` in this process
-only; the trainer itself is unchanged. The exit code is run_pretraining.main's.
+The instruments are hooks (`mlperf_bert.hooks.Hook`) handed to run_pretraining.main: a recorder
+at every step's end, and a fault that makes the model's masked-LM logits NaN in one training
+forward. The trainer itself is unchanged. The exit code is run_pretraining.main's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from mlperf_bert import main as run_pretraining
-from mlperf_bert import trainer
 from mlperf_bert.faults import StopRequest
-
-REPO = Path(__file__).resolve().parents[1]
+from mlperf_bert.hooks import Hook, RunStart, StepEnd
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def record_steps(directory: Path, sleep_s: float) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"pid_rank{_rank()}").write_text(str(os.getpid()))
-    inner = trainer.train_step
-    out = directory / f"losses_rank{_rank()}.jsonl"
+class StepRecorder(Hook):
+    """One JSON line per step with the exact loss; sleeps after each step."""
 
-    def recorded(rt, data, state):
-        loss = inner(rt, data, state)
-        with out.open("a") as f:
-            f.write(json.dumps({"step": state.step, "samples": state.samples, "loss": float(loss)}) + "\n")
-        time.sleep(sleep_s)
-        return loss
+    def __init__(self, directory: Path, sleep_s: float) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"pid_rank{_rank()}").write_text(str(os.getpid()))
+        self.out, self.sleep_s = directory / f"losses_rank{_rank()}.jsonl", sleep_s
 
-    trainer.train_step = recorded
+    def step_end(self, event: StepEnd) -> None:
+        with self.out.open("a") as f:
+            f.write(json.dumps({"step": event.step, "samples": event.samples, "loss": float(event.loss)}) + "\n")
+        time.sleep(self.sleep_s)
 
 
-def inject_nan(at_step: int, rank: int) -> None:
-    inner = trainer.pretraining_loss
-    calls = [0]
+class NaNLoss(Hook):
+    """Makes one training forward's masked-LM logits NaN on one rank (so that step's loss is NaN)."""
 
-    def poisoned(out, batch):
-        losses = inner(out, batch)
-        calls[0] += 1  # one call per micro-batch; the fault tests use one micro-batch per step
-        if calls[0] == at_step and _rank() == rank:
-            losses.total = losses.total * math.nan
-        return losses
+    def __init__(self, at_step: int, rank: int) -> None:
+        self.at_step, self.rank, self.forwards = at_step, rank, 0
 
-    trainer.pretraining_loss = poisoned
+    def run_start(self, event: RunStart) -> None:
+        assert event.model is not None, "the trainer hands its model to run_start"
+        event.model.register_forward_hook(self._poison)
+
+    def _poison(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if not module.training:  # evals do not count
+            return output
+        self.forwards += 1  # one forward per micro-batch; the fault tests use one micro-batch per step
+        if self.forwards != self.at_step or _rank() != self.rank:
+            return output
+        return dataclasses.replace(output, mlm_logits=output.mlm_logits * math.nan)
 
 
 def main() -> int:
@@ -72,11 +78,12 @@ def main() -> int:
     parser.add_argument("--nan_at_step", type=int)
     parser.add_argument("--nan_rank", type=int, default=0)
     args = parser.parse_args(argv[:split])
+    hooks: list[Hook] = []
     if args.record is not None:
-        record_steps(args.record, args.step_sleep)
+        hooks.append(StepRecorder(args.record, args.step_sleep))
     if args.nan_at_step is not None:
-        inject_nan(args.nan_at_step, args.nan_rank)
-    return run_pretraining.main(argv[split + 1:], stop=StopRequest().install())
+        hooks.append(NaNLoss(args.nan_at_step, args.nan_rank))
+    return run_pretraining.main(argv[split + 1:], stop=StopRequest().install(), hooks=hooks)
 
 
 if __name__ == "__main__":

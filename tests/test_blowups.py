@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
+from _runs import cpu_run, poison_training_forwards, state_of
 from conftest import trainer_args
 from mlperf_bert import trainer
-from mlperf_bert.cli import parse_config
-from mlperf_bert.distributed import DistEnv
 from mlperf_bert.faults import EXIT_DIVERGED, NumericBlowUp, StepGuard
-from mlperf_bert.mllog import MLPerfLogger
-from mlperf_bert.sources import open_batch_source
+from mlperf_bert.step import EagerStep
+
+FAR = 10**9  # a block end no test step reaches
 
 
 @pytest.mark.slow
@@ -44,70 +45,48 @@ def test_a_nan_loss_on_one_rank_stops_both_before_the_update_with_a_checkpoint(d
 
 
 @pytest.fixture
-def fp16_runtime(demo_data, tmp_path):
-    """The trainer's runtime with a (CPU) fp16 loss scaler, as `--precision fp16` builds it on a GPU."""
+def fp16_run(demo_data, tmp_path):
+    """The trainer's run with a (CPU) fp16 loss scaler in its step, as `--precision fp16` builds it on a GPU."""
     flags = trainer_args(demo_data, tmp_path, "--do_train", "--max_steps", "20", "--max_consecutive_skipped_steps", "3")
-    cfg = parse_config(flags, 1)
-    denv = DistEnv(0, 1, 0, 1, "127.0.0.1", 0)
-    device = torch.device("cpu")
-    logger = MLPerfLogger(str(tmp_path / "mlperf.log"), 0)
-    rt = trainer.Runtime(cfg, denv, device, trainer.build_model(cfg, device), logger)
-    trainer.build_training(rt)
-    trainer.load_eval_batches(rt)
-    rt.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    rt.guard = StepGuard(device, check_loss=False, max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps)
-    source = open_batch_source(cfg, denv, trainer.data_limits(cfg, rt.model.config))
-    yield rt, trainer.device_input(rt, source)
-    source.close()
-    logger.close()
+    run = cpu_run(flags)
+    guard = StepGuard(torch.device("cpu"), loss_checked=False, max_consecutive_skips=3)
+    step = EagerStep(run.eval.model, run.step.optimizer, "fp32", guard=guard,
+                     scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    yield dataclasses.replace(run, step=step, guard=guard)
+    run.close()
+    run.eval.logger.close()
 
 
-def _overflow_at(monkeypatch, steps: set[int]) -> None:
-    """Multiplies the loss by inf in the given (1-based) steps: every gradient overflows."""
-    inner, calls = trainer.pretraining_loss, [0]
-
-    def loss(out, batch):
-        result = inner(out, batch)
-        calls[0] += 1
-        if calls[0] in steps:
-            result.total = result.total * math.inf
-        return result
-
-    monkeypatch.setattr(trainer, "pretraining_loss", loss)
-
-
-def test_overflow_steps_are_skipped_counted_and_stop_the_run_after_too_many(fp16_runtime, monkeypatch, tmp_path):
-    rt, data = fp16_runtime
-    _overflow_at(monkeypatch, {2, 3, 5, 6, 7})
-    state = trainer.TrainState()
-    before = {k: v.clone() for k, v in rt.model.state_dict().items()}
-    trainer.train_step(rt, data, state)  # 1: applied
-    after_one = {k: v.clone() for k, v in rt.model.state_dict().items()}
+def test_overflow_steps_are_skipped_counted_and_stop_the_run_after_too_many(fp16_run, tmp_path):
+    run = fp16_run
+    model, state, scaler = run.eval.model, run.state, run.step.scaler
+    poison_training_forwards(model, {2, 3, 5, 6, 7}, math.inf)  # every gradient of those steps overflows
+    before = state_of(model)
+    trainer.train_step(run, FAR)  # 1: applied
+    after_one = state_of(model)
     assert not torch.equal(before["cls.predictions.bias"], after_one["cls.predictions.bias"])
     for _ in range(3):  # 2, 3 skipped; 4 applied (the count of skips in a row starts again)
-        trainer.train_step(rt, data, state)
-    assert (state.step, state.skipped_steps, rt.scaler.get_scale()) == (2, 2, 2.0**8)
-    trainer.run_eval(rt, state)
+        trainer.train_step(run, FAR)
+    assert (state.step, state.skipped_steps, scaler.get_scale()) == (2, 2, 2.0**8)
+    trainer.run_eval(run.eval, state)
     logged = [e for e in mllog_events(tmp_path / "mlperf.log") if e["key"] == "skipped_steps"]
     assert [(e["value"], e["metadata"]["epoch_num"]) for e in logged] == [(2, 32)]
-    weights = {k: v.clone() for k, v in rt.model.state_dict().items()}
-    trainer.train_step(rt, data, state)  # 5
-    trainer.train_step(rt, data, state)  # 6
+    weights = state_of(model)
+    trainer.train_step(run, FAR)  # 5
+    trainer.train_step(run, FAR)  # 6
     with pytest.raises(NumericBlowUp, match="3 optimizer steps in a row were skipped for fp16 overflow"):
-        trainer.train_step(rt, data, state)  # 7: the third skip in a row
+        trainer.train_step(run, FAR)  # 7: the third skip in a row
     assert (state.step, state.skipped_steps, state.samples) == (2, 5, 56)
-    assert_same_tensors(dict(rt.model.state_dict()), weights)  # skipped steps leave the weights alone
+    assert_same_tensors(dict(model.state_dict()), weights)  # skipped steps leave the weights alone
 
 
-def test_a_nan_loss_in_fp32_raises_before_the_optimizer_step(fp16_runtime, monkeypatch):
-    rt, data = fp16_runtime
-    rt.scaler = None
-    rt.guard = StepGuard(rt.device, check_loss=True, max_consecutive_skips=3)
-    _overflow_at(monkeypatch, {1})
-    weights = {k: v.clone() for k, v in rt.model.state_dict().items()}
-    state = trainer.TrainState()
+def test_a_nan_loss_in_fp32_raises_before_the_optimizer_step(demo_data, tmp_path):
+    run = cpu_run(trainer_args(demo_data, tmp_path, "--do_train", "--max_steps", "20"))
+    poison_training_forwards(run.eval.model, {1}, math.nan)
+    weights = state_of(run.eval.model)
     with pytest.raises(NumericBlowUp, match="not finite"):
-        trainer.train_step(rt, data, state)
-    assert_same_tensors(dict(rt.model.state_dict()), weights)
-    assert rt.optimizer.state_dict()["state"] == {}  # no moments were ever updated
-    assert (state.step, state.skipped_steps, state.samples) == (0, 1, 8)
+        trainer.train_step(run, FAR)
+    run.close()
+    assert_same_tensors(dict(run.eval.model.state_dict()), weights)
+    assert run.step.optimizer.state_dict()["state"] == {}  # no moments were ever updated
+    assert (run.state.step, run.state.skipped_steps, run.state.samples) == (0, 1, 8)

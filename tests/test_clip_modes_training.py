@@ -31,7 +31,7 @@ from clip_study import (
 from mlperf_bert.cli import parse_config
 from mlperf_bert.config import CLIP_MODES, TrainConfig
 from mlperf_bert.evaluation_interval import eval_interval_samples
-from mlperf_bert.trainer import hyperparameters, lr_schedule
+from mlperf_bert.build import hyperparameters, lr_schedule
 
 DEMO_CONFIG = REPO / "config_CPU_1x2.sh"
 # A clip norm far below the tiny model's gradient norms, so that every mode really clips.

@@ -1,4 +1,4 @@
-"""dali_input.DaliPrefetcher against fast_path.DevicePrefetcher, and benchmarks/input_pipeline.py."""
+"""dali_input.DaliPrefetcher against device_input.DevicePrefetcher, and benchmarks/input_pipeline.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import require_tool
-from mlperf_bert import dali_input, fast_path
+from mlperf_bert import dali_input
+from mlperf_bert.device_input import DevicePrefetcher
+from mlperf_bert.static_batch import static_packed_batch
 from mlperf_bert.batch import FlatBatch, Sample, flatten_items, pad_items
 from mlperf_bert.dali_input import DaliPrefetcher, dali_available
 
@@ -53,7 +55,7 @@ def flat_batches(seed: int, sizes: list[int]) -> list[FlatBatch]:
 
 
 def static_prepare(rows: int):
-    return partial(fast_path.static_packed_batch, rows=rows, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+    return partial(static_packed_batch, rows=rows, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
                    max_predictions=MAX_PREDICTIONS)
 
 
@@ -71,7 +73,7 @@ def assert_same_batches(got: list, expected: list) -> None:
 
 
 def torch_path(batches: list) -> list:
-    return list(fast_path.DevicePrefetcher(batches, "cpu", pin_memory=False))
+    return list(DevicePrefetcher(batches, "cpu", pin_memory=False))
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -193,7 +195,7 @@ def test_cuda_outputs_are_on_the_device_and_equal(dali):
     with DaliPrefetcher(batches, "cuda") as prefetcher:
         got = list(prefetcher)
     assert all(t.is_cuda for g in got for t in (g.input_ids, g.cu_seqlens, g.next_sentence_labels))
-    expected = list(fast_path.DevicePrefetcher(batches, "cuda"))
+    expected = list(DevicePrefetcher(batches, "cuda"))
     assert_same_batches(got, expected)
 
 

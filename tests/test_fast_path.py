@@ -13,12 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from mlperf_bert import fast_path
 from mlperf_bert.attention import flat_layout, row_attention, sdpa_attention
 from mlperf_bert.batch import FlatBatch, Item, Sample, flatten_items, pad_items
 from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.optim import ForeachLamb, ReferenceLamb, parameter_groups
 from mlperf_bert.schedule import set_lr
+from mlperf_bert.compiling import compile_model
+from mlperf_bert.cuda_graphs import capturable, device_lr
+from mlperf_bert.device_input import DevicePrefetcher
+from mlperf_bert.metrics import StepMetrics
+from mlperf_bert.precision import autocast
+from mlperf_bert.static_batch import IGNORE_INDEX, example_static_batch, static_packed_batch
+from mlperf_bert.step import EagerStep, GraphedStep
 from mlperf_bert.sync_window import InPlaceSnapshot
 
 ROW_LEN, MAX_SEQS, MAX_PREDICTIONS = 24, 3, 9
@@ -63,7 +69,7 @@ def loss_and_grads(model: BertForPreTraining, batch: FlatBatch) -> tuple[list[fl
 def test_static_packed_batch_gives_the_unpadded_loss_and_gradients():
     items = make_rows(np.random.default_rng(1), ROWS)
     model = tiny_model()
-    static = fast_path.static_packed_batch(items, rows=5, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+    static = static_packed_batch(items, rows=5, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
                                            max_predictions=MAX_PREDICTIONS)
     assert int(static.seqlens().eq(0).sum()) > 0  # the batch really has empty sequences
     flat_losses, flat_grads = loss_and_grads(model, flatten_items(items))
@@ -79,7 +85,7 @@ def qkv_for(batch: FlatBatch, seed: int) -> list[torch.Tensor]:
 
 
 def test_row_attention_equals_per_sequence_attention_on_a_static_batch():
-    static = fast_path.static_packed_batch(make_rows(np.random.default_rng(3), ROWS), rows=5, row_len=ROW_LEN,
+    static = static_packed_batch(make_rows(np.random.default_rng(3), ROWS), rows=5, row_len=ROW_LEN,
                                            max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
     assert static.row_len == ROW_LEN
     rows = flat_layout(static.cu_seqlens, static.max_seqlen, static.num_tokens, static.row_len)
@@ -90,7 +96,7 @@ def test_row_attention_equals_per_sequence_attention_on_a_static_batch():
 
 
 def test_row_attention_with_dropout_never_reads_another_sequence_of_the_row():
-    static = fast_path.static_packed_batch(make_rows(np.random.default_rng(4), ROWS[:1]), rows=1, row_len=ROW_LEN,
+    static = static_packed_batch(make_rows(np.random.default_rng(4), ROWS[:1]), rows=1, row_len=ROW_LEN,
                                            max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
     layout = flat_layout(static.cu_seqlens, static.max_seqlen, static.num_tokens, static.row_len)
     q, k, v = qkv_for(static, 1)
@@ -108,9 +114,9 @@ def test_row_attention_with_dropout_never_reads_another_sequence_of_the_row():
 def test_static_packed_batch_shapes_depend_only_on_the_sizes():
     rng = np.random.default_rng(2)
     sizes = dict(rows=4, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS, max_predictions=MAX_PREDICTIONS)
-    a = fast_path.static_packed_batch(make_rows(rng, ROWS), **sizes)
-    b = fast_path.static_packed_batch(make_rows(rng, [(24,), (3, 3)]), **sizes)
-    example = fast_path.example_static_batch(**sizes)
+    a = static_packed_batch(make_rows(rng, ROWS), **sizes)
+    b = static_packed_batch(make_rows(rng, [(24,), (3, 3)]), **sizes)
+    example = example_static_batch(**sizes)
     for f in fields(FlatBatch):
         shapes = {v.shape if isinstance(v, torch.Tensor) else v for v in (getattr(x, f.name) for x in (a, b, example))}
         assert len(shapes) == 1, f.name
@@ -120,14 +126,14 @@ def test_static_packed_batch_shapes_depend_only_on_the_sizes():
 
 def test_static_packed_batch_keeps_rows_in_place():
     items = make_rows(np.random.default_rng(3), ROWS)
-    static = fast_path.static_packed_batch(items, rows=4, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+    static = static_packed_batch(items, rows=4, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
                                            max_predictions=MAX_PREDICTIONS)
     for r, item in enumerate(items):
         row = np.concatenate([s.input_ids for s in item])
         np.testing.assert_array_equal(static.input_ids[r * ROW_LEN : r * ROW_LEN + row.shape[0]].numpy(), row)
     lengths = static.seqlens()
     assert int(lengths.max()) <= ROW_LEN == static.max_seqlen
-    assert (static.next_sentence_labels != fast_path.IGNORE_INDEX).sum() == sum(len(i) for i in items)
+    assert (static.next_sentence_labels != IGNORE_INDEX).sum() == sum(len(i) for i in items)
 
 
 @pytest.mark.parametrize(
@@ -142,14 +148,17 @@ def test_static_packed_batch_keeps_rows_in_place():
 def test_static_packed_batch_rejects_rows_that_do_not_fit(rows, lengths, message):
     items = make_rows(np.random.default_rng(4), lengths)
     with pytest.raises(ValueError, match=message):
-        fast_path.static_packed_batch(items, rows=rows, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
+        static_packed_batch(items, rows=rows, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS,
                                       max_predictions=MAX_PREDICTIONS)
 
 
 def test_static_packed_batch_rejects_too_many_predictions():
     items = make_rows(np.random.default_rng(5), [(12, 12)])
     with pytest.raises(ValueError, match="max_predictions=1"):
-        fast_path.static_packed_batch(items, rows=1, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS, max_predictions=1)
+        static_packed_batch(items, rows=1, row_len=ROW_LEN, max_seqs_per_row=MAX_SEQS, max_predictions=1)
+
+
+LR = 1e-3  # the learning rate of lamb()
 
 
 def lamb(model: torch.nn.Module) -> ForeachLamb:
@@ -161,7 +170,7 @@ def test_step_metrics_equal_eager_readings_of_the_unpadded_batches():
     rng = np.random.default_rng(6)
     model = tiny_model()
     optimizer = lamb(model)
-    metrics = fast_path.StepMetrics(torch.device("cpu"))
+    metrics = StepMetrics(torch.device("cpu"))
     eager_losses, correct, predicted = [], 0, 0
     for _ in range(3):
         items = make_rows(rng, ROWS)
@@ -171,8 +180,8 @@ def test_step_metrics_equal_eager_readings_of_the_unpadded_batches():
             eager_losses.append(pretraining_loss(out, flat).total.item())
             correct += int((out.mlm_logits.argmax(-1) == flat.masked_lm_ids).sum())
             predicted += flat.masked_lm_ids.numel()
-        static = fast_path.static_packed_batch(items, 4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
-        metrics.update(fast_path.train_step(model, optimizer, static, "fp32"), static)
+        static = static_packed_batch(items, 4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+        metrics.update(EagerStep(model, optimizer, "fp32")([static], LR).last, static)
     reading = metrics.read()
     assert reading.steps == 3
     assert reading.loss == pytest.approx(np.mean(eager_losses), rel=1e-6)
@@ -186,13 +195,12 @@ def test_capturable_lamb_steps_like_foreach_lamb_with_a_device_lr():
     rng = np.random.default_rng(7)
     plain_model, graph_model = tiny_model(), tiny_model()
     plain = lamb(plain_model)
-    twin = fast_path.capturable(lamb(graph_model))
+    twin = capturable(lamb(graph_model))
     assert all(isinstance(g["lr"], torch.Tensor) for g in twin.param_groups)
     for step in range(4):
         batch = flatten_items(make_rows(rng, ROWS))
         for model, optimizer in ((plain_model, plain), (graph_model, twin)):
-            set_lr(optimizer, 1e-3 * (step + 1))
-            fast_path.train_step(model, optimizer, batch, "fp32")
+            EagerStep(model, optimizer, "fp32")([batch], 1e-3 * (step + 1))
     for (name, p), q in zip(plain_model.named_parameters(), graph_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-8, msg=name)
     assert [float(g["step"]) for g in twin.param_groups] == [g["step"] for g in plain.param_groups]
@@ -202,15 +210,15 @@ def test_snapshot_undoes_training_steps_in_place():
     rng = np.random.default_rng(15)
     batches = [flatten_items(make_rows(rng, ROWS)) for _ in range(3)]
     model, fresh = tiny_model(), tiny_model()
-    optimizer, fresh_optimizer = fast_path.capturable(lamb(model)), fast_path.capturable(lamb(fresh))
+    optimizer, fresh_optimizer = capturable(lamb(model)), capturable(lamb(fresh))
     snapshot = InPlaceSnapshot(model, optimizer)
     weights = [p.data_ptr() for p in model.parameters()]
     for batch in batches[:2]:  # the warm-up a graph capture would do
-        fast_path.train_step(model, optimizer, batch, "fp32")
+        EagerStep(model, optimizer, "fp32")([batch], LR)
     snapshot.restore()
     assert [p.data_ptr() for p in model.parameters()] == weights
-    fast_path.train_step(model, optimizer, batches[2], "fp32")
-    fast_path.train_step(fresh, fresh_optimizer, batches[2], "fp32")
+    EagerStep(model, optimizer, "fp32")([batches[2]], LR)
+    EagerStep(fresh, fresh_optimizer, "fp32")([batches[2]], LR)
     for p, q in zip(fresh.parameters(), model.parameters()):
         assert torch.equal(p, q)
     assert [float(g["step"]) for g in optimizer.param_groups] == [1.0] * len(optimizer.param_groups)
@@ -220,12 +228,12 @@ def test_capturable_names_the_fix_for_other_optimizers():
     model = tiny_model()
     reference = ReferenceLamb(model.parameters(), lr=1e-3)
     with pytest.raises(ValueError, match="implementation 'foreach'"):
-        fast_path.capturable(reference)
+        capturable(reference)
 
 
 def test_device_lr_makes_set_lr_fill_a_tensor():
     optimizer = lamb(tiny_model())
-    fast_path.device_lr(optimizer, torch.device("cpu"))
+    device_lr(optimizer, torch.device("cpu"))
     lrs = [g["lr"] for g in optimizer.param_groups]
     set_lr(optimizer, 0.25)
     assert all(g["lr"] is lr and float(lr) == 0.25 for g, lr in zip(optimizer.param_groups, lrs))
@@ -243,16 +251,16 @@ def test_prefetcher_yields_the_same_batches_in_order():
     flat = [flatten_items(make_rows(rng, ROWS)) for _ in range(3)]
     padded = [pad_items(make_rows(rng, [(5,), (9,)]), ROW_LEN, MAX_PREDICTIONS) for _ in range(2)]
     for batches in (flat, padded):
-        got = list(fast_path.DevicePrefetcher(iter(batches), "cpu", pin_memory=False))
+        got = list(DevicePrefetcher(iter(batches), "cpu", pin_memory=False))
         assert len(got) == len(batches) and all(batches_equal(g, b) for g, b in zip(got, batches))
-    assert list(fast_path.DevicePrefetcher([], "cpu")) == []
+    assert list(DevicePrefetcher([], "cpu")) == []
 
 
 def test_compile_model_keeps_the_loss_and_gradients():
     items = make_rows(np.random.default_rng(9), ROWS)
     batch = flatten_items(items)
     eager = tiny_model()
-    compiled = fast_path.compile_model(copy.deepcopy(eager), mode="default", backend="aot_eager")
+    compiled = compile_model(copy.deepcopy(eager), mode="default", backend="aot_eager")
     eager_losses, eager_grads = loss_and_grads(eager, batch)
     compiled_losses, compiled_grads = loss_and_grads(compiled, batch)
     np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-5)
@@ -262,13 +270,13 @@ def test_compile_model_keeps_the_loss_and_gradients():
 
 def test_compile_model_rejects_unknown_modes():
     with pytest.raises(ValueError, match="compile mode"):
-        fast_path.compile_model(tiny_model(), mode="reduce-overhead")
+        compile_model(tiny_model(), mode="reduce-overhead")
 
 
 def test_graphed_step_of_a_cpu_model_says_it_needs_cuda():
     model = tiny_model()
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        fast_path.GraphedTrainStep(model, fast_path.capturable(lamb(model)), static_batches(10, 1)[0])
+        GraphedStep(model, capturable(lamb(model)), static_batches(10, 1)[0])
 
 
 # ---------------------------------------------------------------- GPU only
@@ -276,7 +284,7 @@ def test_graphed_step_of_a_cpu_model_says_it_needs_cuda():
 
 def static_batches(seed: int, count: int, rows: int = 4) -> list[FlatBatch]:
     rng = np.random.default_rng(seed)
-    return [fast_path.static_packed_batch(make_rows(rng, ROWS), rows, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+    return [static_packed_batch(make_rows(rng, ROWS), rows, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
             for _ in range(count)]
 
 
@@ -286,9 +294,9 @@ def test_graphed_step_refuses_fp16_and_plain_optimizers():
     model = tiny_model().cuda()
     example = static_batches(10, 1)[0]
     with pytest.raises(ValueError, match="bf16 or fp32"):
-        fast_path.GraphedTrainStep(model, fast_path.capturable(lamb(model)), example, precision="fp16")
+        GraphedStep(model, capturable(lamb(model)), example, precision="fp16")
     with pytest.raises(ValueError, match="capturable"):
-        fast_path.GraphedTrainStep(model, lamb(model), example)
+        GraphedStep(model, lamb(model), example)
 
 
 @pytest.mark.gpu
@@ -296,16 +304,15 @@ def test_graphed_step_refuses_fp16_and_plain_optimizers():
 def test_graphed_step_matches_the_eager_step():
     batches = static_batches(11, 4)
     eager_model, graph_model = tiny_model().cuda(), tiny_model().cuda()
-    eager_opt = fast_path.capturable(lamb(eager_model))
-    example = fast_path.example_static_batch(4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)  # captured, then undone
-    graphed = fast_path.GraphedTrainStep(graph_model, fast_path.capturable(lamb(graph_model)), example,
-                                         precision="fp32")
+    eager_opt = capturable(lamb(eager_model))
+    example = example_static_batch(4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)  # captured, then undone
+    graphed = GraphedStep(graph_model, capturable(lamb(graph_model)), example, precision="fp32")
+    eager = EagerStep(eager_model, eager_opt, "fp32")
     for step, batch in enumerate(batches):
-        set_lr(eager_opt, 1e-3 * (step + 1))
-        set_lr(graphed.optimizer, 1e-3 * (step + 1))
-        eager = fast_path.train_step(eager_model, eager_opt, batch.to("cuda"), "fp32")
-        replayed = graphed(batch.pin_memory())
-        torch.testing.assert_close(replayed.loss.total, eager.loss.total, rtol=1e-5, atol=1e-6)
+        lr = 1e-3 * (step + 1)
+        expected = eager([batch.to("cuda")], lr)
+        replayed = graphed([batch.pin_memory()], lr)
+        torch.testing.assert_close(replayed.loss, expected.loss, rtol=1e-5, atol=1e-6)
     for p, q in zip(eager_model.parameters(), graph_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
 
@@ -323,7 +330,7 @@ def test_varlen_attention_handles_the_static_batch():
         with pytest.raises(RuntimeError, match="no varlen attention kernel: install flash-attn"):
             varlen(batch)
         return
-    with fast_path.autocast(torch.device("cuda"), "bf16"):
+    with autocast(torch.device("cuda"), "bf16"):
         expected = pretraining_loss(sdpa(batch), batch).total.float()
         got = pretraining_loss(varlen(batch), batch).total.float()
     assert torch.isfinite(got)
@@ -334,7 +341,7 @@ def test_varlen_attention_handles_the_static_batch():
 @needs_cuda
 def test_prefetcher_pins_and_copies_on_a_side_stream():
     batches = static_batches(13, 3)
-    got = list(fast_path.DevicePrefetcher(batches, "cuda"))
+    got = list(DevicePrefetcher(batches, "cuda"))
     assert all(g.input_ids.is_cuda and batches_equal(g.to("cpu"), b) for g, b in zip(got, batches))
 
 
@@ -349,14 +356,14 @@ def test_graphed_bf16_loss_curve_stays_within_one_percent_of_fp32_eager():
     fast = copy.deepcopy(reference)
     rng = np.random.default_rng(14)
     lengths = [tuple(int(x) for x in rng.integers(5, 8, size=3)) for _ in range(8)]
-    batches = [fast_path.static_packed_batch(make_rows(rng, lengths), 8, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+    batches = [static_packed_batch(make_rows(rng, lengths), 8, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
                for _ in range(50)]
-    ref_opt = lamb(reference)
-    graphed = fast_path.GraphedTrainStep(fast, fast_path.capturable(lamb(fast)), batches[0], precision="bf16")
+    ref_step = EagerStep(reference, lamb(reference), "fp32")
+    graphed = GraphedStep(fast, capturable(lamb(fast)), batches[0], precision="bf16")
     ref_curve, fast_curve = [], []
     for batch in batches:
-        ref_curve.append(fast_path.train_step(reference, ref_opt, batch.to("cuda"), "fp32").loss.total.item())
-        fast_curve.append(graphed(batch).loss.total.item())
+        ref_curve.append(ref_step([batch.to("cuda")], LR).loss.item())
+        fast_curve.append(graphed([batch], LR).loss.item())
     np.testing.assert_allclose(fast_curve, ref_curve, rtol=0.01)
 
 
@@ -375,15 +382,14 @@ def test_bf16_static_path_loss_curve_stays_within_one_percent_of_fp32_reference_
     distinct = [make_rows(rng, [tuple(int(x) for x in rng.integers(5, 8, size=3)) for _ in range(6)]) for _ in range(5)]
     steps = distinct * 10
     ref_opt = ReferenceLamb(parameter_groups(reference, 0.01), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
-    fast_opt = fast_path.capturable(ForeachLamb(parameter_groups(fast, 0.01), lr=1e-2, weight_decay=0.01,
+    fast_opt = capturable(ForeachLamb(parameter_groups(fast, 0.01), lr=1e-2, weight_decay=0.01,
                                                 max_grad_norm=1.0))
+    ref_step, fast_step = EagerStep(reference, ref_opt, "fp32"), EagerStep(fast, fast_opt, "bf16")
     ref_curve, fast_curve = [], []
     for step, rows in enumerate(steps):
         lr = 1e-2 * (1 - step / len(steps))
-        set_lr(ref_opt, lr)
-        set_lr(fast_opt, lr)
-        ref_curve.append(fast_path.train_step(reference, ref_opt, flatten_items(rows), "fp32").loss.total.item())
-        static = fast_path.static_packed_batch(rows, 6, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
-        fast_curve.append(fast_path.train_step(fast, fast_opt, static, "bf16").loss.total.item())
+        ref_curve.append(ref_step([flatten_items(rows)], lr).loss.item())
+        static = static_packed_batch(rows, 6, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
+        fast_curve.append(fast_step([static], lr).loss.item())
     assert ref_curve[-1] < ref_curve[0] - 0.5  # it learns: the comparison is not between two flat lines
     np.testing.assert_allclose(fast_curve, ref_curve, rtol=0.01)

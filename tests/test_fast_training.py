@@ -18,20 +18,21 @@ import torch
 
 from _fault_launch import assert_same_tensors, load_checkpoint, run_ranks, worker_command
 from conftest import TRAINER, require_tool, run_cli, trainer_args
+from _runs import cpu_run
 from mlperf_bert import trainer
+from mlperf_bert.build import device_input
 from mlperf_bert.cli import parse_config
 from mlperf_bert.config import ConfigError
+from mlperf_bert.cuda_graphs import capturable
 from mlperf_bert.dali_input import dali_available
 from mlperf_bert.data_validate import DataError
 from mlperf_bert.device_input import DeviceInput
-from mlperf_bert.distributed import DistEnv
-from mlperf_bert.faults import EXIT_DIVERGED
-from mlperf_bert.graphed_training import StaticPackedStep, packed_shape
-from mlperf_bert.mllog import MLPerfLogger
-from mlperf_bert.sources import open_batch_source
+from mlperf_bert.faults import EXIT_DIVERGED, Position, StepFacts, StepGuard, Verdict
+from mlperf_bert.static_batch import packed_shape
+from mlperf_bert.step import EagerStep
 from mlperf_bert.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 
-ONE = DistEnv(0, 1, 0, 1, "127.0.0.1", 0)
+FAR = 10**9  # a block end no test step reaches
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +58,6 @@ def packed_flags(demo_data: Path, packed: Path, out: Path, *extra: str) -> list[
     flags = trainer_args(demo_data, out, "--do_train", "--input_layout", "packed", "--train_batch_size", "4", *extra)
     flags[flags.index("--input_dir") + 1] = str(packed)
     return flags
-
-
-def runtime(flags: list[str], tmp_path: Path) -> tuple[trainer.Runtime, DeviceInput]:
-    """The trainer's runtime and input as `trainer.run` builds them, on the CPU, one process."""
-    cfg = parse_config(flags, 1)
-    device = torch.device("cpu")
-    trainer.seed_everything(cfg.run.seed, 0)
-    rt = trainer.Runtime(cfg, ONE, device, trainer.build_model(cfg, device), MLPerfLogger(None, 0))
-    trainer.build_training(rt)
-    torch.manual_seed(cfg.run.seed)
-    source = open_batch_source(cfg, ONE, trainer.data_limits(cfg, rt.model.config))
-    return rt, trainer.device_input(rt, source)
 
 
 # ---------------------------------------------------------------- --sync_every
@@ -129,29 +118,38 @@ def test_a_nan_inside_a_window_rolls_both_ranks_back_to_the_last_read(demo_data,
 
 
 def test_state_dict_snapshot_restores_an_optimizer_that_had_no_state(demo_data, tmp_path):
-    rt, feed = runtime(trainer_args(demo_data, tmp_path, "--do_train"), tmp_path)
-    snapshot = StateDictSnapshot(rt.model, rt.optimizer)
-    weights = {k: v.clone() for k, v in rt.model.state_dict().items()}
-    state = trainer.TrainState()
-    trainer.train_step(rt, feed, state)
-    assert rt.optimizer.state_dict()["state"]
+    run = cpu_run(trainer_args(demo_data, tmp_path, "--do_train"))
+    model, optimizer = run.eval.model, run.step.optimizer
+    snapshot = StateDictSnapshot(model, optimizer)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train_step(run, FAR)
+    run.close()
+    assert optimizer.state_dict()["state"]
     snapshot.restore()
-    assert_same_tensors(dict(rt.model.state_dict()), weights)
-    assert rt.optimizer.state_dict()["state"] == {}
-    assert all("step" not in g for g in rt.optimizer.param_groups)
+    assert_same_tensors(dict(model.state_dict()), weights)
+    assert optimizer.state_dict()["state"] == {}
+    assert all("step" not in g for g in optimizer.param_groups)
+
+
+def facts(step: int, read_now: bool = False) -> StepFacts:
+    return StepFacts(Verdict(), True, step, 8 * step, read_now, lambda: Position({"step": step}, {}))
 
 
 def test_window_reads_only_when_due_and_flags_a_nan_seen_between_reads(demo_data, tmp_path):
-    rt, feed = runtime(trainer_args(demo_data, tmp_path, "--do_train"), tmp_path)
-    window = SyncWindow(3, rt.guard, StateDictSnapshot(rt.model, rt.optimizer), {"step": 0}, {})
-    assert [window.due(s) for s in range(1, 7)] == [False, False, True, False, False, True]
-    window.observe(torch.tensor(1.0))
-    assert not window.agree(0, False).nonfinite_loss
-    window.observe(torch.tensor(float("nan")))
-    window.observe(torch.tensor(2.0))  # a finite loss later does not clear it
-    assert window.agree(0, False).nonfinite_loss
-    window.roll_back()
-    assert not window.agree(0, False).nonfinite_loss
+    run = cpu_run(trainer_args(demo_data, tmp_path, "--do_train"))
+    run.close()
+    guard = StepGuard(torch.device("cpu"), loss_checked=True, max_consecutive_skips=3)
+    window = SyncWindow(3, guard, StateDictSnapshot(run.eval.model, run.step.optimizer), Position({"step": 0}, {}))
+    assert window.check_loss(torch.tensor(1.0)) == Verdict()  # folded on the device, nothing decided
+    assert [window.after_step(facts(s)) for s in (1, 2)] == [Verdict(), Verdict()]  # not due: no read
+    assert not window.after_step(facts(3)).nonfinite_loss
+    assert window.good == Position({"step": 3}, {})
+    window.check_loss(torch.tensor(float("nan")))
+    window.check_loss(torch.tensor(2.0))  # a finite loss later does not clear it
+    assert window.after_step(facts(4)) == Verdict()
+    verdict = window.after_step(facts(5, read_now=True))  # before an eval or a checkpoint: read now
+    assert verdict.nonfinite_loss and verdict.rolled_back_to == Position({"step": 3}, {})
+    assert not window.after_step(facts(6)).nonfinite_loss  # the roll-back cleared the flag
 
 
 # ---------------------------------------------------------------- the static packed step (--cuda_graphs)
@@ -172,25 +170,27 @@ def test_static_packed_step_trains_like_the_flat_packed_step(demo_data, packed_d
     """--cuda_graphs' step, eager: static shapes, capturable LAMB, device lr, checked by the window."""
     # Without dropout: static batches hold more tokens (padding), so their dropout masks differ.
     flags = packed_flags(demo_data, packed_dir, tmp_path, "--bert_config_path", no_dropout(demo_data, tmp_path))
-    flat_rt, flat_feed = runtime(flags, tmp_path / "flat")
-    static_rt, static_feed = runtime(flags, tmp_path / "static")
+    flat, static = cpu_run(flags), cpu_run(flags)
     shape = packed_shape(str(packed_dir), rows=4, row_len=64)
-    static_rt.graphed = StaticPackedStep(static_rt.model, static_rt.optimizer, shape, "fp32", graph=False)
-    static_rt.optimizer = static_rt.graphed.optimizer
-    static_rt.window = SyncWindow(2, static_rt.guard, InPlaceSnapshot(static_rt.model, static_rt.optimizer),
-                                  {}, {})
-    static_feed = trainer.device_input(static_rt, static_feed.source)
-    assert isinstance(static_rt.optimizer.param_groups[0]["lr"], torch.Tensor)
-    flat_state, static_state = trainer.TrainState(), trainer.TrainState()
+    optimizer = capturable(static.step.optimizer)
+    window = SyncWindow(2, StepGuard(torch.device("cpu"), True, 3), InPlaceSnapshot(static.eval.model, optimizer),
+                        Position({}, {}))
+    static.data.close()
+    feed = device_input(static.cfg, torch.device("cpu"), static.source, shape)
+    static = dataclasses.replace(static, step=EagerStep(static.eval.model, optimizer, "fp32", guard=window),
+                                 guard=window, data=feed)
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
     for _ in range(5):
-        flat_loss = trainer.train_step(flat_rt, flat_feed, flat_state)
-        static_loss = trainer.train_step(static_rt, static_feed, static_state)
+        flat_loss = trainer.train_step(flat, FAR)
+        static_loss = trainer.train_step(static, FAR)
         torch.testing.assert_close(static_loss, flat_loss, rtol=1e-5, atol=1e-6)
-        assert static_feed.state_dict() == flat_feed.state_dict()
-    assert (static_state.step, static_state.samples) == (flat_state.step, flat_state.samples) == (5, 40)
-    assert float(static_rt.optimizer.param_groups[0]["lr"]) == pytest.approx(flat_rt.schedule.lr_at(4))
-    for (name, p), q in zip(flat_rt.model.named_parameters(), static_rt.model.parameters()):
+        assert static.data.state_dict() == flat.data.state_dict()
+    assert (static.state.step, static.state.samples) == (flat.state.step, flat.state.samples) == (5, 40)
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(flat.schedule.lr_at(4))
+    for (name, p), q in zip(flat.eval.model.named_parameters(), static.eval.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
+    flat.close()
+    static.close()
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -224,9 +224,10 @@ def test_cuda_graphs_need_one_process(demo_data, tmp_path):
 @dataclasses.dataclass
 class Flat:
     values: torch.Tensor
+    input_mask: torch.Tensor  # the real tokens DeviceInput counts
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Flat":
-        return Flat(self.values.to(device, non_blocking=non_blocking))
+        return Flat(self.values.to(device, non_blocking=non_blocking), self.input_mask)
 
 
 class CountingSource:
@@ -237,7 +238,7 @@ class CountingSource:
 
     def next_flat_batch(self) -> Flat:
         self.read += 1
-        return Flat(torch.full((3,), self.read))
+        return Flat(torch.full((3,), self.read), torch.ones(3))
 
     def state_dict(self) -> dict:
         return {"step": self.read}

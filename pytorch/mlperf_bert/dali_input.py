@@ -1,6 +1,6 @@
 """An optional NVIDIA DALI input pipeline: host batches to the device through DALI.
 
-`DaliPrefetcher` keeps the contract of `fast_path.DevicePrefetcher` (host batch dataclasses
+`DaliPrefetcher` keeps the contract of `device_input.DevicePrefetcher` (host batch dataclasses
 in; the same batches, in order, on `device` out) but moves them with a DALI pipeline:
 
 - one `fn.external_source` with one output per tensor field of the batch class. Each host
@@ -17,7 +17,7 @@ in; the same batches, in order, on `device` out) but moves them with a DALI pipe
   after the pipeline is closed, and keep the host dtypes exactly (int64 ids, int32 cu_seqlens).
 
 Preparation: `DaliPrefetcher.from_items(items, prepare, ...)` runs `prepare` (e.g.
-`batch.flatten_items`, or `fast_path.static_packed_batch` with fixed sizes) in the external
+`batch.flatten_items`, or `static_batch.static_packed_batch` with fixed sizes) in the external
 source's feed. DALI calls the feed from the thread that takes batches, `prefetch_queue_depth`
 batches ahead of the one it returns: on a GPU the host builds batch i + depth while the
 kernels of the queued steps run; on a CPU device preparation and step share that thread.
@@ -217,7 +217,7 @@ class DaliPrefetcher(Generic[BatchT]):
 
         `prepare` runs when DALI pulls a batch, `prefetch_queue_depth` batches ahead of the one
         returned, in the order of `items`: e.g. `batch.flatten_items`, or
-        `functools.partial(fast_path.static_packed_batch, rows=..., row_len=..., ...)`.
+        `functools.partial(static_batch.static_packed_batch, rows=..., row_len=..., ...)`.
         """
         return cls(map(prepare, items), device, prefetch_queue_depth)
 

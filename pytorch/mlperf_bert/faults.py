@@ -14,17 +14,22 @@ Agreement. A decision that changes what the ranks do next (stop for a signal, st
 non-finite loss, write a time-based checkpoint) must be taken at the same step by every rank,
 or the next collective waits forever: a signal may reach the ranks at different moments, a NaN
 may appear in one rank's micro-batch only, and only rank 0's clock decides when a checkpoint is
-due. `StepGuard.check` is that agreement: once per step, after the backward and before the
-optimizer step, every rank contributes its local flags and one all-reduce (max) of a 3-element
-tensor gives all of them the same verdict.
+due. A `Guard` takes that agreement and returns it as a `Verdict`; there are two:
 
-Cost. On the CPU (gloo) the all-reduce is a few microseconds. On GPUs it is one tiny NCCL
-all-reduce plus one device-to-host read per step: the host waits for the step's backward before
-it queues the optimizer kernels, so the GPU idles for about one optimizer launch (tens of
-microseconds against steps of hundreds of milliseconds for BERT-large; fp16 pays this read
-already, since the loss scaler reads its overflow flag every step). Checking the flag only every
-N steps would save that read but would let a NaN update reach the weights, so the guard runs
-every step.
+- `StepGuard` (the default, `--sync_every 1`): once per step, after the backward and before
+  the optimizer step, every rank contributes its local flags and one all-reduce (max) of a
+  3-element tensor gives all of them the same verdict, so a NaN update never happens.
+- `sync_window.SyncWindow` (`--sync_every N > 1`, and every CUDA-graphed step, whose update is
+  inside the graph): the update comes first, the loss only sets a device flag, and every N
+  steps the ranks agree once; a non-finite loss rolls the run back to the last good read.
+
+Cost of the per-step check. On the CPU (gloo) the all-reduce is a few microseconds. On GPUs it
+is one tiny NCCL all-reduce plus one device-to-host read per step: the host waits for the
+step's backward before it queues the optimizer kernels, so the GPU idles for about one
+optimizer launch (tens of microseconds against steps of hundreds of milliseconds for
+BERT-large; fp16 pays this read already, since the loss scaler reads its overflow flag every
+step). Where that idle time matters (CUDA graphs, small steps), the sync window removes it at
+the price of a copy of the training state every N steps.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from types import FrameType
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,10 +57,14 @@ class TrainingStopped(Exception):
     exit_code = 1
     reason = "stopped"  # the checkpoint's reason and the MLPerf log event's key suffix
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, data_state: dict | None = None, checkpoint: str | None = None) -> None:
         super().__init__(message)
-        self.checkpoint: str | None = None  # set once the checkpoint of this stop is written
-        self.data_state: dict | None = None  # the data position to checkpoint, when not the current one
+        self.data_state = data_state  # the data position to checkpoint, when not the current one
+        self.checkpoint = checkpoint  # the checkpoint written for this stop
+
+    def with_checkpoint(self, path: str) -> "TrainingStopped":
+        """The same stop, once its checkpoint is written at `path`."""
+        return type(self)(str(self), self.data_state, path)
 
 
 class Preempted(TrainingStopped):
@@ -102,65 +112,105 @@ class StopRequest:
 
 
 @dataclass(frozen=True)
+class Position:
+    """The run's progress (`TrainState.state_dict`) and data position at one step."""
+
+    train_state: dict
+    data_state: dict
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What every rank does after this step (the same on all of them)."""
 
     nonfinite_loss: bool = False  # some rank's loss is NaN/inf: do not apply the update
     stop_signal: int = 0  # a stop signal some rank got (the highest number): finish the step, checkpoint, exit 75
     checkpoint_due: bool = False  # rank 0's clock says a time-based checkpoint is due
+    rolled_back_to: Position | None = None  # a sync window undid its steps back to this point
 
     @property
     def stop(self) -> bool:
         return self.stop_signal != 0
 
 
+@dataclass(frozen=True)
+class StepFacts:
+    """What a guard hears after each step."""
+
+    verdict: Verdict  # its own verdict from before the update (`check_loss`)
+    applied: bool  # whether the update was applied (False: fp16 overflow skip)
+    step: int  # optimizer steps applied so far
+    samples: int
+    read_now: bool  # an eval or a checkpoint follows: a sync window must agree now
+    position: Callable[[], Position]  # where the run is (taken only when a window keeps it)
+
+
+class Guard(Protocol):
+    """The agreement of every rank on what follows a step (module docstring).
+
+    `check_loss` comes inside the step, right after the backward: it returns the verdict that
+    decides whether the update is applied (a `StepGuard`), or folds the loss into a device flag
+    and returns an empty verdict (a window; the update is not held back). `after_step` comes
+    after the step: the verdict the run acts on (stop, checkpoint, roll-back). Both are
+    collectives: every rank calls them at every step.
+    """
+
+    def check_loss(self, loss: torch.Tensor) -> Verdict: ...
+
+    def after_step(self, facts: StepFacts) -> Verdict: ...
+
+
+def never() -> bool:
+    return False
+
+
 class StepGuard:
     """The per-step agreement (module docstring) and the count of fp16 skips in a row.
 
-    check_loss: test the loss for NaN/inf (fp32/bf16; under fp16 the loss scaler skips such
+    loss_checked: test the loss for NaN/inf (fp32/bf16; under fp16 the loss scaler skips such
     steps itself). max_consecutive_skips: overflow-skipped steps in a row that end the run.
+    stop: this rank's stop signals; checkpoint_due: rank 0's clock for time-based checkpoints.
     """
 
-    def __init__(self, device: torch.device, check_loss: bool, max_consecutive_skips: int) -> None:
+    def __init__(self, device: torch.device, loss_checked: bool, max_consecutive_skips: int,
+                 stop: StopRequest | None = None, checkpoint_due: Callable[[], bool] = never) -> None:
         self.device = device
-        self.check_loss = check_loss
+        self.loss_checked = loss_checked
         self.max_consecutive_skips = max_consecutive_skips
+        self.stop = stop if stop is not None else StopRequest()
+        self.checkpoint_due = checkpoint_due
         self.consecutive_skips = 0
-        self.last = Verdict()
 
-    def check(self, loss: torch.Tensor, stop_signal: int, checkpoint_due: bool) -> Verdict:
-        """Collective (every rank, every step): the agreed verdict for this step.
+    def check_loss(self, loss: torch.Tensor) -> Verdict:
+        """Collective (every rank, every step, before the update): the agreed verdict."""
+        nonfinite = ~torch.isfinite(loss.detach().float()) if self.loss_checked else None
+        return self.agree(nonfinite)
 
-        stop_signal: the signal number this rank received, 0 for none.
-        """
-        nonfinite = ~torch.isfinite(loss.detach().float()) if self.check_loss else None
-        return self.agree(nonfinite, stop_signal, checkpoint_due)
-
-    def agree(self, nonfinite: torch.Tensor | None, stop_signal: int, checkpoint_due: bool) -> Verdict:
+    def agree(self, nonfinite: torch.Tensor | None) -> Verdict:
         """Collective: the verdict from this rank's device flag "a loss was not finite" (None: unchecked)."""
         # Filled in place (no host-to-device copy, which would wait for the backward a second time).
         flags = torch.zeros(3, device=self.device)  # nonfinite loss, stop signal, checkpoint due
         if nonfinite is not None:
             flags[0] = nonfinite.float()
-        if stop_signal:
-            flags[1] = float(stop_signal)
-        if checkpoint_due:
+        if self.stop.signal_number:
+            flags[1] = float(self.stop.signal_number)
+        if self.checkpoint_due():
             flags[2] = 1.0
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, signum, due = flags.tolist()  # signal numbers are small: exact in floating point
-        self.last = Verdict(nonfinite > 0, int(signum), due > 0)
-        return self.last
+        bad, signum, due = flags.tolist()  # signal numbers are small: exact in floating point
+        return Verdict(bad > 0, int(signum), due > 0)
 
-    def count(self, applied: bool, step: int, samples: int) -> None:
-        """Counts overflow skips in a row; raises NumericBlowUp past the limit (same on all ranks)."""
-        self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+    def after_step(self, facts: StepFacts) -> Verdict:
+        """The verdict taken before the update; raises NumericBlowUp after too many fp16 skips in a row."""
+        self.consecutive_skips = 0 if facts.applied else self.consecutive_skips + 1
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise NumericBlowUp(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped for fp16 overflow "
-                f"(after step {step}, {samples} samples): the loss scale cannot recover. "
+                f"(after step {facts.step}, {facts.samples} samples): the loss scale cannot recover. "
                 "Lower the learning rate, check the data, or train in bf16"
             )
+        return facts.verdict
 
 
 def nonfinite_loss_error(step: int, samples: int) -> NumericBlowUp:
@@ -168,4 +218,16 @@ def nonfinite_loss_error(step: int, samples: int) -> NumericBlowUp:
         f"the training loss is not finite (NaN or inf) on at least one rank in step {step + 1} "
         f"(samples up to {samples}); its update was not applied. Lower the learning rate or check the "
         "data, then resume from the checkpoint (its data position is past the offending batch)"
+    )
+
+
+def rolled_back_error(last_step: int, position: Position) -> NumericBlowUp:
+    """A sync window found a non-finite loss after `last_step` and rolled back to `position`."""
+    state = position.train_state
+    return NumericBlowUp(
+        f"the training loss was not finite (NaN or inf) on at least one rank between steps {state['step'] + 1} "
+        f"and {last_step}; weights, optimizer and data position are rolled back to step {state['step']} "
+        f"({state['samples']} samples). Lower the learning rate or check the data, then resume from the "
+        "checkpoint, or rerun with --sync_every 1 to stop at the first such step",
+        data_state=position.data_state,
     )

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from .faults import Verdict
+
 
 @dataclass(frozen=True)
 class RunStart:
@@ -29,6 +31,7 @@ class RunStart:
     global_batch_size: int
     output_dir: Path
     resumed: bool = False
+    model: torch.nn.Module | None = None  # the model being trained (None where a hook is fed by hand)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class StepEnd:
     tokens: int  # real (non-padding) tokens this rank trained on in this step
     skipped_steps: int  # fp16 overflow steps skipped so far
     next_eval_samples: int  # where the current block ends (the next eval, or the limit)
+    verdict: Verdict = Verdict()  # what every rank agreed on after this step (stop signal, checkpoint due)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class EvalEnd:
     accuracy: float  # masked-LM accuracy over the whole eval set
     loss: float
     seconds: float  # wall time of the eval itself
+    skipped_steps: int = 0  # fp16 overflow steps skipped so far
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Sequence
 
 from .checkpoint import CheckpointError
 from .cli import build_parser, config_from_args
@@ -18,24 +19,27 @@ from .distributed import dist_env_from, init_distributed, shutdown
 from .faults import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED
 from .faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
-from .trainer import resolve_device, run
+from .build import resolve_device
+from .hooks import Hook
+from .trainer import run
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
 
 
-def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: Sequence[Hook] = ()) -> int:
     """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 75 preempted, 76 lost rank (mlperf_bert.faults).
 
     stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
+    hooks: more hooks for the training loop (`trainer.run`).
     """
     args = build_parser().parse_args(argv)
     if stop is not None:
-        return _train(args, stop)
+        return _train(args, stop, hooks)
     with StopRequest() as own:
-        return _train(args, own)
+        return _train(args, own, hooks)
 
 
-def _train(args: argparse.Namespace, stop: StopRequest) -> int:
+def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -> int:
     group_broken = False
     try:
         denv = dist_env_from(os.environ)
@@ -43,7 +47,7 @@ def _train(args: argparse.Namespace, stop: StopRequest) -> int:
         device = resolve_device(cfg.run.device, denv.local_rank)
         init_distributed(denv, device, cfg.faults.collective_timeout_s)
         with watch_ranks(denv, cfg.faults.collective_timeout_s):
-            result = run(cfg, denv, device, stop)
+            result = run(cfg, denv, device, stop, hooks)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

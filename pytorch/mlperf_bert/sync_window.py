@@ -18,12 +18,12 @@ milliseconds on an H200, i.e. well under 1 % of N steps for N >= 10).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 
-from .faults import StepGuard, Verdict
+from .faults import Position, StepFacts, StepGuard, Verdict
 
 
 class Snapshot(Protocol):
@@ -64,7 +64,7 @@ class InPlaceSnapshot:
     """Every tensor a step changes, copied back in place (the addresses a CUDA graph keeps).
 
     Weights, buffers, optimizer moments, device step counts and lr tensors. The optimizer's
-    state must exist when it is built (`fast_path.capturable` creates it).
+    state must exist when it is built (`cuda_graphs.capturable` creates it).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -89,43 +89,39 @@ class InPlaceSnapshot:
         torch._foreach_copy_(self._live, self._saved)
 
 
-@dataclass(frozen=True)
-class GoodPoint:
-    """Progress and data position at the last read that found every loss finite."""
-
-    train_state: dict
-    data_state: dict
-
-
 class SyncWindow:
-    """Non-finite losses collected on the device; one agreement and one host read every N steps."""
+    """A `faults.Guard` that reads the device once every N steps and rolls back on a non-finite loss.
 
-    def __init__(self, every: int, guard: StepGuard, snapshot: Snapshot, train_state: dict,
-                 data_state: dict) -> None:
+    guard: the per-step guard whose agreement (`StepGuard.agree`) the window's reads use.
+    start: the run's position when the window opens (after any resume).
+    """
+
+    def __init__(self, every: int, guard: StepGuard, snapshot: Snapshot, start: Position) -> None:
         if every < 1:
             raise ValueError(f"--sync_every must be >= 1, got {every}")
         self.every, self.guard, self.snapshot = every, guard, snapshot
         self._bad = torch.zeros((), dtype=torch.bool, device=guard.device)
-        self.good = GoodPoint(copy.deepcopy(train_state), copy.deepcopy(data_state))
+        self.good = copy.deepcopy(start)
 
-    def observe(self, loss: torch.Tensor) -> None:
-        """Folds this step's loss into the flag (a queued kernel, no read)."""
+    def check_loss(self, loss: torch.Tensor) -> Verdict:
+        """Folds this step's loss into the flag (a queued kernel, no read); the update goes ahead."""
         self._bad |= ~torch.isfinite(loss.detach().float())
+        return Verdict()
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
+    def after_step(self, facts: StepFacts) -> Verdict:
+        """Every N steps (or when `facts.read_now`): the agreement, and a roll-back if a loss was not finite.
 
-    def agree(self, stop_signal: int, checkpoint_due: bool) -> Verdict:
-        """Collective, every rank at the same step: the window's verdict (the one host read)."""
-        return self.guard.agree(self._bad, stop_signal, checkpoint_due)
-
-    def mark_good(self, train_state: dict, data_state: dict) -> None:
-        """After a verdict without a non-finite loss: this is the new point to roll back to."""
-        self.snapshot.capture()
-        self.good = GoodPoint(copy.deepcopy(train_state), copy.deepcopy(data_state))
-
-    def roll_back(self) -> GoodPoint:
-        """Weights and optimizer back to the last good point; returns its progress and data position."""
+        A verdict with a non-finite loss has `rolled_back_to`: weights and optimizer are
+        back at that point already; the caller restores progress and data position from it.
+        """
+        self.guard.after_step(replace(facts, verdict=Verdict()))  # counts skipped updates in a row
+        if not (facts.read_now or facts.step % self.every == 0):
+            return Verdict()
+        verdict = self.guard.agree(self._bad)
+        if not verdict.nonfinite_loss:
+            self.snapshot.capture()
+            self.good = copy.deepcopy(facts.position())
+            return verdict
         self.snapshot.restore()
         self._bad.zero_()
-        return self.good
+        return replace(verdict, rolled_back_to=self.good)

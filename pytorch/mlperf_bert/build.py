@@ -1,0 +1,322 @@
+"""`build_run`: every object of a training run, built once and in one fixed order.
+
+model -> training parts (optimizer, schedule, scaler, DDP, clipping) -> resume -> fast path
+(the step, the guard, CUDA graphs or sync window) -> input -> hooks. The order matters where
+one part holds on to another's tensors: a resume replaces optimizer state, so the fast path
+(which captures and snapshots those tensors) comes after it. The result, `Run`, has no
+optional parts; a run without training is an `Evaluation` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .attention import resolve_backend
+from .batch import FlatBatch, flatten_items, pad_items, unpad
+from .checkpoint import load_init_checkpoint
+from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
+from .compiling import compile_model
+from .config import TrainConfig
+from .cuda_graphs import capturable
+from .data import DataLimits, load_eval_set
+from .device_input import DeviceInput, HostBuilder
+from .distributed import DistEnv
+from .faults import Guard, Position, StepGuard, StopRequest
+from .hooks import Hook, Hooks, RunStart
+from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
+from .model import BertConfig, BertForPreTraining
+from .optim import build_optimizer, parameter_groups
+from .schedule import LRSchedule
+from .sources import BatchSource, open_batch_source
+from .static_batch import StaticShape, packed_shape
+from .step import EagerStep, GraphedStep, Step
+from .sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
+from .train_checkpoint import Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore
+from .train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, Progress
+from .train_state import TrainState
+
+
+@dataclass
+class Evaluation:
+    """What scoring the model needs: also the whole of a run without --do_train."""
+
+    cfg: TrainConfig
+    denv: DistEnv
+    device: torch.device
+    model: BertForPreTraining
+    logger: MLPerfLogger
+    batches: list[FlatBatch]  # this rank's share of the eval set, on the device
+    hooks: Hooks
+
+
+@dataclass
+class Resumed:
+    path: Path
+    record: dict  # the checkpoint's run facts: run_start_ms and attempt of the run that wrote it
+
+
+@dataclass
+class Run:
+    """A training run, built by `build_run`."""
+
+    eval: Evaluation
+    schedule: LRSchedule
+    step: Step
+    guard: Guard
+    state: TrainState
+    source: BatchSource
+    data: DeviceInput
+    checkpoints: Checkpointer
+    writer: CheckpointWriter
+    hooks: Hooks
+    resumed: list[Resumed]  # the checkpoint this run continues, or none
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.eval.cfg
+
+    def close(self) -> None:
+        self.data.close()
+        self.source.close()
+
+
+@dataclass
+class Training:
+    """The training parts before the fast path: what a checkpoint restores."""
+
+    module: torch.nn.Module  # the model, or its DDP wrapper
+    parts: TrainingParts
+    clip: ClipHandle | None  # clipping hooks, multi-rank only
+    schedule: LRSchedule
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given, but no CUDA device is visible")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank, so every rank initialises the same weights."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def data_limits(cfg: TrainConfig, bert: BertConfig) -> DataLimits:
+    return DataLimits(cfg.data.max_seq_length, cfg.data.max_predictions_per_seq, bert.vocab_size)
+
+
+def lr_schedule(cfg: TrainConfig) -> LRSchedule:
+    sched = cfg.schedule
+    warmup = sched.resolved_warmup_steps
+    return LRSchedule(cfg.optim.learning_rate, sched.max_steps, warmup, sched.start_warmup_step,
+                      decay_steps=sched.decay_steps, end_lr=sched.end_learning_rate,
+                      decay_start_step=warmup if sched.decay_from_warmup_end else 0)
+
+
+def hyperparameters(cfg: TrainConfig) -> dict:
+    """The MLPerf hyperparameter keys, from the config tree."""
+    values = {
+        "seed": cfg.run.seed,
+        "global_batch_size": cfg.global_batch_size,
+        "d_batch_size": cfg.train_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "max_sequence_length": cfg.data.max_seq_length,
+        "max_predictions_per_seq": cfg.data.max_predictions_per_seq,
+        "opt_gradient_clip_norm": cfg.optim.max_grad_norm,
+        "opt_gradient_clip_mode": cfg.optim.clip_mode,
+    }
+    values.update(optimizer_hyperparameters(cfg.optim.optimizer, lr_schedule(cfg), (cfg.optim.beta1, cfg.optim.beta2),
+                                            cfg.optim.epsilon, cfg.optim.weight_decay_rate))
+    return values
+
+
+def write_resolved_config(cfg: TrainConfig, denv: DistEnv) -> None:
+    if not denv.is_main:
+        return
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "resolved_config.json.tmp"
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / "resolved_config.json")
+
+
+def open_logger(cfg: TrainConfig, denv: DistEnv) -> MLPerfLogger:
+    path = cfg.run.mlperf_log_path if denv.is_main else None
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=True)
+
+
+def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraining) -> None:
+    # Launchers that drop the page cache before the run say so (run_with_docker.sh, run.sub).
+    logger.cache_clear(os.environ.get("MLPERF_CACHE_CLEARED", "0") == "1")
+    logger.init_start()
+    logger.submission_info(cfg.run.submission_org, cfg.run.submission_division, cfg.run.submission_platform,
+                           cfg.run.submission_status)
+    logger.hyperparameters(hyperparameters(cfg))
+    logger.weights_initialization(bert_tf_tensor_names(model.config.num_hidden_layers))
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
+    bert = BertConfig.from_json(cfg.model.bert_config_path)
+    if cfg.data.max_seq_length > bert.max_position_embeddings:
+        raise ValueError(
+            f"--max_seq_length {cfg.data.max_seq_length} exceeds max_position_embeddings "
+            f"{bert.max_position_embeddings} of {cfg.model.bert_config_path}"
+        )
+    backend = resolve_backend(cfg.model.attention_backend, device, bert.attention_probs_dropout_prob)
+    model = BertForPreTraining(bert, attention_backend=backend)
+    if cfg.model.init_checkpoint:
+        load_init_checkpoint(model, cfg.model.init_checkpoint)
+    # dynamic=None: the first shape compiles static (all of training under --cuda_graphs); the
+    # first other shape (the next flat batch, or eval's) recompiles once with dynamic sizes.
+    return compile_model(model.to(device), cfg.run.compile_mode, dynamic=None)
+
+
+def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device) -> Evaluation:
+    """Resolved config, MLPerf log up to the weights, the model, and this rank's eval batches."""
+    write_resolved_config(cfg, denv)
+    logger = open_logger(cfg, denv)
+    seed_everything(cfg.run.seed)
+    model = build_model(cfg, device)
+    log_preamble(logger, cfg, model)
+    items = load_eval_set(cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size,
+                          data_limits(cfg, model.config))
+    size = cfg.eval.eval_batch_size
+    batches = [flatten_items(items[i : i + size]).to(device) for i in range(0, len(items), size)]
+    hooks = Hooks([MLPerfLog(logger, cfg.eval.num_eval_examples), EvalLine(denv.is_main)])
+    return Evaluation(cfg, denv, device, model, logger, batches, hooks)
+
+
+def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model: BertForPreTraining) -> Training:
+    """Optimizer, schedule, loss scaler, DDP wrapper and clipping hooks."""
+    clip_config = ClipConfig(cfg.optim.clip_mode, cfg.optim.max_grad_norm)
+    module: torch.nn.Module = model
+    clip = None
+    if denv.is_distributed:
+        module = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        clip = apply_clip_mode(module, clip_config)
+        optimizer_clip = optimizer_clip_norm(clip_config)
+    else:
+        # One rank: its local gradient is the averaged one, so every clipping mode is the
+        # optimizer's global-norm clip.
+        optimizer_clip = None if clip_config.mode == ClipMode.NONE else clip_config.max_grad_norm
+    optimizer = build_optimizer(
+        parameter_groups(model, cfg.optim.weight_decay_rate), cfg.optim.optimizer, cfg.optim.learning_rate,
+        (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.epsilon, cfg.optim.weight_decay_rate, optimizer_clip,
+        cfg.optim.implementation,
+    )
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.run.init_loss_scale) if cfg.run.precision == "fp16" else None
+    return Training(module, TrainingParts(model, optimizer, scaler), clip, lr_schedule(cfg))
+
+
+def resume(cfg: TrainConfig, denv: DistEnv, device: torch.device, parts: TrainingParts, source: BatchSource,
+           state: TrainState) -> list[Resumed]:
+    """Loads --resume_from_checkpoint into every part of the run; [] for a fresh start."""
+    path = choose_resume(cfg.checkpoint.resume_from, cfg.checkpoint_dir, denv)
+    if path is None:
+        if cfg.checkpoint.resume_from is not None and denv.is_main:
+            print(f"no checkpoint in {cfg.checkpoint_dir}: starting a fresh run", file=sys.stderr, flush=True)
+        return []
+    ckpt = read_checkpoint(path)
+    restore(parts, ckpt, path, denv, device)
+    state.load_state_dict(ckpt["train_state"])
+    try:
+        source.load_state_dict(ckpt["data"])
+    except ValueError as err:
+        raise ResumeError(f"{path}: {err}") from err
+    return [Resumed(path, dict(ckpt["run"]))]
+
+
+def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Position,
+               shape: StaticShape | None) -> tuple[Step, Guard]:
+    """The fast path, after any resume: the step and the guard it reports to.
+
+    --cuda_graphs (`shape` given): the static packed step captured as a CUDA graph, inside
+    the untimed init phase; its optimizer is the capturable twin of the trainer's. With a
+    graph or --sync_every > 1 the guard is a sync window, which snapshots the optimizer's
+    current state tensors (hence after the resume).
+    """
+    parts = training.parts
+    if shape is not None:
+        parts.optimizer = capturable(parts.optimizer)
+    if shape is None and cfg.run.sync_every == 1:
+        return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
+                         guard, parts.scaler, training.clip), guard
+    snapshot = (InPlaceSnapshot if shape is not None else StateDictSnapshot)(parts.model, parts.optimizer)
+    window = SyncWindow(cfg.run.sync_every, guard, snapshot, start)
+    if shape is None:
+        return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
+                         window, parts.scaler, training.clip), window
+    return GraphedStep(parts.model, parts.optimizer, shape.example(), cfg.run.precision, window), window
+
+
+def host_builder(cfg: TrainConfig, shape: StaticShape | None) -> HostBuilder:
+    """How a micro-batch is built on the host, by the configured input layout.
+
+    Padded batches are unpadded on the device; unpadded and packed ones are flat on the host
+    (prebuilt on a host thread by `cpu_exchange`); --cuda_graphs packs them into static shapes.
+    """
+    if shape is not None:
+        return lambda source: shape.batch(source.next_batch())
+    if cfg.data.input_layout == "padded":
+        return lambda source: pad_items(source.next_batch(), cfg.data.max_seq_length,
+                                        cfg.data.max_predictions_per_seq)
+    return lambda source: source.next_flat_batch()
+
+
+def device_input(cfg: TrainConfig, device: torch.device, source: BatchSource, shape: StaticShape | None) -> DeviceInput:
+    """The source's micro-batches on the device; read ahead (pinned, async copies) on CUDA.
+
+    On the CPU the batches are read when needed, unless DALI is asked for (its CPU pipeline).
+    """
+    finish = unpad if cfg.data.input_layout == "padded" and shape is None else (lambda batch: batch)
+    ahead = device.type == "cuda" or cfg.run.input_pipeline == "dali"
+    return DeviceInput(source, host_builder(cfg, shape), device, finish, ahead=ahead, pipeline=cfg.run.input_pipeline)
+
+
+def build_hooks(ev: Evaluation, writer: CheckpointWriter, data: DeviceInput, extra: Sequence[Hook]) -> Hooks:
+    """The caller's hooks first (they see a step before a checkpoint or a stop), then the trainer's."""
+    cfg = ev.cfg
+    progress = Progress(data, ev.logger, cfg.run.log_freq, ev.denv.is_main)
+    return Hooks([*extra, progress, *ev.hooks.hooks, PeriodicCheckpoints(writer, cfg.global_batch_size),
+                  Preemption()])
+
+
+def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,
+              extra_hooks: Sequence[Hook] = ()) -> Run:
+    """Every part of a training run, in the order of the module docstring."""
+    ev = build_evaluation(cfg, denv, device)
+    training = build_training(cfg, denv, device, ev.model)
+    torch.manual_seed(cfg.run.seed + denv.rank)  # from here on, dropout draws differ per rank
+    source = open_batch_source(cfg, denv, data_limits(cfg, ev.model.config))
+    state = TrainState()
+    resumed = resume(cfg, denv, device, training.parts, source, state)
+    ckpt = cfg.checkpoint
+    checkpoints = Checkpointer(cfg.checkpoint_dir, ckpt.keep, denv, device, every_samples=ckpt.every_samples,
+                               every_minutes=ckpt.every_minutes)
+    guard = StepGuard(device, loss_checked=training.parts.scaler is None,
+                      max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps, stop=stop,
+                      checkpoint_due=checkpoints.time_due)
+    shape = packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length) if cfg.run.cuda_graphs \
+        else None
+    step, guard_used = build_step(cfg, training, guard, Position(state.state_dict(), source.state_dict()), shape)
+    data = device_input(cfg, device, source, shape)
+    writer = CheckpointWriter(checkpoints, training.parts, state, data, ev.logger, cfg.to_dict())
+    hooks = build_hooks(ev, writer, data, extra_hooks)
+    return Run(ev, training.schedule, step, guard_used, state, source, data, checkpoints, writer, hooks, resumed)

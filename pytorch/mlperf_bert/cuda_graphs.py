@@ -1,0 +1,163 @@
+"""CUDA graphs: everything a step needs to be captured once and replayed, in one place.
+
+- `require_graphable`: the preconditions of `--cuda_graphs` at run time (config-level ones,
+  such as packed input and one micro-batch, are `config.TrainConfig`'s).
+- `device_lr` / `capturable`: the learning rate as a device tensor, and a LAMB/AdamW whose
+  step counter and bias corrections live on the device too, so the whole optimizer step
+  can be replayed from a graph (the multi-tensor `ForeachLamb` arithmetic, unchanged).
+- `capture`: the whole-network capture recipe of the PyTorch CUDA-graph notes. A few warm-up
+  steps on a side stream (they also trigger torch.compile and allocate optimizer state),
+  gradients set to None so that backward allocates them from the graph's private pool, then
+  capture. The warm-up changes weights and optimizer state; both are restored afterwards
+  (`sync_window.InPlaceSnapshot`), so the first replay is the run's first real step.
+- `copy_batch`: a batch into the static input buffers a graph reads.
+
+`step.GraphedStep` is the trainer's step built from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from .batch import FlatBatch
+from .optim import ForeachAdamW, ForeachLamb
+from .sync_window import InPlaceSnapshot
+
+T = TypeVar("T")
+
+
+def require_graphable(device: torch.device, precision: str, optimizer: torch.optim.Optimizer) -> None:
+    """Raises, naming the fix, unless a step on `device` with `optimizer` can be captured."""
+    if device.type != "cuda":
+        raise RuntimeError(f"--cuda_graphs needs a CUDA device; this run trains on {device}")
+    if precision == "fp16":
+        raise ValueError("CUDA graphs take --precision bf16 or fp32: fp16 needs a loss scaler that skips "
+                         "steps from the host")
+    if not isinstance(optimizer, _DeviceStepCount):
+        raise ValueError("wrap the optimizer with cuda_graphs.capturable() before capturing it")
+
+
+def device_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Replaces each group's float lr with a 0-dim float32 tensor on `device`.
+
+    `schedule.set_lr` then fills it in place (a queued kernel, no sync), and a captured
+    CUDA graph reads the new value on every replay.
+    """
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            group["lr"] = lr.to(device=device, dtype=torch.float32)
+        else:
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+
+
+class _DeviceStepCount:
+    """Keeps each group's step count as a device tensor and computes bias corrections there.
+
+    The host-side count of `ForeachLamb` is a Python int: a CUDA graph would bake the bias
+    corrections of the captured step into every replay. Here `step` is a float64 0-dim
+    tensor advanced by a kernel, and 1 - beta^step is evaluated on the device (float64,
+    then float32, the precision the host value is used in).
+    """
+
+    param_groups: list[dict[str, Any]]
+    state: dict[torch.Tensor, dict[str, Any]]
+    _ensure_state: Callable[[torch.Tensor], None]  # from the optimizer class it is mixed into
+
+    def _advance(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self._step_tensor(group)
+        step.add_(1)
+        beta1, beta2 = group["betas"]
+        return (1.0 - torch.pow(beta1, step)).float(), (1.0 - torch.pow(beta2, step)).float()
+
+    @staticmethod
+    def _step_tensor(group: dict[str, Any]) -> torch.Tensor:
+        step = group.get("step", 0)
+        if not isinstance(step, torch.Tensor):
+            step = torch.tensor(float(step), dtype=torch.float64, device=group["params"][0].device)
+            group["step"] = step
+        return step
+
+    def init_state(self) -> None:
+        """Creates every moment buffer and step tensor now, before warm-up and capture."""
+        for group in self.param_groups:
+            self._step_tensor(group)
+            for p in group["params"]:
+                self._ensure_state(p)
+
+
+class CapturableLamb(_DeviceStepCount, ForeachLamb):
+    """`ForeachLamb` with the step count on the device: safe to capture in a CUDA graph."""
+
+
+class CapturableAdamW(_DeviceStepCount, ForeachAdamW):
+    """`ForeachAdamW` with the step count on the device: safe to capture in a CUDA graph."""
+
+
+_CAPTURABLE = {ForeachLamb: CapturableLamb, ForeachAdamW: CapturableAdamW}
+
+
+def capturable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The graph-safe twin of a `ForeachLamb` / `ForeachAdamW`: same groups, same state.
+
+    The lr becomes a device tensor and all state is created eagerly. Build it after any
+    checkpoint is loaded; the old optimizer object must not be stepped afterwards.
+    """
+    cls = _CAPTURABLE.get(type(optimizer))
+    if cls is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot run inside a CUDA graph: build the optimizer with "
+            "implementation 'foreach' (--optimizer_impl foreach) for --cuda_graphs"
+        )
+    d = optimizer.defaults
+    groups = [dict(g) for g in optimizer.param_groups]
+    twin = cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+               max_grad_norm=optimizer.max_grad_norm)
+    twin.state.update(optimizer.state)
+    device_lr(twin, groups[0]["params"][0].device)
+    twin.init_state()
+    return twin
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    return [v for f in fields(batch) for v in [getattr(batch, f.name)] if isinstance(v, torch.Tensor)]
+
+
+def copy_batch(dst: FlatBatch, src: FlatBatch) -> None:
+    """Copies `src` into the static buffers `dst`; shapes and max_seqlen must match."""
+    if (src.max_seqlen, src.row_len) != (dst.max_seqlen, dst.row_len):
+        raise ValueError(f"batch max_seqlen / row_len {src.max_seqlen} / {src.row_len} differ from the captured "
+                         f"{dst.max_seqlen} / {dst.row_len}: build every batch with the same static_packed_batch sizes")
+    for d, s in zip(_tensors(dst), _tensors(src)):
+        if d.shape != s.shape:
+            raise ValueError(f"batch tensor of shape {tuple(s.shape)} does not match the captured "
+                             f"{tuple(d.shape)}: build every batch with the same static_packed_batch sizes")
+        d.copy_(s, non_blocking=True)
+
+
+def capture(step: Callable[[], T], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Captures `step` (forward + backward + optimizer step on static buffers) as one graph.
+
+    Returns the graph and what the captured call returned (static tensors every replay
+    overwrites). Weights and optimizer state are as before the call. Load checkpoints
+    before: `load_state_dict` replaces optimizer state tensors, and the graph keeps reading
+    the old ones.
+    """
+    snapshot = InPlaceSnapshot(model, optimizer)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            optimizer.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        result = step()
+    snapshot.restore()
+    return graph, result

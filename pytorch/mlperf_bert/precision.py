@@ -1,0 +1,30 @@
+"""Mixed precision: which autocast a `--precision` runs under.
+
+bf16 and fp16 run the model under autocast (matmuls in half precision, reductions and the
+loss in fp32); fp16 also needs a `torch.amp.GradScaler`, whose skip decision reads the
+device, which is why fp16 steps run eagerly (`step.EagerStep`) and CUDA graphs take bf16 or
+fp32.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import ContextManager
+
+import torch
+
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str, cache_enabled: bool = True) -> ContextManager:
+    """Autocast for "bf16" / "fp16", nothing for "fp32".
+
+    Inside a CUDA-graph capture pass cache_enabled=False: cached casts of the weights would
+    be made once at capture and never again.
+    """
+    if precision not in AUTOCAST_DTYPES:
+        raise ValueError(f"precision must be one of {tuple(AUTOCAST_DTYPES)}, got {precision!r}")
+    dtype = AUTOCAST_DTYPES[precision]
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache_enabled)
