@@ -32,6 +32,7 @@ demo: $(STAMP)
 
 test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
+	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean-demo:

@@ -202,7 +202,7 @@ def fixed_arrays(
 ) -> dict[str, np.ndarray]:
     """The MLCommons layout: rows padded to max_seq_length, predictions padded with position 0."""
     n = len(samples)
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "input_ids": np.zeros((n, max_seq_length), id_dtype),
         "input_mask": np.zeros((n, max_seq_length), np.int8),
         "segment_ids": np.zeros((n, max_seq_length), np.int8),

@@ -145,7 +145,7 @@ def to_varlength(samples: Samples) -> dict[str, np.ndarray]:
 
 def _join_rows(rows: np.ndarray, dtype: type) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=rows.shape[0])
-    flat = np.concatenate(list(rows)).astype(dtype) if rows.shape[0] else np.zeros(0, dtype)
+    flat: np.ndarray = np.concatenate(list(rows)).astype(dtype) if rows.shape[0] else np.zeros(0, dtype)
     return flat, lengths
 
 

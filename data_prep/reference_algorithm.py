@@ -44,7 +44,8 @@ class ReferenceTokenizer:
 
     def _words(self, line: str) -> list[str]:
         """Cleaned, lower-cased, accent-stripped words, punctuation and CJK characters on their own."""
-        words, current = [], []
+        words: list[str] = []
+        current: list[str] = []
         for ch in line:
             kind = self._char_kind(ch)
             if kind in ("space", "punct", "cjk") and current:

@@ -14,11 +14,15 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from data_prep.formats import MAX_VOCAB_SIZE, DataPrepError
 from data_prep.ragged import concat_ranges, offsets
+
+if TYPE_CHECKING:  # imported where the tokenizer is built: `prep` extra only
+    import tokenizers
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 MAX_CHARS_PER_WORD = 100  # longer words become [UNK], as in the reference tokeniser
@@ -75,7 +79,7 @@ def load_vocab(path: Path | str) -> Vocab:
     return Vocab(str(path), tokens)
 
 
-def make_tokenizer(vocab: Vocab) -> tokenizers.Tokenizer:  # noqa: F821 (imported lazily)
+def make_tokenizer(vocab: Vocab) -> tokenizers.Tokenizer:
     """BERT-uncased WordPiece tokenizer over `vocab` that adds no special tokens."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import WordPiece

@@ -51,10 +51,11 @@ def test_loads_huggingface_directory_and_matches_its_outputs(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     model = BertForPreTraining(CFG).eval()
     load_init_checkpoint(model, tmp_path / "hf")
-    for name, tensor in hf.state_dict().items():
-        if name in dict(model.named_parameters()):
-            ours = dict(model.named_parameters())[name]
-            assert torch.equal(ours[: tensor.shape[0]], tensor), name
+    hf_state, ours = hf.state_dict(), dict(model.named_parameters())
+    assert sorted(set(ours) - set(hf_state)) == []  # every parameter of ours is compared below
+    for name, param in ours.items():
+        tensor = hf_state[name]
+        assert torch.equal(param[: tensor.shape[0]], tensor), name
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ host (`flatten_items`), and a packed row is just several sequences that happen t
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ class FlatBatch:
         return FlatBatch(**moved)
 
     def pin_memory(self) -> "FlatBatch":
-        pinned = {
+        pinned: dict[str, Any] = {
             f.name: (v.pin_memory() if isinstance(v, torch.Tensor) else v)
             for f in fields(self)
             for v in [getattr(self, f.name)]

@@ -32,7 +32,7 @@ from .data import DataLimits, load_eval_set
 from .device_input import DeviceInput, HostBuilder
 from .distributed import DistEnv
 from .faults import Guard, Position, StepGuard, StopRequest
-from .hooks import Hook, Hooks, RunStart
+from .hooks import Hook, Hooks
 from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model import BertConfig, BertForPreTraining
 from .optim import build_optimizer, parameter_groups
@@ -205,7 +205,7 @@ def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device) -> E
 
 def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model: BertForPreTraining) -> Training:
     """Optimizer, schedule, loss scaler, DDP wrapper and clipping hooks."""
-    clip_config = ClipConfig(cfg.optim.clip_mode, cfg.optim.max_grad_norm)
+    clip_config = ClipConfig(ClipMode(cfg.optim.clip_mode), cfg.optim.max_grad_norm)
     module: torch.nn.Module = model
     clip = None
     if denv.is_distributed:
@@ -313,8 +313,10 @@ def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopR
     guard = StepGuard(device, loss_checked=training.parts.scaler is None,
                       max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps, stop=stop,
                       checkpoint_due=checkpoints.time_due)
-    shape = packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length) if cfg.run.cuda_graphs \
-        else None
+    shape = None
+    if cfg.run.cuda_graphs:
+        assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
+        shape = packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length)
     step, guard_used = build_step(cfg, training, guard, Position(state.state_dict(), source.state_dict()), shape)
     data = device_input(cfg, device, source, shape)
     writer = CheckpointWriter(checkpoints, training.parts, state, data, ev.logger, cfg.to_dict())

@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from .batch import FlatBatch
-from .optim import ForeachAdamW, ForeachLamb
+from .optim import ForeachAdamW, ForeachLamb, _ForeachKernels
 from .sync_window import InPlaceSnapshot
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ def device_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
 
 
-class _DeviceStepCount:
+class _DeviceStepCount(_ForeachKernels):
     """Keeps each group's step count as a device tensor and computes bias corrections there.
 
     The host-side count of `ForeachLamb` is a Python int: a CUDA graph would bake the bias
@@ -63,11 +63,9 @@ class _DeviceStepCount:
     then float32, the precision the host value is used in).
     """
 
-    param_groups: list[dict[str, Any]]
-    state: dict[torch.Tensor, dict[str, Any]]
-    _ensure_state: Callable[[torch.Tensor], None]  # from the optimizer class it is mixed into
-
-    def _advance(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    # The bias corrections as device tensors where the host version returns floats: the
+    # foreach arithmetic takes either.
+    def _advance(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         step = self._step_tensor(group)
         step.add_(1)
         beta1, beta2 = group["betas"]
@@ -97,17 +95,18 @@ class CapturableAdamW(_DeviceStepCount, ForeachAdamW):
     """`ForeachAdamW` with the step count on the device: safe to capture in a CUDA graph."""
 
 
-_CAPTURABLE = {ForeachLamb: CapturableLamb, ForeachAdamW: CapturableAdamW}
+_CAPTURABLE: dict[type[torch.optim.Optimizer], type[_DeviceStepCount]] = {
+    ForeachLamb: CapturableLamb, ForeachAdamW: CapturableAdamW}
 
 
-def capturable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def capturable(optimizer: torch.optim.Optimizer) -> _DeviceStepCount:
     """The graph-safe twin of a `ForeachLamb` / `ForeachAdamW`: same groups, same state.
 
     The lr becomes a device tensor and all state is created eagerly. Build it after any
     checkpoint is loaded; the old optimizer object must not be stepped afterwards.
     """
     cls = _CAPTURABLE.get(type(optimizer))
-    if cls is None:
+    if cls is None or not isinstance(optimizer, _ForeachKernels):
         raise ValueError(
             f"{type(optimizer).__name__} cannot run inside a CUDA graph: build the optimizer with "
             "implementation 'foreach' (--optimizer_impl foreach) for --cuda_graphs"

@@ -240,10 +240,12 @@ class DaliPrefetcher(Generic[BatchT]):
 
     def _as_batch(self, outputs: Sequence[Any]) -> BatchT:
         """The oldest pending host batch with its tensors replaced by DALI's outputs (DLPack views)."""
-        host = self._feed.pending.popleft()
+        feed = self._feed
+        assert feed is not None, "a pipeline runs only with a host feed"
+        host = feed.pending.popleft()
         scope: ContextManager = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
         with scope:  # from_dlpack passes the current stream of this device to DALI
-            tensors = {f.name: torch.from_dlpack(out[0]) for f, out in zip(self._feed.fields, outputs)}
+            tensors = {f.name: torch.from_dlpack(out[0]) for f, out in zip(feed.fields, outputs)}
         return replace(host, **tensors)
 
     def close(self) -> None:

@@ -297,7 +297,7 @@ def load_eval_set(
         raise ValueError(f"num_examples must be positive, got {num_examples}")
     source = Path(eval_dir_or_file)
     paths = [source] if source.is_file() else discover_shards(source)
-    samples = []
+    samples: list[Item] = []
     for path in paths:
         samples.extend((s,) for item in read_shard(path, limits) for s in item)
         if len(samples) >= num_examples:

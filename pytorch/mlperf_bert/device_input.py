@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import fields, replace
-from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -30,7 +30,15 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-BatchT = TypeVar("BatchT")
+class HostBatch(Protocol):
+    """A dataclass of tensors that moves to a device (FlatBatch, PaddedBatch)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Any: ...
+
+
+BatchT = TypeVar("BatchT", bound=HostBatch)
 
 
 def map_tensors(batch: BatchT, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchT:

@@ -38,7 +38,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from types import FrameType
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL
 EXIT_LOST_RANK = 76  # sysexits EX_PROTOCOL
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SignalHandler = Union[Callable[[int, Union[FrameType, None]], Any], int, signal.Handlers, None]
 
 
 class TrainingStopped(Exception):
@@ -87,7 +88,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_number = 0  # 0: no stop signal (yet)
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, SignalHandler] = {}
 
     @property
     def requested(self) -> bool:

@@ -39,7 +39,7 @@ loads into any other.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence, cast
 
 import torch
 
@@ -181,7 +181,8 @@ class _ReferenceLoop(_ApexSemantics):
         grads = self._all_grads()
         divisor = None
         if self.max_grad_norm is not None and grads:
-            divisor = _clip_divisor(torch.sqrt(sum(g.float().pow(2).sum() for g in grads)), self.max_grad_norm)
+            squares = cast(torch.Tensor, sum(g.float().pow(2).sum() for g in grads))  # grads is not empty
+            divisor = _clip_divisor(torch.sqrt(squares), self.max_grad_norm)
         for group in self.param_groups:
             bc1, bc2 = self._advance(group)
             for p in self._with_grad(group):
@@ -193,7 +194,8 @@ class _ReferenceLoop(_ApexSemantics):
                        bc1: float, bc2: float) -> torch.Tensor:
         """Advances the moments of p; returns m_hat / (sqrt(v_hat) + eps) + weight_decay * p."""
         beta1, beta2 = group["betas"]
-        g = p.grad if divisor is None else p.grad / divisor
+        grad = cast(torch.Tensor, p.grad)  # _with_grad yields only parameters that have one
+        g = grad if divisor is None else grad / divisor
         m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -248,7 +250,7 @@ class _ForeachKernels(_ApexSemantics):
         (beta1, beta2), (bc1, bc2) = group["betas"], corrections
         exp_avg = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
-        grads = [p.grad for p in params]
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # parameters with a gradient only
         scratch = torch._foreach_div(grads, divisor) if divisor is not None else torch._foreach_mul(grads, 1.0)
         torch._foreach_mul_(exp_avg, beta1)
         torch._foreach_add_(exp_avg, scratch, alpha=1.0 - beta1)
@@ -263,7 +265,7 @@ class _ForeachKernels(_ApexSemantics):
         torch._foreach_div_(updates, scratch)
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-        return updates
+        return list(updates)
 
 
 def _apply(params: list[torch.Tensor], updates: list[torch.Tensor], scales: torch.Tensor | float) -> None:

@@ -29,6 +29,7 @@ Things worth knowing:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class LRSchedule:
 
     @classmethod
     def from_warmup_proportion(cls, base_lr: float, max_steps: int, warmup_proportion: float,
-                               **kwargs: float | int | None) -> "LRSchedule":
+                               **kwargs: Any) -> "LRSchedule":
         """warmup_steps = int(max_steps * warmup_proportion), as NVIDIA's run_pretraining."""
         if not 0.0 <= warmup_proportion <= 1.0:
             raise ValueError(f"warmup_proportion must be in [0, 1], got {warmup_proportion}")

@@ -204,6 +204,7 @@ def node_group(denv: DistEnv) -> dist.ProcessGroup:
 
 def open_batch_source(cfg: TrainConfig, denv: DistEnv, limits: DataLimits) -> BatchSource:
     """Builds the configured source; the caller closes it. Every rank calls it at the same point."""
+    assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
     stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed)
     try:
         return _balanced(stream, cfg, denv)

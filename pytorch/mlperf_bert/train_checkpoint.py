@@ -40,7 +40,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ class TrainingParts:
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's generators as tensors and plain values (weights_only can read them)."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy form: a tuple
     py_state = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

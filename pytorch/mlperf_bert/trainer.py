@@ -13,6 +13,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -171,7 +172,7 @@ def train(run: Run) -> RunResult:
     run.checkpoints.record = log_run_start(run)
     state = run.state
     run.hooks.run_start(RunStart(state.samples, state.step, stop_samples(run.cfg), run.cfg.global_batch_size,
-                                 run.cfg.run.output_dir, bool(run.resumed), run.eval.model))
+                                 Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model))
     start = time.time()
     try:
         status = train_loop(run)
