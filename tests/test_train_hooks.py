@@ -1,0 +1,118 @@
+"""The trainer's hooks and guards fed by hand: each decides from its events alone."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _fault_launch import mllog_events
+from mlperf_bert.faults import NumericBlowUp, Position, Preempted, StepFacts, StepGuard, StopRequest, Verdict
+from mlperf_bert.hooks import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
+from mlperf_bert.mllog import MLPerfLogger
+from mlperf_bert.sources import TokenImbalance
+from mlperf_bert.train_hooks import EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, Progress
+
+
+def step_end(step: int, samples: int, verdict: Verdict = Verdict(), loss: float = 1.0) -> StepEnd:
+    return StepEnd(step, samples, torch.tensor(loss), 1e-3, 100, 0, 10**9, verdict)
+
+
+class Every16:
+    """Stands in for train_checkpoint.Checkpointer: a checkpoint every 16 samples."""
+
+    def samples_due(self, before: int, after: int) -> bool:
+        return after // 16 > before // 16
+
+
+class RecordingWriter:
+    def __init__(self) -> None:
+        self.checkpointer, self.saved = Every16(), []
+
+    def save(self, reason: str, data_state: dict | None = None) -> Path:
+        self.saved.append(reason)
+        return Path("ckpt")
+
+
+def test_preemption_stops_only_on_an_agreed_signal():
+    hook = Preemption()
+    hook.step_end(step_end(3, 24))
+    with pytest.raises(Preempted, match="SIGTERM arrived; every rank stopped after step 4 \\(32 samples\\)"):
+        hook.step_end(step_end(4, 32, Verdict(stop_signal=int(signal.SIGTERM))))
+
+
+def test_periodic_checkpoints_follow_samples_and_the_agreed_clock():
+    writer = RecordingWriter()
+    hook = PeriodicCheckpoints(writer, global_batch_size=8)
+    saved_at = []
+    for step in range(1, 7):
+        due = Verdict(checkpoint_due=step == 3)  # rank 0's clock, agreed at step 3
+        before = len(writer.saved)
+        hook.step_end(step_end(step, 8 * step, due))
+        if len(writer.saved) > before:
+            saved_at.append(step)
+    assert saved_at == [2, 3, 4, 6] and set(writer.saved) == {"periodic"}
+
+
+def test_mlperf_log_writes_eval_results_and_the_run_end(tmp_path):
+    logger = MLPerfLogger(str(tmp_path / "mlperf.log"), 0)
+    hook = MLPerfLog(logger, eval_samples=200)
+    hook.eval_end(EvalEnd(step=4, samples=32, accuracy=0.5, loss=2.0, seconds=0.1, skipped_steps=1))
+    hook.run_end(RunEnd("aborted", step=6, samples=48, seconds=3.0))
+    logger.close()
+    events = [(e["key"], e["value"], e["metadata"].get("epoch_num")) for e in mllog_events(tmp_path / "mlperf.log")]
+    assert events == [("eval_accuracy", 0.5, 32), ("eval_loss", 2.0, 32), ("skipped_steps", 1, 32),
+                      ("run_stop", None, 48), ("train_samples", 48, None), ("eval_samples", 200, None)]
+
+
+class Loads:
+    """Stands in for DeviceInput: its device and two micro-batches' loads per gather."""
+
+    device = torch.device("cpu")
+
+    def token_imbalance(self) -> TokenImbalance:
+        return TokenImbalance(np.array([10, 30]), np.array([5, 15]))
+
+
+def test_progress_prints_the_mean_loss_and_logs_the_interval_load(tmp_path, capsys):
+    logger = MLPerfLogger(str(tmp_path / "mlperf.log"), 0)
+    hook = Progress(Loads(), logger, log_freq=2, is_main=True)
+    hook.run_start(RunStart(0, 0, 48, 8, tmp_path))
+    hook.step_end(step_end(1, 8, loss=1.0))
+    hook.step_end(step_end(2, 16, loss=3.0))
+    line = capsys.readouterr().err
+    assert "step 2 samples 16" in line and "loss 2.0000" in line and "rank_tokens max 20 min 10" in line
+    hook.block_end(BlockEnd(step=2, samples=16))
+    logger.close()
+    stats = [e for e in mllog_events(tmp_path / "mlperf.log") if e["key"] == "tracked_stats"]
+    assert [(s["value"], s["metadata"]["step"]) for s in stats] == [({"max_rank_tokens": 20.0,
+                                                                      "min_rank_tokens": 10.0}, 2)]
+
+
+def test_eval_line_prints_on_rank_0_only(capsys):
+    event = EvalEnd(step=1, samples=8, accuracy=0.25, loss=3.5, seconds=0.1)
+    EvalLine(is_main=False).eval_end(event)
+    assert capsys.readouterr().err == ""
+    EvalLine(is_main=True).eval_end(event)
+    assert capsys.readouterr().err == "eval samples 8 mlm_accuracy 0.2500 mlm_loss 3.5000\n"
+
+
+def facts(verdict: Verdict, applied: bool, step: int) -> StepFacts:
+    return StepFacts(verdict, applied, step, 8 * step, False, lambda: Position({}, {}))
+
+
+def test_step_guard_returns_its_verdict_and_stops_after_too_many_skips():
+    stop = StopRequest()
+    guard = StepGuard(torch.device("cpu"), loss_checked=True, max_consecutive_skips=2, stop=stop,
+                      checkpoint_due=lambda: True)
+    assert guard.check_loss(torch.tensor(1.0)) == Verdict(checkpoint_due=True)
+    stop.signal_number = int(signal.SIGUSR1)
+    verdict = guard.check_loss(torch.tensor(float("inf")))
+    assert verdict == Verdict(nonfinite_loss=True, stop_signal=int(signal.SIGUSR1), checkpoint_due=True)
+    assert guard.after_step(facts(verdict, True, 1)) is verdict  # per step: the verdict from before the update
+    guard.after_step(facts(Verdict(), False, 1))
+    with pytest.raises(NumericBlowUp, match="2 optimizer steps in a row were skipped"):
+        guard.after_step(facts(Verdict(), False, 1))
