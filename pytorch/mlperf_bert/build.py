@@ -305,6 +305,16 @@ def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopR
     training = build_training(cfg, denv, device, ev.model)
     torch.manual_seed(cfg.run.seed + denv.rank)  # from here on, dropout draws differ per rank
     source = open_batch_source(cfg, denv, data_limits(cfg, ev.model.config))
+    try:
+        return _build_on(cfg, denv, device, stop, extra_hooks, ev, training, source)
+    except BaseException:
+        source.close()  # its reader threads would keep the process alive
+        raise
+
+
+def _build_on(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest, extra_hooks: Sequence[Hook],
+              ev: Evaluation, training: Training, source: BatchSource) -> Run:
+    """build_run from the resume on, once the data source is open."""
     state = TrainState()
     resumed = resume(cfg, denv, device, training.parts, source, state)
     ckpt = cfg.checkpoint
