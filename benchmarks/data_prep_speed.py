@@ -10,7 +10,7 @@
   per second of CPU time of the process, which stays meaningful on a shared machine; wall
   time is reported too.
 - pool: the `samples` step over several parts with all cores (wall-clock MB/s).
-- packing: sequences per second of planning + assigning (mlperf_bert.packing) on lengths
+- packing: sequences per second of planning + assigning (data_prep.packing) on lengths
   drawn from the published Wikipedia histogram, and of the whole `pack` step (read shards,
   plan, write packed shards) on the samples made here.
 - shards: samples per second of the shuffled `reshard` and of `stratify`, and the bytes

@@ -1,6 +1,6 @@
 """Step `pack`: training samples -> packed shards (up to K=3 sequences per 512-token row).
 
-The packing algorithms (NNLSHP, LPFHP, SPFHP) live in mlperf_bert.packing and work on the
+The packing algorithms (NNLSHP, LPFHP, SPFHP) live in data_prep.packing and work on the
 length histogram. To bound memory the samples are packed in groups of consecutive input
 shards (about `group_samples` sequences each, each group its own histogram and plan; with
 ~10^6 sequences per group the histogram is smooth enough that the efficiency equals the
@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from data_prep.fileio import Manifest, read_json, write_json
 from data_prep.formats import PACKING_REPORT_NAME, DataPrepError, shard_name
-from data_prep.h5io import write_arrays
-from data_prep.ragged import Samples, offsets, to_packed
+from data_prep.packing import assign_packs
 from data_prep.sources import SourceSet, balanced_bounds, inputs_record
+from mlperf_bert.shards import Samples, offsets, to_packed, write_arrays
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,6 @@ def pack_table(packs: list[np.ndarray], width: int) -> np.ndarray:
 
 def plan_packs(lengths: np.ndarray, file_counts: np.ndarray, params: PackParams) -> np.ndarray:
     """[P, K] global sample indices of every pack, group after group, each group's packs in random order."""
-    try:
-        from mlperf_bert.packing import assign_packs
-    except ImportError as err:
-        raise DataPrepError(f"the pack step needs the mlperf_bert package ({err}); run `pip install -e .` "
-                            "in the repository or set PYTHONPATH=pytorch") from err
     starts = offsets(file_counts)
     tables = []
     for g, (f0, f1) in enumerate(_groups(file_counts, params.group_samples)):

@@ -3,7 +3,7 @@
 Sample g of a SourceSet is row g - start(f) of the file f whose range holds it, files in the
 order given (sorted by name by `list_shards`). Every later step (reshard, eval, pack,
 stratify) reads its input through this, so it accepts this tool's per-part files as well as
-MLCommons / NVIDIA fixed or varlength shards.
+MLCommons / NVIDIA fixed or varlength shards (listed by `mlperf_bert.shards.list_shards`).
 """
 
 from __future__ import annotations
@@ -15,23 +15,11 @@ import numpy as np
 
 from data_prep.fileio import Manifest
 from data_prep.formats import DataPrepError
-from data_prep.h5io import iter_blocks, read_samples, sequence_lengths, shard_info, write_samples
-from data_prep.ragged import Samples, offsets
+from mlperf_bert.shards import (
+    Samples, iter_blocks, list_shards, offsets, read_samples, sequence_lengths, shard_info, write_samples,
+)
 
 READ_BLOCK_ROWS = 1 << 16  # rows per read when streaming a shard
-
-
-def list_shards(path: Path | str) -> list[Path]:
-    """The *.hdf5 / *.h5 files of a folder, sorted by name (or the file itself)."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise DataPrepError(f"{path}: no such file or folder; give the folder that holds the input shards")
-    shards = sorted(p for p in path.iterdir() if p.suffix in (".hdf5", ".h5") and p.is_file())
-    if not shards:
-        raise DataPrepError(f"{path}: no *.hdf5 or *.h5 files; run the step that makes them first")
-    return shards
 
 
 def balanced_bounds(total: int, parts: int) -> np.ndarray:

@@ -19,9 +19,8 @@ from tqdm import tqdm
 
 from data_prep.fileio import Manifest, read_json, write_json
 from data_prep.formats import STRATA_BOUNDS, STRATA_NAME, DataPrepError, shard_name
-from data_prep.h5io import write_samples
-from data_prep.ragged import Samples
 from data_prep.sources import SourceSet, balanced_bounds, inputs_record
+from mlperf_bert.shards import Samples, write_samples
 
 log = logging.getLogger(__name__)
 

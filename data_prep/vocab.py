@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.formats import MAX_VOCAB_SIZE, DataPrepError
-from data_prep.ragged import concat_ranges, offsets
+from mlperf_bert.shards import concat_ranges, offsets
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 MAX_CHARS_PER_WORD = 100  # longer words become [UNK], as in the reference tokeniser

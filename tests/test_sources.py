@@ -25,7 +25,7 @@ from mlperf_bert.host_exchange import Prefetcher
 from mlperf_bert.sources import LocalSource, TokenImbalance, TokenMeter
 from mlperf_bert.stratified import Strata, StratifiedDataset
 
-from data_prep.sources import list_shards
+from mlperf_bert.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
 
 BOUNDS = (16, 32, 48, 64)

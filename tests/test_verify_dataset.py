@@ -13,12 +13,11 @@ import h5py
 import numpy as np
 import pytest
 
-from data_prep.h5io import write_samples
 from data_prep.pack import PackParams, pack_dataset
-from data_prep.ragged import Samples
 from data_prep.reshard import ReshardParams, reshard
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import main
+from mlperf_bert.shards import Samples, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 
