@@ -13,7 +13,6 @@ from mlperf_bert.shards import MANIFEST_NAME, MAX_VOCAB_SIZE, DataError
 MAX_SEQ_LENGTH = 512  # L: tokens per sequence, [CLS] and both [SEP] included
 MAX_PREDICTIONS = 76  # P: masked positions per sequence
 MAX_SEQUENCES_PER_PACK = 3  # K: slots of a packed row
-STRATA_BOUNDS = (128, 256, 384, 512)  # stratum k holds lengths (bounds[k-1], bounds[k]]
 NUM_EVAL_SAMPLES = 10_000
 
 STRATA_NAME = "strata.json"
@@ -27,7 +26,7 @@ DataPrepError = DataError
 
 __all__ = [
     "EVAL_SHARD_NAME", "MANIFEST_NAME", "MAX_PREDICTIONS", "MAX_SEQ_LENGTH", "MAX_SEQUENCES_PER_PACK",
-    "MAX_VOCAB_SIZE", "NUM_EVAL_SAMPLES", "PACKING_REPORT_NAME", "STRATA_BOUNDS", "STRATA_NAME", "DataPrepError",
+    "MAX_VOCAB_SIZE", "NUM_EVAL_SAMPLES", "PACKING_REPORT_NAME", "STRATA_NAME", "DataPrepError",
     "shard_name", "text_part_index",
 ]
 

@@ -1,4 +1,7 @@
-"""Step `pack`: training samples -> packed shards (up to K=3 sequences per 512-token row).
+"""Step `pack`: training samples -> packed shards (up to K=3 sequences per L-token row).
+
+L is the inputs' sequence length (their MANIFEST.json or fixed width); a --max_seq_length
+that disagrees with it is refused.
 
 The packing algorithms (NNLSHP, LPFHP, SPFHP) live in data_prep.packing and work on the
 length histogram. To bound memory the samples are packed in groups of consecutive input
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,7 @@ from tqdm import tqdm
 from data_prep.fileio import Manifest, read_json, write_json
 from data_prep.formats import PACKING_REPORT_NAME, DataPrepError, shard_name
 from data_prep.packing import assign_packs
-from data_prep.sources import SourceSet, balanced_bounds, inputs_record
+from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
 from mlperf_bert.shards import Samples, offsets, to_packed, write_arrays
 
 log = logging.getLogger(__name__)
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackParams:
     algorithm: str = "nnlshp"
-    max_seq_length: int = 512
+    max_seq_length: int | None = None  # row length; default: the inputs' (MANIFEST.json or fixed width)
     max_sequences_per_pack: int = 3
     num_shards: int | None = None  # default: as many as there are input shards
     group_samples: int = 1_000_000  # sequences packed (and held in memory) together
@@ -129,6 +132,8 @@ class _GroupReader:
 def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
     """Packs `inputs` (fixed or varlength shards) into balanced packed shards in `out_dir`."""
     sources = SourceSet(inputs)
+    length = agreed_length(params.max_seq_length, recorded_lengths(sources.paths[0].parent), "max_seq_length")
+    params = replace(params, max_seq_length=length)
     num_shards = params.num_shards or len(sources.paths)
     manifest = Manifest.open(out_dir, "pack", {**asdict(params), "num_shards": num_shards,
                                                "inputs": inputs_record(sources.paths)})

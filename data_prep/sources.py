@@ -3,7 +3,7 @@
 Sample g of a SourceSet is row g - start(f) of the file f whose range holds it, files in the
 order given (sorted by name by `list_shards`). Every later step (reshard, eval, pack,
 stratify) reads its input through this, so it accepts this tool's per-part files as well as
-MLCommons / NVIDIA fixed or varlength shards (listed by `mlperf_bert.shards.list_shards`).
+MLCommons / NVIDIA fixed or varlength shards.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import numpy as np
 from data_prep.fileio import Manifest
 from data_prep.formats import DataPrepError
 from mlperf_bert.shards import (
-    Samples, iter_blocks, list_shards, offsets, read_samples, sequence_lengths, shard_info, write_samples,
+    MANIFEST_NAME, Samples, folder_shards, iter_blocks, offsets, read_manifest, read_samples, sequence_lengths,
+    shard_info, shard_widths, write_samples,
 )
 
 READ_BLOCK_ROWS = 1 << 16  # rows per read when streaming a shard
+LENGTH_NAMES = ("max_seq_length", "max_predictions")
 
 
 def balanced_bounds(total: int, parts: int) -> np.ndarray:
@@ -95,3 +97,33 @@ def write_formats(
 def inputs_record(paths: list[Path]) -> list[list]:
     """[name, bytes] of every input file, stored with a step's parameters so changed inputs are noticed."""
     return [[p.name, p.stat().st_size] for p in paths]
+
+
+def recorded_lengths(directory: Path) -> dict[str, tuple[int, str]]:
+    """{"max_seq_length" / "max_predictions": (value, where it comes from)}, as far as a folder tells.
+
+    Its MANIFEST.json parameters first; else the widths of its first shard when that is fixed
+    (a packed shard gives only the row length: its prediction columns hold a whole row's).
+    """
+    if not directory.is_dir():
+        return {}
+    params = (read_manifest(directory) or {}).get("params", {})
+    found = {k: (int(params[k]), f"{directory / MANIFEST_NAME}") for k in LENGTH_NAMES if params.get(k)}
+    shards = folder_shards(directory)
+    if shards and len(found) < len(LENGTH_NAMES):
+        fmt, width, predictions = shard_widths(shards[0])
+        widths = {"max_seq_length": width, "max_predictions": predictions if fmt == "fixed" else None}
+        found = {k: (v, f"the width of {shards[0]}") for k, v in widths.items() if v is not None} | found
+    return found
+
+
+def agreed_length(given: int | None, recorded: dict[str, tuple[int, str]], name: str) -> int:
+    """The length a step uses: the flag `--name` when given, which must match what the input records."""
+    found = recorded.get(name)
+    if given is None and found is None:
+        raise DataPrepError(f"the input records no {name} (no MANIFEST.json, no fixed shard); pass --{name}")
+    if found is not None and given is not None and given != found[0]:
+        raise DataPrepError(f"--{name} {given}, but the input was made with {name} {found[0]} ({found[1]}); "
+                            f"pass --{name} {found[0]}, or remake the input with {given}")
+    return int(given if given is not None else found[0])
+

@@ -1,7 +1,10 @@
 """Step `stratify`: training samples -> one folder of balanced shards per length stratum.
 
-Strata (Samsung's stratified local presort): lengths 1-128, 129-256, 257-384, 385-512, in
-folders stratum_0 .. stratum_3. Samples keep their input order inside a stratum (the
+Strata (Samsung's stratified local presort): by default the quarters of the sequence length
+L, so 1-128, 129-256, 257-384, 385-512 at L = 512, in folders stratum_0 .. stratum_3. L (and
+P, the prediction width of fixed outputs) come from the inputs' MANIFEST.json or fixed widths;
+a flag that disagrees with them is refused, since the strata of 512 applied to 128-token data
+would put every sample in stratum 0. Samples keep their input order inside a stratum (the
 reshard step already shuffled them) and each stratum is cut into `shards_per_stratum`
 balanced shards (fewer when a stratum has fewer samples). strata.json records
 {"bounds", "counts", "shares"} with shares = counts / total, which the trainer turns into
@@ -11,15 +14,15 @@ the per-stratum sample counts of a local batch.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from data_prep.fileio import Manifest, read_json, write_json
-from data_prep.formats import STRATA_BOUNDS, STRATA_NAME, DataPrepError, shard_name
-from data_prep.sources import SourceSet, balanced_bounds, inputs_record
+from data_prep.formats import STRATA_NAME, DataPrepError, shard_name
+from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
 from mlperf_bert.shards import Samples, write_samples
 
 log = logging.getLogger(__name__)
@@ -27,12 +30,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StratifyParams:
-    bounds: tuple[int, ...] = STRATA_BOUNDS
+    bounds: tuple[int, ...] | None = None  # default: the quarters of max_seq_length
     shards_per_stratum: int | None = None  # default: as many as there are input shards
     fmt: str = "varlength"
-    max_seq_length: int = 512
-    max_predictions: int = 76
+    max_seq_length: int | None = None  # default: what the inputs record
+    max_predictions: int | None = None  # default: what the inputs record
     compression: str | None = None
+
+
+def resolved_params(params: StratifyParams, inputs: list[Path]) -> StratifyParams:
+    """`params` with the lengths the inputs record filled in and the bounds checked against them."""
+    recorded = recorded_lengths(Path(inputs[0]).parent)
+    length = agreed_length(params.max_seq_length, recorded, "max_seq_length")
+    predictions = params.max_predictions
+    if params.fmt == "fixed" or "max_predictions" in recorded:
+        predictions = agreed_length(params.max_predictions, recorded, "max_predictions")
+    bounds = tuple(params.bounds) if params.bounds else tuple(length * k // 4 for k in range(1, 5))
+    if bounds[-1] != length:
+        raise DataPrepError(f"strata bounds {list(bounds)} end at {bounds[-1]}, not at max_seq_length {length}; "
+                            f"give --strata_bounds that end at {length}")
+    return replace(params, bounds=bounds, max_seq_length=length, max_predictions=predictions)
 
 
 def stratum_of(lengths: np.ndarray, bounds: tuple[int, ...]) -> np.ndarray:
@@ -102,6 +119,7 @@ def stratify(inputs: list[Path], out_dir: Path, params: StratifyParams) -> dict:
     if params.fmt not in ("fixed", "varlength"):
         raise DataPrepError(f"--format {params.fmt!r}: stratified shards are fixed or varlength")
     sources = SourceSet(inputs)
+    params = resolved_params(params, sources.paths)
     per_stratum = params.shards_per_stratum or len(sources.paths)
     manifest = Manifest.open(out_dir, "stratify", {**asdict(params), "shards_per_stratum": per_stratum,
                                                    "inputs": inputs_record(sources.paths)})

@@ -26,10 +26,11 @@ import numpy as np
 from data_prep.fileio import Manifest, read_json, sha256_file
 from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError
 from data_prep.parallel import run_jobs
+from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
 from mlperf_bert.shards import (
     FORMAT_KEYS, MANIFEST_NAME, Samples, detect_format, folder_problems, folder_shards, from_fixed, from_packed,
-    from_varlength, layout_checks, offsets, open_shard, read_manifest, shard_widths,
+    from_varlength, layout_checks, offsets, open_shard,
 )
 
 BLOCK_ROWS = 1 << 15
@@ -320,28 +321,9 @@ def verify_directory(directory: Path | str, limits: Limits, checksums: bool = Tr
     return problems, reports
 
 
-def data_lengths(directory: Path) -> dict[str, tuple[int, str]]:
-    """{"max_seq_length" / "max_predictions": (value, where it comes from)} as far as the folder tells.
-
-    The manifest's parameters first; else the widths of a fixed shard (a packed shard gives
-    only its row length: its prediction columns hold a whole row's predictions).
-    """
-    if not directory.is_dir():
-        return {}
-    params = (read_manifest(directory) or {}).get("params", {})
-    found = {k: (int(params[k]), MANIFEST_NAME) for k in ("max_seq_length", "max_predictions") if params.get(k)}
-    shards = folder_shards(directory)
-    if shards and len(found) < 2:
-        fmt, width, predictions = shard_widths(shards[0])
-        widths = {"max_seq_length": width, "max_predictions": predictions if fmt == "fixed" else None}
-        origin = f"the widths of {shards[0].name}"
-        found = {k: (v, origin) for k, v in widths.items() if v is not None} | found
-    return found
-
-
 def limits_for(directory: Path, args: argparse.Namespace, vocab: Vocab | None) -> tuple[Limits, str]:
     """The limits a folder is checked against: the flags, else the folder's own lengths, else MLPerf's."""
-    found = data_lengths(directory)
+    found = recorded_lengths(directory)
     chosen = {}
     for name, default in (("max_seq_length", MAX_SEQ_LENGTH), ("max_predictions", MAX_PREDICTIONS)):
         given = getattr(args, name)

@@ -506,8 +506,8 @@ def _temp_problems(directory: Path, fix: str) -> list[str]:
     return [f"{p}: a temporary file of an interrupted step (the folder is half-written); {fix}" for p in leftovers]
 
 
-def _numbering_problems(shards: list[Path], fix: str) -> list[str]:
-    """part_i_of_N names promise N shards in their folder: every missing index is a problem."""
+def _numbering_problems(shards: list[Path], listed: set[Path], fix: str) -> list[str]:
+    """part_i_of_N names promise N shards in their folder: every missing index not in `listed` is a problem."""
     problems = []
     by_folder: dict[tuple[Path, int], set[int]] = {}
     for path in shards:
@@ -516,9 +516,9 @@ def _numbering_problems(shards: list[Path], fix: str) -> list[str]:
             by_folder.setdefault((path.parent, int(match.group(2))), set()).add(int(match.group(1)))
     for (folder, total), present in sorted(by_folder.items()):
         width = max(5, len(str(total)))
-        missing = [i for i in range(total) if i not in present]
-        problems += [f"{folder / f'part_{i:0{width}d}_of_{total:0{width}d}.hdf5'}: missing, the folder has "
-                     f"{len(present)} of {total} shards; {fix}" for i in missing[:3]]
+        names = [folder / f"part_{i:0{width}d}_of_{total:0{width}d}.hdf5" for i in range(total) if i not in present]
+        problems += [f"{path}: missing, the folder has {len(present)} of {total} shards; {fix}"
+                     for path in names if path not in listed][:3]
     return problems
 
 
@@ -554,11 +554,12 @@ def folder_problems(directory: Path | str) -> list[str]:
         return []
     fix = f"rerun the data_prep step that writes {directory} to complete it (it resumes), or re-copy the folder"
     shards = folder_shards(directory)
-    problems = _temp_problems(directory, fix) + _numbering_problems(shards, fix)
+    problems = _temp_problems(directory, fix)
     manifest = read_manifest(directory)
     if manifest is not None:
         problems += _manifest_problems(directory, manifest, shards, fix)
-    return problems
+    listed = {directory / name for name in manifest["files"]} if manifest is not None else set()
+    return problems + _numbering_problems(shards, listed, fix)
 
 
 # ---------------------------------------------------------------- writing
