@@ -5,11 +5,14 @@ vectorised over blocks of rows: the keys and their integer dtypes, equal row cou
 widths, the padding layout (input_mask a prefix of ones, zeros after it, masked slots
 packed to the front), [CLS] A [SEP] B [SEP] structure and segment ids, token ids inside
 the vocabulary, lengths and prediction counts inside the limits, masked positions inside
-their sequence (never [CLS] or [SEP], ascending) and next-sentence labels. With a
-MANIFEST.json it compares sha256, size and sample count of every file; with strata.json
-and packing_report.json it checks the strata bounds and counts and that no sequence was
-dropped. Exits 0 when everything holds, 1 otherwise, printing one line per problem that
-names the file, the first bad row and what is wrong.
+their sequence (never [CLS] or [SEP], ascending) and next-sentence labels. A half-written
+folder is refused (`mlperf_bert.shards.folder_problems`: temporary files, files the manifest
+lists but are missing or of another size, gaps in part_i_of_N numbering). With a
+MANIFEST.json it compares sha256 and sample count of every file; with strata.json and
+packing_report.json it checks the strata bounds and counts and that no sequence was dropped.
+The length limits are the flags, else the folder's manifest, else a fixed shard's widths.
+Exits 0 when everything holds, 1 otherwise, printing one line per problem that names the
+file, the first bad row and what is wrong.
 """
 
 from __future__ import annotations
