@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import re
 
-from mlperf_bert.shards import MANIFEST_NAME, MAX_VOCAB_SIZE, DataError
+from mlperf_bert.shards import MANIFEST_NAME, MAX_VOCAB_SIZE, PACKING_REPORT_NAME, STRATA_NAME, DataError
 
 MAX_SEQ_LENGTH = 512  # L: tokens per sequence, [CLS] and both [SEP] included
 MAX_PREDICTIONS = 76  # P: masked positions per sequence
 MAX_SEQUENCES_PER_PACK = 3  # K: slots of a packed row
 NUM_EVAL_SAMPLES = 10_000
 
-STRATA_NAME = "strata.json"
-PACKING_REPORT_NAME = "packing_report.json"
 EVAL_SHARD_NAME = "part_eval_10k.hdf5"
 _TEXT_PART = re.compile(r"part-(\d+)-of-(\d+)$")
 

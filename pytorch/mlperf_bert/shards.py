@@ -48,6 +48,8 @@ MAX_VOCAB_SIZE = int(np.iinfo(np.int16).max) + 1
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
 MANIFEST_NAME = "MANIFEST.json"
+STRATA_NAME = "strata.json"  # the last file `stratify` writes
+PACKING_REPORT_NAME = "packing_report.json"  # the last file `pack` writes
 TEMP_MARK = ".tmp-"  # hidden temporary outputs are named .<name>.tmp-<pid>
 CHUNK_BYTES = 1 << 19  # ~512 KiB hdf5 chunks for appended datasets
 REGENERATE = "regenerate the shard with data_prep"
@@ -536,7 +538,7 @@ def _manifest_problems(directory: Path, manifest: dict, shards: list[Path], fix:
     problems += [f"{p}: not listed in {MANIFEST_NAME} (a shard of another run?); remove it or {fix}"
                  for p in shards if p.relative_to(directory).as_posix() not in listed]
     kind = manifest.get("kind")
-    final = {"pack": "packing_report.json", "stratify": "strata.json"}.get(str(kind))
+    final = {"pack": PACKING_REPORT_NAME, "stratify": STRATA_NAME}.get(str(kind))
     if final and not (directory / final).is_file():
         problems.append(f"{directory / final}: missing, so the '{kind}' step did not finish; {fix}")
     return problems
