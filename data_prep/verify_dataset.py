@@ -32,7 +32,7 @@ from data_prep.parallel import run_jobs
 from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
 from mlperf_bert.shards import (
-    FORMAT_KEYS, MANIFEST_NAME, Samples, detect_format, folder_problems, folder_shards, from_fixed, from_packed,
+    FORMAT_KEYS, MANIFEST_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
     from_varlength, layout_checks, offsets, open_shard,
 )
 
@@ -161,26 +161,13 @@ def _prediction_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str
     return checks
 
 
-def _check_keys(handle: h5py.File, fmt: str, report: ShardReport, limits: Limits) -> bool:
-    """Keys present, integer dtypes, equal row counts and the fixed widths; False stops the file."""
-    keys = FORMAT_KEYS[fmt]
-    missing = [k for k in keys if k not in handle]
-    if missing:
-        report.problems.append(f"{report.path}: {fmt} shard without key(s) {', '.join(missing)}")
-        return False
-    for key in keys:
-        dtype = h5py.check_vlen_dtype(handle[key].dtype) or handle[key].dtype
-        if not np.issubdtype(dtype, np.integer):
-            report.problems.append(f"{report.path}: key {key!r} has dtype {dtype}, expected integers")
-    rows = {k: handle[k].shape[0] if handle[k].shape else 0 for k in keys}
-    if len(set(rows.values())) > 1:
-        report.problems.append(f"{report.path}: keys have different row counts {rows}")
-    if fmt == "fixed":
-        widths = (handle["input_ids"].shape[1:], handle["masked_lm_positions"].shape[1:])
-        if widths != ((limits.max_seq_length,), (limits.max_predictions,)):
-            report.problems.append(f"{report.path}: rows are {widths[0]} tokens / {widths[1]} predictions wide, "
-                                   f"expected ({limits.max_seq_length},) / ({limits.max_predictions},)")
-    return not report.problems
+def _width_problem(handle: h5py.File, fmt: str, limits: Limits) -> str | None:
+    """A fixed shard's rows must be exactly max_seq_length tokens and max_predictions slots wide."""
+    widths = (handle["input_ids"].shape[1:], handle["masked_lm_positions"].shape[1:])
+    if fmt != "fixed" or widths == ((limits.max_seq_length,), (limits.max_predictions,)):
+        return None
+    return (f"rows are {widths[0]} tokens / {widths[1]} predictions wide, "
+            f"expected ({limits.max_seq_length},) / ({limits.max_predictions},)")
 
 
 def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, report: ShardReport) -> None:
@@ -216,12 +203,14 @@ def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> Sh
     report = ShardReport(Path(path))
     try:
         with open_shard(path) as handle:
-            report.fmt = detect_format(handle)
-            if not _check_keys(handle, report.fmt, report, limits):
+            fmt, rows = check_keys(handle)  # keys, integer dtypes, ranks, equal row counts and widths
+            problem = _width_problem(handle, fmt, limits)
+            if problem:
+                report.problems.append(f"{report.path}: {problem}")
                 return report
-            report.rows = int(handle["input_ids"].shape[0])
-            for lo in range(0, report.rows, block_rows):
-                _check_block(handle, report.fmt, lo, min(lo + block_rows, report.rows), limits, report)
+            report.fmt, report.rows = fmt, rows
+            for lo in range(0, rows, block_rows):
+                _check_block(handle, fmt, lo, min(lo + block_rows, rows), limits, report)
                 if len(report.problems) > 20:
                     break
     except DataPrepError as err:

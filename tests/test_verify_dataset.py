@@ -170,5 +170,5 @@ def test_missing_key_and_non_hdf5_file(folders, tmp_path, capsys):
     (folder / "notes.hdf5").write_text("not hdf5 at all")
     code, out = run_verify(capsys, folder)
     assert code == 1
-    assert f"{shard}: varlength shard without key(s) masked_lm_ids" in out
+    assert f"{shard}: key 'masked_lm_ids' missing" in out
     assert f"{folder / 'notes.hdf5'}: cannot be opened as hdf5" in out
