@@ -104,7 +104,7 @@ def bench_packing_plan(sequences: int) -> dict:
     for algorithm in ("spfhp", "lpfhp", "nnlshp"):
         params = PackParams(algorithm=algorithm, group_samples=sequences)
         start = time.perf_counter()
-        table = plan_packs(lengths, np.array([sequences]), params)
+        table = plan_packs(lengths, np.array([sequences]), params, 512)
         seconds = time.perf_counter() - start
         results[algorithm] = {"sequences": sequences, "seconds": seconds, "sequences_per_s": sequences / seconds,
                               "efficiency": float(lengths.sum() / (table.shape[0] * 512)),

@@ -87,16 +87,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    report = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "python": platform.python_version(), "results": {}}
+    results: dict[str, dict] = {}
     if args.data_dir:
-        report["results"][str(args.data_dir)] = measure(args.data_dir, args.repeats, args.limit_shards)
+        results[str(args.data_dir)] = measure(args.data_dir, args.repeats, args.limit_shards)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for fmt in args.formats:
                 write_folder(Path(tmp) / fmt, fmt, args.gigabytes, np.random.default_rng(0))
-                report["results"][fmt] = measure(Path(tmp) / fmt, args.repeats, None)
-                print(fmt, report["results"][fmt], flush=True)
+                results[fmt] = measure(Path(tmp) / fmt, args.repeats, None)
+                print(fmt, results[fmt], flush=True)
+    report = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+              "python": platform.python_version(), "results": results}
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

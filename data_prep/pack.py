@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,14 +65,14 @@ def pack_table(packs: list[np.ndarray], width: int) -> np.ndarray:
     return table
 
 
-def plan_packs(lengths: np.ndarray, file_counts: np.ndarray, params: PackParams) -> np.ndarray:
+def plan_packs(lengths: np.ndarray, file_counts: np.ndarray, params: PackParams, row_length: int) -> np.ndarray:
     """[P, K] global sample indices of every pack, group after group, each group's packs in random order."""
     starts = offsets(file_counts)
     tables = []
     for g, (f0, f1) in enumerate(_groups(file_counts, params.group_samples)):
         lo, hi = int(starts[f0]), int(starts[f1])
         rng = np.random.default_rng([params.seed, g])
-        packs = assign_packs(lengths[lo:hi], params.algorithm, rng, params.max_seq_length,
+        packs = assign_packs(lengths[lo:hi], params.algorithm, rng, row_length,
                              params.max_sequences_per_pack)
         table = pack_table(packs, params.max_sequences_per_pack)
         tables.append(np.where(table >= 0, table + lo, -1))
@@ -87,15 +87,17 @@ def check_every_sample_once(table: np.ndarray, total: int) -> None:
             f"packing is wrong: {lost} sequences in no pack, {repeated} in several; nothing was written")
 
 
-def packing_report(table: np.ndarray, lengths: np.ndarray, params: PackParams, seconds: float) -> dict:
+def packing_report(
+    table: np.ndarray, lengths: np.ndarray, params: PackParams, row_length: int, seconds: float,
+) -> dict:
     """Efficiency (real tokens / row capacity), sequences per pack and the pack-size histogram."""
     per_pack = (table >= 0).sum(axis=1)
     packed = int(per_pack.sum())
     tokens = int(lengths.sum())
     return {
         "algorithm": params.algorithm, "max_sequences_per_pack": params.max_sequences_per_pack,
-        "max_seq_length": params.max_seq_length, "sequences": int(lengths.shape[0]), "packs": int(table.shape[0]),
-        "tokens": tokens, "efficiency": tokens / max(table.shape[0] * params.max_seq_length, 1),
+        "max_seq_length": row_length, "sequences": int(lengths.shape[0]), "packs": int(table.shape[0]),
+        "tokens": tokens, "efficiency": tokens / max(table.shape[0] * row_length, 1),
         "sequences_per_pack": packed / max(table.shape[0], 1), "sequences_dropped": int(lengths.shape[0]) - packed,
         "packs_by_size": {str(k): int((per_pack == k).sum()) for k in range(1, params.max_sequences_per_pack + 1)},
         "planning_seconds": round(seconds, 3),
@@ -133,9 +135,8 @@ def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
     """Packs `inputs` (fixed or varlength shards) into balanced packed shards in `out_dir`."""
     sources = SourceSet(inputs)
     length = agreed_length(params.max_seq_length, recorded_lengths(sources.paths[0].parent), "max_seq_length")
-    params = replace(params, max_seq_length=length)
     num_shards = params.num_shards or len(sources.paths)
-    manifest = Manifest.open(out_dir, "pack", {**asdict(params), "num_shards": num_shards,
+    manifest = Manifest.open(out_dir, "pack", {**asdict(params), "max_seq_length": length, "num_shards": num_shards,
                                                "inputs": inputs_record(sources.paths)})
     report_path = out_dir / PACKING_REPORT_NAME
     names = [shard_name(s, num_shards) for s in range(num_shards)]
@@ -144,27 +145,27 @@ def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
         return read_json(report_path)
     started = time.perf_counter()
     lengths = sources.lengths()
-    table = plan_packs(lengths, sources.counts, params)
+    table = plan_packs(lengths, sources.counts, params, length)
     check_every_sample_once(table, sources.total)
     if table.shape[0] < num_shards:
         raise DataPrepError(f"{table.shape[0]} packs cannot fill {num_shards} shards; use a smaller --num_pack_shards")
-    report = packing_report(table, lengths, params, time.perf_counter() - started)
+    report = packing_report(table, lengths, params, length, time.perf_counter() - started)
     log.info("pack: %d sequences -> %d packs (%.4f efficiency, %.3f sequences per pack, %d dropped)",
              report["sequences"], report["packs"], report["efficiency"], report["sequences_per_pack"],
              report["sequences_dropped"])
-    _write_shards(sources, table, names, manifest, params)
+    _write_shards(sources, table, names, manifest, params, length)
     write_json(report_path, report)
     return report
 
 
 def _write_shards(sources: SourceSet, table: np.ndarray, names: list[str], manifest: Manifest,
-                  params: PackParams) -> None:
+                  params: PackParams, row_length: int) -> None:
     """Cuts the packs into balanced shards (in pack order) and writes the ones not done yet."""
     reader = _GroupReader(sources, _groups(sources.counts, params.group_samples))
     bounds = balanced_bounds(table.shape[0], len(names))
     for s, name in enumerate(tqdm(names, desc="pack write", unit="shard")):
         if not manifest.is_done(name):
             samples, local = reader.samples_for(table[bounds[s]:bounds[s + 1]])
-            write_arrays(manifest.directory / name, to_packed(samples, local, params.max_seq_length),
+            write_arrays(manifest.directory / name, to_packed(samples, local, row_length),
                          params.compression)
             manifest.record(name, int(bounds[s + 1] - bounds[s]), "packed", sequences=int((local >= 0).sum()))

@@ -120,10 +120,12 @@ def recorded_lengths(directory: Path) -> dict[str, tuple[int, str]]:
 def agreed_length(given: int | None, recorded: dict[str, tuple[int, str]], name: str) -> int:
     """The length a step uses: the flag `--name` when given, which must match what the input records."""
     found = recorded.get(name)
-    if given is None and found is None:
+    if given is not None:
+        if found is not None and given != found[0]:
+            raise DataPrepError(f"--{name} {given}, but the input was made with {name} {found[0]} ({found[1]}); "
+                                f"pass --{name} {found[0]}, or remake the input with {given}")
+        return given
+    if found is None:
         raise DataPrepError(f"the input records no {name} (no MANIFEST.json, no fixed shard); pass --{name}")
-    if found is not None and given is not None and given != found[0]:
-        raise DataPrepError(f"--{name} {given}, but the input was made with {name} {found[0]} ({found[1]}); "
-                            f"pass --{name} {found[0]}, or remake the input with {given}")
-    return int(given if given is not None else found[0])
+    return found[0]
 

@@ -69,7 +69,7 @@ class ShardReport:
 
 
 def _any_per_row(bad: np.ndarray) -> np.ndarray:
-    return bad.reshape(bad.shape[0], -1).any(axis=1)
+    return np.asarray(bad.reshape(bad.shape[0], -1).any(axis=1))
 
 
 def _fixed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tuple[np.ndarray, str]]:

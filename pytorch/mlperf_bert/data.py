@@ -303,7 +303,7 @@ def load_eval_set(
     if incomplete:
         raise DataError(incomplete[0])
     paths = list_shards(source)
-    samples = []
+    samples: list[Item] = []
     for path in paths:
         samples.extend((s,) for item in read_shard(path, limits) for s in item)
         if len(samples) >= num_examples:

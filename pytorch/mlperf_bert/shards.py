@@ -34,7 +34,7 @@ PREDICTION_KEYS = ("masked_lm_positions", "masked_lm_ids")  # [N, P] (packed: [N
 SLOT_KEYS = ("next_sentence_labels", "packed_input_len", "packed_masked_lm_len")  # [N, K] in packed shards
 
 # Storage dtypes. int16 ids hold vocabularies of up to 32,767 entries (MLPerf: 30,522).
-STORAGE_DTYPES = {
+STORAGE_DTYPES: dict[str, type[np.signedinteger]] = {
     "input_ids": np.int16,
     "input_mask": np.int8,
     "segment_ids": np.int8,
@@ -128,7 +128,7 @@ class Samples:
 
 # ---------------------------------------------------------------- the layouts on disk
 
-def storage_dtype(key: str, values: np.ndarray) -> type:
+def storage_dtype(key: str, values: np.ndarray) -> type[np.signedinteger]:
     """`STORAGE_DTYPES[key]`, widened to int32 when a value does not fit (ids of a vocabulary over 32,768)."""
     dtype = STORAGE_DTYPES[key]
     info = np.iinfo(dtype)
@@ -201,7 +201,7 @@ def to_varlength(samples: Samples) -> dict[str, np.ndarray]:
 
 def _join_rows(rows: np.ndarray, dtype: type) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=rows.shape[0])
-    flat = np.concatenate(list(rows)).astype(dtype) if rows.shape[0] else np.zeros(0, dtype)
+    flat: np.ndarray = np.concatenate(list(rows)).astype(dtype) if rows.shape[0] else np.zeros(0, dtype)
     return flat, lengths
 
 
@@ -288,7 +288,7 @@ def decode(arrays: dict[str, np.ndarray], fmt: str) -> tuple[Samples, np.ndarray
 # ---------------------------------------------------------------- checks of the raw layout
 
 def _any_per_row(bad: np.ndarray) -> np.ndarray:
-    return bad.reshape(bad.shape[0], -1).any(axis=1)
+    return np.asarray(bad.reshape(bad.shape[0], -1).any(axis=1))
 
 
 def _fixed_layout_checks(a: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
