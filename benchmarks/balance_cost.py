@@ -43,7 +43,7 @@ from mlperf_bert.batch import Item, Sample, flatten_items
 from mlperf_bert.exchange import (
     decode_body, encode_body, encode_header, exchange, incoming, outgoing,
 )
-from mlperf_bert.packing import load_length_histogram
+from mlperf_bert.lengths import load_length_histogram
 
 RANKS = 8
 ORDERS = ("raster", "snake", "greedy")

@@ -10,7 +10,7 @@
   per second of CPU time of the process, which stays meaningful on a shared machine; wall
   time is reported too.
 - pool: the `samples` step over several parts with all cores (wall-clock MB/s).
-- packing: sequences per second of planning + assigning (mlperf_bert.packing) on lengths
+- packing: sequences per second of planning + assigning (data_prep.packing) on lengths
   drawn from the published Wikipedia histogram, and of the whole `pack` step (read shards,
   plan, write packed shards) on the samples made here.
 - shards: samples per second of the shuffled `reshard` and of `stratify`, and the bytes
@@ -104,7 +104,7 @@ def bench_packing_plan(sequences: int) -> dict:
     for algorithm in ("spfhp", "lpfhp", "nnlshp"):
         params = PackParams(algorithm=algorithm, group_samples=sequences)
         start = time.perf_counter()
-        table = plan_packs(lengths, np.array([sequences]), params)
+        table = plan_packs(lengths, np.array([sequences]), params, 512)
         seconds = time.perf_counter() - start
         results[algorithm] = {"sequences": sequences, "seconds": seconds, "sequences_per_s": sequences / seconds,
                               "efficiency": float(lengths.sum() / (table.shape[0] * 512)),

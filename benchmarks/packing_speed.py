@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from mlperf_bert import packing
+from data_prep import packing
+from mlperf_bert.lengths import lengths_histogram, load_length_histogram
 
 # (algorithm, K): the packed-shard K = 3, the published K = 12, unlimited.
 CASES = tuple((a, k) for a in ("spfhp", "lpfhp") for k in (3, 12, None)) + (("nnlshp", 3),)
@@ -48,7 +49,7 @@ def report_assignment(counts: np.ndarray, samples: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     cdf = np.cumsum(counts) / counts.sum()
     lengths = np.searchsorted(cdf, rng.random(samples), side="right") + 1
-    plan = packing.pack_histogram(packing.lengths_histogram(lengths), "nnlshp", 512, 3)
+    plan = packing.pack_histogram(lengths_histogram(lengths), "nnlshp", 512, 3)
     seconds, table = best_time(lambda: packing.pack_index_table(lengths, plan, rng), 3)
     print(f"pack_index_table: {samples:,} samples -> {table.shape[0]:,} packs in {seconds:.3f} s")
 
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_000_000, help="lengths for the assignment timing")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    counts = packing.load_length_histogram(args.histogram)
+    counts = load_length_histogram(args.histogram)
     report_algorithms(counts, args.repeats)
     report_assignment(counts, args.samples, args.seed)
 

@@ -42,7 +42,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from mlperf_bert import flops, packing
+from data_prep import packing
+from mlperf_bert import flops
+from mlperf_bert.lengths import load_length_histogram
 from mlperf_bert.compiling import compile_model
 from mlperf_bert.config import COMPILE_MODES
 from mlperf_bert.cuda_graphs import capturable, device_lr
@@ -87,7 +89,7 @@ CONFIGS = {
 
 def length_histogram(max_seq_length: int) -> np.ndarray:
     """The Wikipedia histogram, lengths rescaled to max_seq_length (l -> round(l * max / 512))."""
-    counts = packing.load_length_histogram()
+    counts = load_length_histogram()
     if max_seq_length == counts.shape[0]:
         return counts
     scaled = np.floor(np.arange(1, counts.shape[0] + 1) * max_seq_length / counts.shape[0] + 0.5).astype(np.int64)

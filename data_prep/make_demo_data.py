@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import h5py
 import numpy as np
+
+from mlperf_bert.shards import Samples, atomic_path, write_samples
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HISTOGRAM = REPO / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"
@@ -182,64 +180,18 @@ def make_sample(rng: np.random.Generator, gen: Generator) -> DemoSample:
     return DemoSample(inputs, segments, positions, labels, int(is_random))
 
 
-@contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """A temporary path next to `final`, renamed to `final` only when the block succeeds."""
-    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+def to_samples(samples: list[DemoSample]) -> Samples:
+    """The demo's sequences as the flat vectors every shard writer takes."""
+    def joined(key: str, dtype: type) -> np.ndarray:
+        return np.concatenate([getattr(s, key) for s in samples]).astype(dtype)
 
-
-def _id_dtype(vocab_size: int) -> type:
-    return np.int16 if vocab_size <= np.iinfo(np.int16).max + 1 else np.int32
-
-
-def fixed_arrays(
-    samples: list[DemoSample], max_seq_length: int, max_predictions: int, id_dtype: type
-) -> dict[str, np.ndarray]:
-    """The MLCommons layout: rows padded to max_seq_length, predictions padded with position 0."""
-    n = len(samples)
-    arrays: dict[str, np.ndarray] = {
-        "input_ids": np.zeros((n, max_seq_length), id_dtype),
-        "input_mask": np.zeros((n, max_seq_length), np.int8),
-        "segment_ids": np.zeros((n, max_seq_length), np.int8),
-        "masked_lm_positions": np.zeros((n, max_predictions), np.int16),
-        "masked_lm_ids": np.zeros((n, max_predictions), id_dtype),
-        "next_sentence_labels": np.array([s.next_sentence_label for s in samples], np.int8),
-    }
-    for row, s in enumerate(samples):
-        length, k = s.input_ids.shape[0], s.masked_lm_positions.shape[0]
-        arrays["input_ids"][row, :length] = s.input_ids
-        arrays["input_mask"][row, :length] = 1
-        arrays["segment_ids"][row, :length] = s.segment_ids
-        arrays["masked_lm_positions"][row, :k] = s.masked_lm_positions
-        arrays["masked_lm_ids"][row, :k] = s.masked_lm_ids
-    return arrays
-
-
-def varlength_arrays(samples: list[DemoSample], id_dtype: type) -> dict[str, np.ndarray]:
-    """The NVIDIA layout: every row trimmed, stored as hdf5 variable-length arrays."""
-    dtypes = {"input_ids": id_dtype, "segment_ids": np.int8, "masked_lm_positions": np.int16, "masked_lm_ids": id_dtype}
-    arrays = {}
-    for key, dtype in dtypes.items():
-        column = np.empty(len(samples), dtype=object)
-        for row, s in enumerate(samples):  # element-wise: equal-length rows must not become a 2-D array
-            column[row] = getattr(s, key).astype(dtype)
-        arrays[key] = column
-    arrays["next_sentence_labels"] = np.array([s.next_sentence_label for s in samples], np.int8)
-    return arrays
-
-
-def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        for key, value in arrays.items():
-            if value.dtype == object:
-                f.create_dataset(key, data=value, dtype=h5py.vlen_dtype(value[0].dtype))
-            else:
-                f.create_dataset(key, data=value)
+    return Samples(
+        input_ids=joined("input_ids", np.int32), segment_ids=joined("segment_ids", np.int8),
+        lengths=np.array([s.input_ids.shape[0] for s in samples], np.int64),
+        masked_lm_positions=joined("masked_lm_positions", np.int32), masked_lm_ids=joined("masked_lm_ids", np.int32),
+        num_predictions=np.array([s.masked_lm_positions.shape[0] for s in samples], np.int64),
+        next_sentence_labels=np.array([s.next_sentence_label for s in samples], np.int8),
+    )
 
 
 def write_text(path: Path, text: str) -> None:
@@ -272,13 +224,6 @@ def build_generator(args: argparse.Namespace, rng: np.random.Generator) -> Gener
     lengths, probs = scaled_length_distribution(args.histogram, args.max_seq_length, args.min_seq_length)
     cycles = make_cycles(rng.permutation(np.arange(vocab.first_content, vocab.size)), args.cycle_length)
     return Generator(vocab, cycles, lengths, probs, args.max_predictions_per_seq, args.masked_lm_prob)
-
-
-def to_arrays(samples: list[DemoSample], args: argparse.Namespace) -> dict[str, np.ndarray]:
-    id_dtype = _id_dtype(args.vocab_size)
-    if args.format == "varlength":
-        return varlength_arrays(samples, id_dtype)
-    return fixed_arrays(samples, args.max_seq_length, args.max_predictions_per_seq, id_dtype)
 
 
 def planned_files(args: argparse.Namespace) -> dict[Path, int]:
@@ -321,7 +266,8 @@ def generate(args: argparse.Namespace) -> None:
     for path, count in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         rng = streams[path.parent.name]
-        write_shard(path, to_arrays([make_sample(rng, gen) for _ in range(count)], args))
+        samples = to_samples([make_sample(rng, gen) for _ in range(count)])
+        write_samples(path, samples, args.format, args.max_seq_length, args.max_predictions_per_seq)
     out = args.output_dir
     write_text(out / "bert_config.json", json.dumps(bert_config(args), indent=2, sort_keys=True) + "\n")
     write_text(out / "vocab.txt", "\n".join(gen.vocab.tokens()) + "\n")

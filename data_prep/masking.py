@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_prep.pairs import A_END, A_START, B_END, B_START, IS_RANDOM
-from data_prep.ragged import Samples, concat_ranges, offsets
+from mlperf_bert.shards import Samples, concat_ranges, offsets
 
 _ROW_SHIFT = 10  # key = row << 10 | candidate index; candidates per row < 1024
 

@@ -1,6 +1,9 @@
-"""Step `pack`: training samples -> packed shards (up to K=3 sequences per 512-token row).
+"""Step `pack`: training samples -> packed shards (up to K=3 sequences per L-token row).
 
-The packing algorithms (NNLSHP, LPFHP, SPFHP) live in mlperf_bert.packing and work on the
+L is the inputs' sequence length (their MANIFEST.json or fixed width); a --max_seq_length
+that disagrees with it is refused.
+
+The packing algorithms (NNLSHP, LPFHP, SPFHP) live in data_prep.packing and work on the
 length histogram. To bound memory the samples are packed in groups of consecutive input
 shards (about `group_samples` sequences each, each group its own histogram and plan; with
 ~10^6 sequences per group the histogram is smooth enough that the efficiency equals the
@@ -21,9 +24,9 @@ from tqdm import tqdm
 
 from data_prep.fileio import Manifest, read_json, write_json
 from data_prep.formats import PACKING_REPORT_NAME, DataPrepError, shard_name
-from data_prep.h5io import write_arrays
-from data_prep.ragged import Samples, offsets, to_packed
-from data_prep.sources import SourceSet, balanced_bounds, inputs_record
+from data_prep.packing import assign_packs
+from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
+from mlperf_bert.shards import Samples, offsets, to_packed, write_arrays
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackParams:
     algorithm: str = "nnlshp"
-    max_seq_length: int = 512
+    max_seq_length: int | None = None  # row length; default: the inputs' (MANIFEST.json or fixed width)
     max_sequences_per_pack: int = 3
     num_shards: int | None = None  # default: as many as there are input shards
     group_samples: int = 1_000_000  # sequences packed (and held in memory) together
@@ -62,19 +65,14 @@ def pack_table(packs: list[np.ndarray], width: int) -> np.ndarray:
     return table
 
 
-def plan_packs(lengths: np.ndarray, file_counts: np.ndarray, params: PackParams) -> np.ndarray:
+def plan_packs(lengths: np.ndarray, file_counts: np.ndarray, params: PackParams, row_length: int) -> np.ndarray:
     """[P, K] global sample indices of every pack, group after group, each group's packs in random order."""
-    try:
-        from mlperf_bert.packing import assign_packs
-    except ImportError as err:
-        raise DataPrepError(f"the pack step needs the mlperf_bert package ({err}); run `pip install -e .` "
-                            "in the repository or set PYTHONPATH=pytorch") from err
     starts = offsets(file_counts)
     tables = []
     for g, (f0, f1) in enumerate(_groups(file_counts, params.group_samples)):
         lo, hi = int(starts[f0]), int(starts[f1])
         rng = np.random.default_rng([params.seed, g])
-        packs = assign_packs(lengths[lo:hi], params.algorithm, rng, params.max_seq_length,
+        packs = assign_packs(lengths[lo:hi], params.algorithm, rng, row_length,
                              params.max_sequences_per_pack)
         table = pack_table(packs, params.max_sequences_per_pack)
         tables.append(np.where(table >= 0, table + lo, -1))
@@ -89,15 +87,17 @@ def check_every_sample_once(table: np.ndarray, total: int) -> None:
             f"packing is wrong: {lost} sequences in no pack, {repeated} in several; nothing was written")
 
 
-def packing_report(table: np.ndarray, lengths: np.ndarray, params: PackParams, seconds: float) -> dict:
+def packing_report(
+    table: np.ndarray, lengths: np.ndarray, params: PackParams, row_length: int, seconds: float,
+) -> dict:
     """Efficiency (real tokens / row capacity), sequences per pack and the pack-size histogram."""
     per_pack = (table >= 0).sum(axis=1)
     packed = int(per_pack.sum())
     tokens = int(lengths.sum())
     return {
         "algorithm": params.algorithm, "max_sequences_per_pack": params.max_sequences_per_pack,
-        "max_seq_length": params.max_seq_length, "sequences": int(lengths.shape[0]), "packs": int(table.shape[0]),
-        "tokens": tokens, "efficiency": tokens / max(table.shape[0] * params.max_seq_length, 1),
+        "max_seq_length": row_length, "sequences": int(lengths.shape[0]), "packs": int(table.shape[0]),
+        "tokens": tokens, "efficiency": tokens / max(table.shape[0] * row_length, 1),
         "sequences_per_pack": packed / max(table.shape[0], 1), "sequences_dropped": int(lengths.shape[0]) - packed,
         "packs_by_size": {str(k): int((per_pack == k).sum()) for k in range(1, params.max_sequences_per_pack + 1)},
         "planning_seconds": round(seconds, 3),
@@ -134,8 +134,9 @@ class _GroupReader:
 def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
     """Packs `inputs` (fixed or varlength shards) into balanced packed shards in `out_dir`."""
     sources = SourceSet(inputs)
+    length = agreed_length(params.max_seq_length, recorded_lengths(sources.paths[0].parent), "max_seq_length")
     num_shards = params.num_shards or len(sources.paths)
-    manifest = Manifest.open(out_dir, "pack", {**asdict(params), "num_shards": num_shards,
+    manifest = Manifest.open(out_dir, "pack", {**asdict(params), "max_seq_length": length, "num_shards": num_shards,
                                                "inputs": inputs_record(sources.paths)})
     report_path = out_dir / PACKING_REPORT_NAME
     names = [shard_name(s, num_shards) for s in range(num_shards)]
@@ -144,27 +145,27 @@ def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
         return read_json(report_path)
     started = time.perf_counter()
     lengths = sources.lengths()
-    table = plan_packs(lengths, sources.counts, params)
+    table = plan_packs(lengths, sources.counts, params, length)
     check_every_sample_once(table, sources.total)
     if table.shape[0] < num_shards:
         raise DataPrepError(f"{table.shape[0]} packs cannot fill {num_shards} shards; use a smaller --num_pack_shards")
-    report = packing_report(table, lengths, params, time.perf_counter() - started)
+    report = packing_report(table, lengths, params, length, time.perf_counter() - started)
     log.info("pack: %d sequences -> %d packs (%.4f efficiency, %.3f sequences per pack, %d dropped)",
              report["sequences"], report["packs"], report["efficiency"], report["sequences_per_pack"],
              report["sequences_dropped"])
-    _write_shards(sources, table, names, manifest, params)
+    _write_shards(sources, table, names, manifest, params, length)
     write_json(report_path, report)
     return report
 
 
 def _write_shards(sources: SourceSet, table: np.ndarray, names: list[str], manifest: Manifest,
-                  params: PackParams) -> None:
+                  params: PackParams, row_length: int) -> None:
     """Cuts the packs into balanced shards (in pack order) and writes the ones not done yet."""
     reader = _GroupReader(sources, _groups(sources.counts, params.group_samples))
     bounds = balanced_bounds(table.shape[0], len(names))
     for s, name in enumerate(tqdm(names, desc="pack write", unit="shard")):
         if not manifest.is_done(name):
             samples, local = reader.samples_for(table[bounds[s]:bounds[s + 1]])
-            write_arrays(manifest.directory / name, to_packed(samples, local, params.max_seq_length),
+            write_arrays(manifest.directory / name, to_packed(samples, local, row_length),
                          params.compression)
             manifest.record(name, int(bounds[s + 1] - bounds[s]), "packed", sequences=int((local >= 0).sum()))

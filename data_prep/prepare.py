@@ -27,7 +27,7 @@ from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES,
 from data_prep.pack import PackParams, pack_dataset
 from data_prep.reshard import ReshardParams, reshard, shard_dir_name
 from data_prep.samples import SampleParams, create_samples
-from data_prep.sources import list_shards
+from mlperf_bert.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
 
 log = logging.getLogger("data_prep")

@@ -25,10 +25,9 @@ from tqdm import tqdm
 
 from data_prep.fileio import Manifest, sha256_file, temp_name
 from data_prep.formats import DataPrepError, shard_name
-from data_prep.ragged import Samples
-from data_prep.h5io import write_samples
 from data_prep.parallel import run_jobs
 from data_prep.sources import SourceSet, balanced_bounds, inputs_record
+from mlperf_bert.shards import Samples, write_samples
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from tqdm import tqdm
 
 from data_prep.fileio import Manifest, atomic_output, sha256_file
 from data_prep.formats import DataPrepError, text_part_index
-from data_prep.h5io import ArrayAppender
+from mlperf_bert.shards import ArrayAppender
 from data_prep.masking import MaskParams, assemble, mask_samples
 from data_prep.parallel import run_jobs
 from data_prep.pairs import A_END, A_START, IS_RANDOM, PairMaker, PairParams, truncate_pairs
-from data_prep.ragged import to_fixed
+from mlperf_bert.shards import to_fixed
 from data_prep.text import TokenizedText, tokenize_file
 from data_prep.vocab import LineEncoder, Vocab, load_vocab, make_tokenizer
 

@@ -15,23 +15,13 @@ import numpy as np
 
 from data_prep.fileio import Manifest
 from data_prep.formats import DataPrepError
-from data_prep.h5io import iter_blocks, read_samples, sequence_lengths, shard_info, write_samples
-from data_prep.ragged import Samples, offsets
+from mlperf_bert.shards import (
+    MANIFEST_NAME, Samples, folder_shards, iter_blocks, offsets, read_manifest, read_samples, sequence_lengths,
+    shard_info, shard_widths, write_samples,
+)
 
 READ_BLOCK_ROWS = 1 << 16  # rows per read when streaming a shard
-
-
-def list_shards(path: Path | str) -> list[Path]:
-    """The *.hdf5 / *.h5 files of a folder, sorted by name (or the file itself)."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise DataPrepError(f"{path}: no such file or folder; give the folder that holds the input shards")
-    shards = sorted(p for p in path.iterdir() if p.suffix in (".hdf5", ".h5") and p.is_file())
-    if not shards:
-        raise DataPrepError(f"{path}: no *.hdf5 or *.h5 files; run the step that makes them first")
-    return shards
+LENGTH_NAMES = ("max_seq_length", "max_predictions")
 
 
 def balanced_bounds(total: int, parts: int) -> np.ndarray:
@@ -107,3 +97,35 @@ def write_formats(
 def inputs_record(paths: list[Path]) -> list[list]:
     """[name, bytes] of every input file, stored with a step's parameters so changed inputs are noticed."""
     return [[p.name, p.stat().st_size] for p in paths]
+
+
+def recorded_lengths(directory: Path) -> dict[str, tuple[int, str]]:
+    """{"max_seq_length" / "max_predictions": (value, where it comes from)}, as far as a folder tells.
+
+    Its MANIFEST.json parameters first; else the widths of its first shard when that is fixed
+    (a packed shard gives only the row length: its prediction columns hold a whole row's).
+    """
+    if not directory.is_dir():
+        return {}
+    params = (read_manifest(directory) or {}).get("params", {})
+    found = {k: (int(params[k]), f"{directory / MANIFEST_NAME}") for k in LENGTH_NAMES if params.get(k)}
+    shards = folder_shards(directory)
+    if shards and len(found) < len(LENGTH_NAMES):
+        fmt, width, predictions = shard_widths(shards[0])
+        widths = {"max_seq_length": width, "max_predictions": predictions if fmt == "fixed" else None}
+        found = {k: (v, f"the width of {shards[0]}") for k, v in widths.items() if v is not None} | found
+    return found
+
+
+def agreed_length(given: int | None, recorded: dict[str, tuple[int, str]], name: str) -> int:
+    """The length a step uses: the flag `--name` when given, which must match what the input records."""
+    found = recorded.get(name)
+    if given is not None:
+        if found is not None and given != found[0]:
+            raise DataPrepError(f"--{name} {given}, but the input was made with {name} {found[0]} ({found[1]}); "
+                                f"pass --{name} {found[0]}, or remake the input with {given}")
+        return given
+    if found is None:
+        raise DataPrepError(f"the input records no {name} (no MANIFEST.json, no fixed shard); pass --{name}")
+    return found[0]
+

@@ -5,11 +5,14 @@ vectorised over blocks of rows: the keys and their integer dtypes, equal row cou
 widths, the padding layout (input_mask a prefix of ones, zeros after it, masked slots
 packed to the front), [CLS] A [SEP] B [SEP] structure and segment ids, token ids inside
 the vocabulary, lengths and prediction counts inside the limits, masked positions inside
-their sequence (never [CLS] or [SEP], ascending) and next-sentence labels. With a
-MANIFEST.json it compares sha256, size and sample count of every file; with strata.json
-and packing_report.json it checks the strata bounds and counts and that no sequence was
-dropped. Exits 0 when everything holds, 1 otherwise, printing one line per problem that
-names the file, the first bad row and what is wrong.
+their sequence (never [CLS] or [SEP], ascending) and next-sentence labels. A half-written
+folder is refused (`mlperf_bert.shards.folder_problems`: temporary files, files the manifest
+lists but are missing or of another size, gaps in part_i_of_N numbering). With a
+MANIFEST.json it compares sha256 and sample count of every file; with strata.json and
+packing_report.json it checks the strata bounds and counts and that no sequence was dropped.
+The length limits are the flags, else the folder's manifest, else a fixed shard's widths.
+Exits 0 when everything holds, 1 otherwise, printing one line per problem that names the
+file, the first bad row and what is wrong.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import h5py
 import numpy as np
 
 from data_prep.fileio import Manifest, read_json, sha256_file
-from data_prep.formats import (
-    FORMAT_KEYS, MANIFEST_NAME, MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError,
-    detect_format,
-)
-from data_prep.h5io import open_h5
+from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError
 from data_prep.parallel import run_jobs
-from data_prep.ragged import Samples, from_fixed, from_packed, from_varlength, offsets
-from data_prep.vocab import load_vocab
+from data_prep.sources import recorded_lengths
+from data_prep.vocab import Vocab, load_vocab
+from mlperf_bert.shards import (
+    FORMAT_KEYS, MANIFEST_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
+    from_varlength, layout_checks, offsets, open_shard,
+)
 
 BLOCK_ROWS = 1 << 15
 MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token each in A and B
@@ -70,11 +73,9 @@ def _any_per_row(bad: np.ndarray) -> np.ndarray:
 
 
 def _fixed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tuple[np.ndarray, str]]:
-    """(bad rows, problem) for the padded layout itself."""
+    """(bad rows, problem) for the padded layout: what decoding needs, and the padding data_prep writes."""
     mask, real = a["input_mask"], a["masked_lm_positions"] != 0
-    return [
-        (_any_per_row((mask != 0) & (mask != 1)), "input_mask holds values other than 0 and 1"),
-        (_any_per_row(np.diff(mask.astype(np.int8), axis=1) > 0), "input_mask is not a prefix of ones"),
+    return layout_checks(a, "fixed") + [
         (_any_per_row((mask == 0) & ((a["input_ids"] != 0) | (a["segment_ids"] != 0))),
          "input_ids or segment_ids are not 0 on padding"),
         (_any_per_row(np.diff(real.astype(np.int8), axis=1) > 0), "a masked slot after an empty one (position 0)"),
@@ -83,16 +84,12 @@ def _fixed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tuple
 
 
 def _packed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tuple[np.ndarray, str]]:
-    """(bad rows, problem) for the packed slot bookkeeping."""
+    """(bad rows, problem) for the packed slots: what decoding needs, and the layout data_prep writes."""
     input_len, mlm_len = a["packed_input_len"].astype(np.int64), a["packed_masked_lm_len"].astype(np.int64)
     empty = input_len == 0
     used = np.arange(a["input_ids"].shape[1]) < input_len.sum(axis=1, keepdims=True)
     real = np.arange(a["masked_lm_positions"].shape[1]) < mlm_len.sum(axis=1, keepdims=True)
-    return [
-        (_any_per_row((input_len < 0) | (mlm_len < 0)), "negative packed length"),
-        (input_len.sum(axis=1) > a["input_ids"].shape[1], "packed_input_len sums beyond the row"),
-        (mlm_len.sum(axis=1) > a["masked_lm_positions"].shape[1], "packed_masked_lm_len sums beyond the columns"),
-        (empty.all(axis=1), "the row holds no sequence"),
+    return layout_checks(a, "packed") + [
         (_any_per_row(empty[:, :-1] & ~empty[:, 1:]), "an empty slot before a full one"),
         (_any_per_row(empty & ((mlm_len != 0) | (a["next_sentence_labels"] != -1))),
          "an empty slot has predictions or a label other than -1"),
@@ -164,26 +161,13 @@ def _prediction_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str
     return checks
 
 
-def _check_keys(handle: h5py.File, fmt: str, report: ShardReport, limits: Limits) -> bool:
-    """Keys present, integer dtypes, equal row counts and the fixed widths; False stops the file."""
-    keys = FORMAT_KEYS[fmt]
-    missing = [k for k in keys if k not in handle]
-    if missing:
-        report.problems.append(f"{report.path}: {fmt} shard without key(s) {', '.join(missing)}")
-        return False
-    for key in keys:
-        dtype = h5py.check_vlen_dtype(handle[key].dtype) or handle[key].dtype
-        if not np.issubdtype(dtype, np.integer):
-            report.problems.append(f"{report.path}: key {key!r} has dtype {dtype}, expected integers")
-    rows = {k: handle[k].shape[0] if handle[k].shape else 0 for k in keys}
-    if len(set(rows.values())) > 1:
-        report.problems.append(f"{report.path}: keys have different row counts {rows}")
-    if fmt == "fixed":
-        widths = (handle["input_ids"].shape[1:], handle["masked_lm_positions"].shape[1:])
-        if widths != ((limits.max_seq_length,), (limits.max_predictions,)):
-            report.problems.append(f"{report.path}: rows are {widths[0]} tokens / {widths[1]} predictions wide, "
-                                   f"expected ({limits.max_seq_length},) / ({limits.max_predictions},)")
-    return not report.problems
+def _width_problem(handle: h5py.File, fmt: str, limits: Limits) -> str | None:
+    """A fixed shard's rows must be exactly max_seq_length tokens and max_predictions slots wide."""
+    widths = (handle["input_ids"].shape[1:], handle["masked_lm_positions"].shape[1:])
+    if fmt != "fixed" or widths == ((limits.max_seq_length,), (limits.max_predictions,)):
+        return None
+    return (f"rows are {widths[0]} tokens / {widths[1]} predictions wide, "
+            f"expected ({limits.max_seq_length},) / ({limits.max_predictions},)")
 
 
 def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, report: ShardReport) -> None:
@@ -218,13 +202,15 @@ def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> Sh
     """All checks of one shard; problems are collected in the report, never raised."""
     report = ShardReport(Path(path))
     try:
-        with open_h5(path) as handle:
-            report.fmt = detect_format(handle)
-            if not _check_keys(handle, report.fmt, report, limits):
+        with open_shard(path) as handle:
+            fmt, rows = check_keys(handle)  # keys, integer dtypes, ranks, equal row counts and widths
+            problem = _width_problem(handle, fmt, limits)
+            if problem:
+                report.problems.append(f"{report.path}: {problem}")
                 return report
-            report.rows = int(handle["input_ids"].shape[0])
-            for lo in range(0, report.rows, block_rows):
-                _check_block(handle, report.fmt, lo, min(lo + block_rows, report.rows), limits, report)
+            report.fmt, report.rows = fmt, rows
+            for lo in range(0, rows, block_rows):
+                _check_block(handle, fmt, lo, min(lo + block_rows, rows), limits, report)
                 if len(report.problems) > 20:
                     break
     except DataPrepError as err:
@@ -235,22 +221,18 @@ def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> Sh
 def _manifest_problems(
     directory: Path, manifest: Manifest, reports: dict[str, ShardReport], checksums: bool
 ) -> list[str]:
+    """sha256 and row counts against the manifest (presence and sizes: `shards.folder_problems`)."""
     problems = []
     for name, entry in sorted(manifest.files.items()):
         path = directory / name
-        if not path.is_file():
-            problems.append(f"{path}: listed in {manifest.path.name} but missing")
+        if not path.is_file() or path.stat().st_size != entry.get("bytes"):
             continue
-        if path.stat().st_size != entry.get("bytes"):
-            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {entry.get('bytes')} (truncated?)")
         report = reports.get(name)
         digest = report.sha256 if report is not None and report.sha256 else (sha256_file(path) if checksums else None)
-        if checksums and path.stat().st_size == entry.get("bytes") and digest != entry.get("sha256"):
+        if checksums and digest != entry.get("sha256"):
             problems.append(f"{path}: sha256 differs from the manifest (the file changed or is corrupt)")
         if report is not None and report.fmt != "?" and report.rows != entry.get("samples"):
             problems.append(f"{path}: {report.rows} rows, the manifest says {entry.get('samples')}")
-    unlisted = sorted(set(reports) - set(manifest.files))
-    problems += [f"{directory / name}: not listed in {manifest.path.name}" for name in unlisted]
     return problems
 
 
@@ -286,13 +268,6 @@ def _packing_problems(directory: Path, reports: dict[str, ShardReport]) -> list[
     return problems
 
 
-def find_shards(directory: Path) -> list[Path]:
-    """Shards directly in `directory` and in its stratum_k sub-folders."""
-    shards = [p for p in directory.glob("*") if p.suffix in (".hdf5", ".h5") and p.is_file()]
-    shards += [p for p in directory.glob("stratum_*/*") if p.suffix in (".hdf5", ".h5") and p.is_file()]
-    return sorted(shards)
-
-
 @dataclass(frozen=True)
 class _ShardJob:
     path: Path
@@ -313,7 +288,7 @@ def verify_directory(directory: Path | str, limits: Limits, checksums: bool = Tr
     directory = Path(directory)
     if not directory.is_dir():
         return [f"{directory}: not a folder"], {}
-    shards = find_shards(directory)
+    shards = folder_shards(directory)
     if not shards:
         return [f"{directory}: no *.hdf5 shards here or in stratum_*/ folders"], {}
     checksum = checksums and (directory / MANIFEST_NAME).is_file()
@@ -322,6 +297,7 @@ def verify_directory(directory: Path | str, limits: Limits, checksums: bool = Tr
     reports = {p.relative_to(directory).as_posix(): done[p] for p in shards}
     problems = [msg for r in reports.values() for msg in r.problems]
     try:
+        problems += folder_problems(directory)
         manifest = Manifest.load(directory)
         if manifest is not None:
             problems += _manifest_problems(directory, manifest, reports, checksums)
@@ -337,44 +313,60 @@ def verify_directory(directory: Path | str, limits: Limits, checksums: bool = Tr
     return problems, reports
 
 
-def limits_from_args(args: argparse.Namespace) -> Limits:
-    if args.vocab:
-        vocab = load_vocab(args.vocab)
-        return Limits(args.max_seq_length, args.max_predictions, vocab.size, vocab.cls_id, vocab.sep_id)
-    return Limits(args.max_seq_length, args.max_predictions, args.vocab_size)
+def limits_for(directory: Path, args: argparse.Namespace, vocab: Vocab | None) -> tuple[Limits, str]:
+    """The limits a folder is checked against: the flags, else the folder's own lengths, else MLPerf's."""
+    found = recorded_lengths(directory)
+    chosen = {}
+    for name, default in (("max_seq_length", MAX_SEQ_LENGTH), ("max_predictions", MAX_PREDICTIONS)):
+        given = getattr(args, name)
+        chosen[name] = (given, "flag") if given else found.get(name, (default, "assumed, pass --" + name))
+    origin = ", ".join(f"{name} {value} ({where})" for name, (value, where) in chosen.items())
+    length, predictions = chosen["max_seq_length"][0], chosen["max_predictions"][0]
+    if vocab is not None:
+        return Limits(length, predictions, vocab.size, vocab.cls_id, vocab.sep_id), origin
+    return Limits(length, predictions, args.vocab_size), origin
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", type=Path, nargs="+", help="dataset folder(s) to check")
     parser.add_argument("--vocab", type=Path, help="vocab.txt: checks ids and the [CLS]/[SEP] layout")
     parser.add_argument("--vocab_size", type=int, help="checks ids against this size (without --vocab)")
-    parser.add_argument("--max_seq_length", type=int, default=MAX_SEQ_LENGTH)
-    parser.add_argument("--max_predictions", type=int, default=MAX_PREDICTIONS)
+    parser.add_argument("--max_seq_length", type=int,
+                        help="default: from MANIFEST.json or a fixed/packed shard's width, else 512")
+    parser.add_argument("--max_predictions", type=int,
+                        help="default: from MANIFEST.json or a fixed shard's width, else 76")
     parser.add_argument("--expect_samples", type=int, help="total samples (sequences) the folder must hold")
     parser.add_argument("--no_checksums", action="store_true", help="skip the sha256 comparison with MANIFEST.json")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
 
 
+def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None) -> bool:
+    """Checks one folder, prints its problems and an OK / FAILED line; True when it is valid."""
+    try:
+        limits, origin = limits_for(directory, args, vocab)
+        problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples,
+                                             args.workers)
+    except DataPrepError as err:
+        problems, reports, origin = [str(err)], {}, "unknown lengths"
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    formats = sorted({r.fmt for r in reports.values()})
+    sequences = sum(r.sequences for r in reports.values())
+    status = "FAILED" if problems else "OK"
+    print(f"{status}: {directory}: {len(reports)} shards ({', '.join(formats)}), {sequences} samples, {origin}"
+          + (f", {len(problems)} problems" if problems else ""))
+    return not problems
+
+
 def run(args: argparse.Namespace) -> int:
     """Verifies every folder of `args.directory`; prints problems; 0 when all are valid."""
     try:
-        limits = limits_from_args(args)
+        vocab = load_vocab(args.vocab) if args.vocab else None
     except DataPrepError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    failed = 0
-    for directory in args.directory:
-        problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples,
-                                             args.workers)
-        for problem in problems:
-            print(problem, file=sys.stderr)
-        formats = sorted({r.fmt for r in reports.values()})
-        sequences = sum(r.sequences for r in reports.values())
-        status = "FAILED" if problems else "OK"
-        print(f"{status}: {directory}: {len(reports)} shards ({', '.join(formats)}), {sequences} samples"
-              + (f", {len(problems)} problems" if problems else ""))
-        failed += bool(problems)
-    return 1 if failed else 0
+    results = [_verify_one(Path(directory), args, vocab) for directory in args.directory]
+    return 0 if all(results) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

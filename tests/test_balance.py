@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlperf_bert import balance
-from mlperf_bert.packing import load_length_histogram
+from mlperf_bert.lengths import load_length_histogram
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
 from conftest import REPO, require_tool, trainer_args
 
-from data_prep.sources import list_shards
+from mlperf_bert.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
 from mlperf_bert import balance
 from mlperf_bert.data import discover_shards, read_shard

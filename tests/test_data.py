@@ -6,6 +6,8 @@ Every sample carries a unique id in input_ids[1] (= ID_BASE + id), so tests can 
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from mlperf_bert.batch import Item, Sample
 from mlperf_bert.data import (
     DataError, DataLimits, PretrainingDataset, discover_shards, load_eval_set, read_shard,
 )
+from mlperf_bert.data_validate import check_dataset, check_shard
 
 VOCAB = 5000
 ID_BASE = 10
@@ -285,6 +288,70 @@ def test_discover_shards(tmp_path: Path) -> None:
     for name in ("b.hdf5", "a.h5", "c.hdf5"):
         (tmp_path / name).write_bytes(b"")
     assert [p.name for p in discover_shards(tmp_path)] == ["a.h5", "b.hdf5", "c.hdf5"]
+
+
+# ---------------------------------------------------------------- the start-up check of a folder
+
+def numbered(directory: Path, sizes: list[int]) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    return [write(directory / f"part_{i:05d}_of_{len(sizes):05d}.hdf5", fixed_arrays(make_samples(100 * i, n)))
+            for i, n in enumerate(sizes)]
+
+
+def test_check_shard_reads_in_blocks_and_names_the_row_of_the_file(tmp_path: Path) -> None:
+    arrays = fixed_arrays(make_samples(0, 50, min_predictions=1))
+    arrays["input_ids"][37, 1] = VOCAB
+    path = write(tmp_path / "s.hdf5", arrays)
+    with pytest.raises(DataError, match="row 37: input_ids outside"):
+        check_shard(path, LIMITS, block_rows=8)  # row 37 is row 5 of the fifth block
+    arrays["input_ids"][37, 1] = ID_BASE
+    assert check_shard(write(tmp_path / "s.hdf5", arrays), LIMITS, block_rows=8) == 50
+
+
+def test_check_dataset_splits_the_rows_between_ranks(tmp_path: Path) -> None:
+    shards = numbered(tmp_path, [20, 20, 20])
+    with h5py.File(shards[1], "r+") as f:
+        f["next_sentence_labels"][3] = 4
+    check_dataset(tmp_path, LIMITS, rank=0, world_size=2)  # rank 0 reads shards 0 and 2
+    with pytest.raises(DataError, match=f"{shards[1]}: row 3: next_sentence_labels"):
+        check_dataset(tmp_path, LIMITS, rank=1, world_size=2)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "part_00001_of_00003.hdf5").unlink(), "part_00001_of_00003.hdf5: missing, the folder has 2 of 3"),
+    (lambda d: (d / ".part_00002_of_00003.hdf5.tmp-77").write_bytes(b"x"), "a temporary file of an interrupted step"),
+    (lambda d: (d / "part_00002_of_00003.hdf5").write_bytes(b"x" * 10), "cannot be opened as hdf5"),
+    (lambda d: write(d / "part_00002_of_00003.hdf5", fixed_arrays(make_samples(0, 5, max_len=L)) | {
+        k: np.zeros((5, 2 * L), np.int16) for k in ("input_ids", "input_mask", "segment_ids")}),
+     "part_00002_of_00003.hdf5: a fixed shard of width 64, but part_00000_of_00003.hdf5 is fixed of width 32"),
+])
+def test_check_dataset_refuses_incomplete_or_mixed_folders(tmp_path: Path, damage, message: str) -> None:
+    numbered(tmp_path, [20, 20, 20])
+    damage(tmp_path)
+    with pytest.raises(DataError, match=re.escape(message)):
+        check_dataset(tmp_path, LIMITS)
+
+
+def test_check_dataset_compares_the_manifest(tmp_path: Path) -> None:
+    shards = numbered(tmp_path, [20, 20])
+    files = {p.name: {"bytes": p.stat().st_size, "samples": 20} for p in shards}
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"kind": "reshard", "params": {}, "files": files}))
+    check_dataset(tmp_path, LIMITS)
+    files[shards[0].name]["bytes"] += 1
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"kind": "reshard", "params": {}, "files": files}))
+    with pytest.raises(DataError, match="bytes, MANIFEST.json says .* \\(truncated or replaced\\)"):
+        check_dataset(tmp_path, LIMITS)
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"kind": "reshard", "params": {}, "files": {}}))
+    with pytest.raises(DataError, match="not listed in MANIFEST.json"):
+        check_dataset(tmp_path, LIMITS)
+
+
+def test_eval_folder_missing_a_listed_file_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "part_eval_40.hdf5", fixed_arrays(make_samples(0, 40)))
+    files = {path.name: {"bytes": path.stat().st_size}, "part_eval_extra.hdf5": {"bytes": 1}}
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"kind": "eval", "params": {}, "files": files}))
+    with pytest.raises(DataError, match="part_eval_extra.hdf5: listed in MANIFEST.json but missing"):
+        load_eval_set(tmp_path, 40, 0, 1, LIMITS)
 
 
 # ---------------------------------------------------------------- the training stream

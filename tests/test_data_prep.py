@@ -23,7 +23,7 @@ from data_prep import reference_algorithm as ref
 from data_prep.corpus import EVAL_MARKER, installed_sentences, make_documents, write_corpus, write_documents
 from data_prep.fileio import Manifest
 from data_prep.formats import DataPrepError
-from data_prep.h5io import read_samples
+from mlperf_bert.shards import read_samples
 from data_prep.pairs import A_END, A_START, B_END, B_START, IS_RANDOM, PairMaker, PairParams, truncate_pairs
 from data_prep.samples import SampleParams, create_samples, file_rngs
 from data_prep.text import tokenize_file
@@ -50,7 +50,7 @@ def made(corpus, tmp_path_factory):
 
 
 def all_samples(directory: Path):
-    from data_prep.ragged import Samples
+    from mlperf_bert.shards import Samples
 
     return Samples.concat([read_samples(p) for p in sorted(directory.glob("*.hdf5"))])
 

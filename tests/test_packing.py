@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlperf_bert import packing
-from mlperf_bert.packing import PackingPlan, assign_packs, pack_histogram, pack_index_table
+from data_prep import packing
+from data_prep.packing import PackingPlan, assign_packs, pack_histogram, pack_index_table
+from mlperf_bert.lengths import lengths_histogram, load_length_histogram
 
 
 @pytest.fixture(scope="module")
 def wikipedia() -> np.ndarray:
-    return packing.load_length_histogram()
+    return load_length_histogram()
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_assign_packs_covers_every_index_once(plan_source: str) -> None:
     lengths = rng.integers(1, 129, size=3000)
     target: PackingPlan | str = plan_source
     if plan_source == "plan":
-        target = pack_histogram(packing.lengths_histogram(lengths, 128), "lpfhp", 128, 3)
+        target = pack_histogram(lengths_histogram(lengths, 128), "lpfhp", 128, 3)
     packs = assign_packs(lengths, target, np.random.default_rng(1), max_sequence_length=128)
     everything = np.concatenate(packs)
     assert np.array_equal(np.sort(everything), np.arange(lengths.shape[0]))
@@ -151,7 +152,7 @@ def test_assign_packs_covers_every_index_once(plan_source: str) -> None:
 def test_assign_packs_follows_the_plan_and_the_seed() -> None:
     rng = np.random.default_rng(5)
     lengths = rng.integers(1, 129, size=500)
-    plan = pack_histogram(packing.lengths_histogram(lengths, 128), "spfhp", 128, 3)
+    plan = pack_histogram(lengths_histogram(lengths, 128), "spfhp", 128, 3)
     table = pack_index_table(lengths, plan, np.random.default_rng(7))
     packed_strategies = Counter(tuple(lengths[row[row >= 0]]) for row in table)
     assert packed_strategies == Counter(dict(zip(plan.strategies, plan.repeats.tolist())))
@@ -163,7 +164,7 @@ def test_assign_packs_follows_the_plan_and_the_seed() -> None:
 
 def test_assign_packs_rejects_a_plan_for_other_lengths() -> None:
     lengths = np.array([10, 20, 30, 40])
-    plan = pack_histogram(packing.lengths_histogram(lengths[:3], 64), "lpfhp", 64, 3)
+    plan = pack_histogram(lengths_histogram(lengths[:3], 64), "lpfhp", 64, 3)
     with pytest.raises(ValueError, match="different length histogram"):
         assign_packs(lengths, plan, np.random.default_rng(0))
 
@@ -176,13 +177,13 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="at most 3"):
         pack_histogram(np.ones(512, dtype=np.int64), "nnlshp", 512, 4)
     with pytest.raises(ValueError, match=r"lie in \[1, 512\]"):
-        packing.lengths_histogram(np.array([0, 5]))
+        lengths_histogram(np.array([0, 5]))
 
 
 def test_load_length_histogram_reads_a_file(tmp_path, wikipedia: np.ndarray) -> None:
     path = tmp_path / "hist.json"
     path.write_text(json.dumps({"counts": wikipedia.tolist()}))
-    assert np.array_equal(packing.load_length_histogram(path), wikipedia)
+    assert np.array_equal(load_length_histogram(path), wikipedia)
     path.write_text(json.dumps({"lengths": [1, 2]}))
     with pytest.raises(ValueError, match="hist.json"):
-        packing.load_length_histogram(path)
+        load_length_histogram(path)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +13,13 @@ import numpy as np
 import pytest
 
 from conftest import TRAINER, run_cli
+from data_prep import reshard as reshard_module
 from data_prep.corpus import write_corpus
+from data_prep.fileio import sha256_file
+from data_prep.formats import DataPrepError
+from data_prep.stratify import StratifyParams, stratify
+from data_prep.verify_dataset import main as verify_main
+from mlperf_bert import shards
 
 MAX_LEN, MAX_PRED = 64, 10
 
@@ -72,3 +80,136 @@ def test_trainer_trains_on_every_prepared_folder(prepared, tmp_path, folder, lay
     assert result.returncode == 0, result.stderr[-3000:]
     log = (out / "mlperf.log").read_text()
     assert '"key": "run_stop"' in log and '"key": "eval_accuracy"' in log
+
+
+# ---------------------------------------------------------------- incomplete or damaged folders
+
+def copy_of(prepared: Path, pattern: str, tmp_path: Path) -> Path:
+    copy = tmp_path / pattern.replace("*", "x")
+    shutil.copytree(only(prepared / "data", pattern), copy)
+    return copy
+
+
+def train(prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded") -> subprocess.CompletedProcess:
+    """One training step: before the start-up check, a bad shard that step does not read went unnoticed."""
+    return run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(input_dir),
+                    "--eval_dir", str(only(prepared / "data", "eval_varlength")), "--bert_config_path",
+                    str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"), "--input_layout", layout,
+                    "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
+                    "--num_eval_examples", "60", "--train_batch_size", "4", "--max_steps", "1",
+                    "--eval_iter_samples", "100", "--submission_division", "open"])
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a refused run (and nothing like a traceback)."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+def interrupted_reshard(prepared: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare.py reshard` stopped by Ctrl-C after two of its four shards."""
+    written = []
+
+    def write_two(*args, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(args[0])
+        return shards.write_samples(*args, **kwargs)
+
+    monkeypatch.setattr(reshard_module, "write_samples", write_two)
+    parts = sorted((prepared / "data" / "parts").glob("*.hdf5"))
+    with pytest.raises(KeyboardInterrupt):
+        reshard_module.reshard(parts, {"varlength": out}, reshard_module.ReshardParams(
+            num_shards=4, formats=("varlength",), max_seq_length=MAX_LEN, max_predictions=MAX_PRED, workers=1))
+    assert len(list(out.glob("*.hdf5"))) == 2
+
+
+def test_shard_deleted_after_the_manifest_stops_the_run(prepared, tmp_path):
+    folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
+    gone = sorted(folder.glob("*.hdf5"))[2]
+    gone.unlink()
+    result = train(prepared, folder, tmp_path)
+    assert result.returncode == 2
+    assert error_line(result).startswith(f"error: {gone}: listed in MANIFEST.json but missing")
+
+
+def test_half_written_reshard_is_refused(prepared, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "reshard"
+    interrupted_reshard(prepared, folder, monkeypatch)
+    missing = folder / "part_00002_of_00004.hdf5"
+    result = train(prepared, folder, tmp_path)
+    assert result.returncode == 2
+    assert error_line(result).startswith(f"error: {missing}: missing, the folder has 2 of 4 shards; rerun")
+    assert verify_main([str(folder), "--workers", "1"]) == 1
+    assert f"{missing}: missing, the folder has 2 of 4 shards" in capsys.readouterr().err
+
+
+def test_temporary_file_of_a_killed_step_is_refused(prepared, tmp_path, capsys):
+    folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
+    leftover = folder / ".part_00003_of_00004.hdf5.tmp-4242"  # what a killed writer leaves behind
+    leftover.write_bytes(b"half a shard")
+    result = train(prepared, folder, tmp_path)
+    assert result.returncode == 2
+    assert error_line(result).startswith(f"error: {leftover}: a temporary file of an interrupted step")
+    assert verify_main([str(folder), "--workers", "1"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("input_ids", 10**4, "input_ids outside [0, vocab_size="),
+    ("next_sentence_labels", 7, "next_sentence_labels is not 0 or 1"),
+])
+def test_bad_row_of_any_shard_stops_the_run_at_start(prepared, tmp_path, key, value, problem):
+    folder = copy_of(prepared, "hdf5_*_shards_fixed", tmp_path)
+    last = sorted(folder.glob("*.hdf5"))[-1]
+    with h5py.File(last, "r+") as handle:
+        handle[key][(5, 1) if key == "input_ids" else 5] = value
+    result = train(prepared, folder, tmp_path, layout="padded")
+    assert result.returncode == 2
+    assert error_line(result).startswith(f"error: {last}: row 5: {problem}")
+    assert not (tmp_path / "out" / "mlperf.log").is_file() or '"key": "run_start"' not in (
+        tmp_path / "out" / "mlperf.log").read_text()
+
+
+def test_verify_reads_the_lengths_from_the_manifest(prepared, tmp_path, capsys):
+    fixed = only(prepared / "data", "hdf5_*_shards_fixed")
+    assert verify_main([str(fixed), "--workers", "1"]) == 0  # 64-wide rows were refused as "expected 512"
+    assert f"max_seq_length {MAX_LEN} ({fixed / 'MANIFEST.json'})" in capsys.readouterr().out
+    folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
+    shard = sorted(folder.glob("*.hdf5"))[0]
+    samples = shards.read_samples(shard)
+    longer = shards.Samples.concat([samples.slice(0, 3), samples.slice(0, 1)])
+    longer.input_ids = np.concatenate([longer.input_ids, np.full(MAX_LEN, longer.input_ids[1], np.int32)])
+    longer.segment_ids = np.concatenate([longer.segment_ids, np.ones(MAX_LEN, np.int8)])
+    longer.lengths[-1] += MAX_LEN  # one sequence of up to 2 * MAX_LEN tokens: fine at 512, not at 64
+    shards.write_samples(shard, longer, "varlength", 2 * MAX_LEN, MAX_PRED)
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    manifest["files"][shard.name] |= {"bytes": shard.stat().st_size, "samples": 4, "sha256": sha256_file(shard)}
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert verify_main([str(folder), "--workers", "1"]) == 1
+    assert f"{shard}: row 3: sequence longer than max_seq_length={MAX_LEN}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("step", ["stratify", "pack"])
+def test_stratify_and_pack_alone_take_the_length_of_their_input(prepared, tmp_path, step):
+    source = only(prepared / "data", "hdf5_*_shards_varlength")
+    command = [sys.executable, "data_prep/prepare.py", "--quiet", step, "--input", str(source), "--out"]
+    refused = run_cli(command + [str(tmp_path / "default")])  # the flag's default is 512
+    assert refused.returncode == 1 and not (tmp_path / "default" / "MANIFEST.json").exists()
+    assert error_line(refused) == (
+        f"error: --max_seq_length 512, but the input was made with max_seq_length {MAX_LEN} "
+        f"({source / 'MANIFEST.json'}); pass --max_seq_length {MAX_LEN}, or remake the input with 512")
+    done = run_cli(command + [str(tmp_path / "ok"), "--max_seq_length", str(MAX_LEN),
+                              "--max_predictions", str(MAX_PRED)])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_stratify_bounds_follow_the_input_length(prepared, tmp_path):
+    source = only(prepared / "data", "hdf5_*_shards_varlength")
+    record = stratify(shards.list_shards(source), tmp_path / "strata", StratifyParams())
+    lengths = np.concatenate([shards.sequence_lengths(p) for p in shards.list_shards(source)])
+    assert record["bounds"] == [16, 32, 48, 64]
+    assert record["counts"] == np.bincount(np.searchsorted([16, 32, 48, 64], lengths), minlength=4).tolist()
+    with pytest.raises(DataPrepError, match="strata bounds \\[128, 256, 384, 512\\] end at 512, not at max_seq"):
+        stratify(shards.list_shards(source), tmp_path / "wide", StratifyParams(bounds=(128, 256, 384, 512)))

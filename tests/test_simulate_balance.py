@@ -14,7 +14,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from mlperf_bert.packing import load_length_histogram, pack_histogram
+from data_prep.packing import pack_histogram
+from mlperf_bert.lengths import load_length_histogram
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "simulate_balance.py"

@@ -7,26 +7,29 @@ The multi-process behaviour (real collectives, gloo and MPI) is in test_balance_
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections import Counter
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from _balance_worker import ID_BASE, LIMITS, MAX_LEN, MAX_PRED, write_dataset
+from data_prep.stratify import StratifyParams, stratify
 from mlperf_bert import balance
 from mlperf_bert.batch import Sample, flatten_items
 from mlperf_bert.config import ConfigError, DataSettings
 from mlperf_bert.data import DataError, read_shard
-from mlperf_bert.distributed import dist_env_from, launched_by_mpi
+from mlperf_bert.distributed import DistEnv, dist_env_from, launched_by_mpi
 from mlperf_bert.exchange import decode_body, encode_body, encode_header, incoming, outgoing
 from mlperf_bert.host_exchange import Prefetcher
-from mlperf_bert.sources import LocalSource, TokenImbalance, TokenMeter
+from mlperf_bert.sources import LocalSource, TokenImbalance, TokenMeter, check_input_data
+from mlperf_bert.shards import list_shards
 from mlperf_bert.stratified import Strata, StratifiedDataset
-
-from data_prep.sources import list_shards
-from data_prep.stratify import StratifyParams, stratify
 
 BOUNDS = (16, 32, 48, 64)
 
@@ -270,3 +273,35 @@ def test_config_rejects_senseless_balance_combinations(plain, stratified, monkey
         data_settings(plain, "cpu_exchange")
     monkeypatch.setenv("PMI_RANK", "0")
     assert data_settings(stratified, "cpu_exchange").balance == "cpu_exchange"
+
+
+def _check_as_rank(rank: int, world: int, folder: str, port: int, out: str) -> None:
+    """One rank of a gloo group running the trainer's start-up check; writes what it ended with."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        check_input_data(folder, LIMITS, DistEnv(rank, world, rank, world, "127.0.0.1", port))
+        outcome = "ok"
+    except DataError as err:
+        outcome = str(err)
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.txt").write_text(outcome)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_every_rank_stops_when_one_rank_finds_a_bad_shard(tmp_path):
+    folder = write_dataset(tmp_path / "data", [30, 30, 30, 30], seed=2)
+    shard = sorted(folder.glob("*.hdf5"))[3]  # read by rank 1 of 2 (shards 1 and 3)
+    with h5py.File(shard, "r+") as handle:
+        handle["next_sentence_labels"][4] = 9
+    mp.spawn(_check_as_rank, args=(2, str(folder), free_port(), str(tmp_path)), nprocs=2)
+    found = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert found[1].startswith(f"{shard}: row 4: next_sentence_labels is not 0 or 1")
+    assert found[0] == f"{folder}: another rank found a bad shard (its error line names it); " \
+                       "run data_prep/verify_dataset.py on the folder"

@@ -17,7 +17,7 @@ from conftest import REPO, run_cli
 from mlperf_bert import flops
 from mlperf_bert.batch import flatten_items, pad_items
 from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
-from mlperf_bert.packing import load_length_histogram
+from mlperf_bert.lengths import load_length_histogram
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 

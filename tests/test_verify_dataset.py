@@ -13,12 +13,11 @@ import h5py
 import numpy as np
 import pytest
 
-from data_prep.h5io import write_samples
 from data_prep.pack import PackParams, pack_dataset
-from data_prep.ragged import Samples
 from data_prep.reshard import ReshardParams, reshard
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import main
+from mlperf_bert.shards import Samples, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,5 +170,5 @@ def test_missing_key_and_non_hdf5_file(folders, tmp_path, capsys):
     (folder / "notes.hdf5").write_text("not hdf5 at all")
     code, out = run_verify(capsys, folder)
     assert code == 1
-    assert f"{shard}: varlength shard without key(s) masked_lm_ids" in out
+    assert f"{shard}: key 'masked_lm_ids' missing" in out
     assert f"{folder / 'notes.hdf5'}: cannot be opened as hdf5" in out

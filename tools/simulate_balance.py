@@ -24,7 +24,7 @@ Study on Optimizing BERT" (1024 GPUs, 8 per node, local batch 16):
   stratified+global_greedy  the same over all GPUs
   packing_2                 packed rows at exactly 2 sequences per 512-token pack
   packing_<algorithm>       packed rows at the sequences-per-pack rate of that packer
-                            (mlperf_bert.packing, --max-sequences-per-pack K, default 3)
+                            (data_prep.packing, --max-sequences-per-pack K, default 3)
 
 The paper's "global presort" column is read as stratified batches with a global raster
 deal: 1,000 trials (seed 0) give 3,817 / 4,320 against the paper's 3,807 / 4,313 (+0.2%),
@@ -51,7 +51,9 @@ from typing import Sequence
 
 import numpy as np
 
-from mlperf_bert import balance, packing
+from data_prep import packing
+from mlperf_bert import balance
+from mlperf_bert.lengths import load_length_histogram
 
 MAX_SEQUENCE_LENGTH = 512
 TRIAL_CHUNK = 50  # trials drawn and balanced at once: bounds memory at ~50 * G * B lengths
@@ -183,7 +185,7 @@ def validate(args: argparse.Namespace, counts: np.ndarray) -> Setup:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    counts = packing.load_length_histogram(args.histogram)
+    counts = load_length_histogram(args.histogram)
     setup = validate(args, counts)
     k = args.max_sequences_per_pack or None
     report = simulate(counts, setup, args.seed, args.packers, k)

@@ -1,7 +1,7 @@
 """The training stream and the eval set over MLPerf hdf5 shards.
 
-Reading and validating one shard lives in `data_validate`; this module decides which rank
-uses which item when.
+The shard format lives in `shards`, validation in `data_validate`; this module decides which
+rank uses which item when.
 
 Order of the training data. Let n shards hold T items (rows) in all, W ranks each take
 b items per step (one micro-batch), seed s:
@@ -33,7 +33,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from mlperf_bert.batch import Item
-from mlperf_bert.data_validate import DataError, DataLimits, discover_shards, read_shard, shard_num_items
+from mlperf_bert.data_validate import DataLimits, read_shard
+from mlperf_bert.shards import DataError, folder_problems, list_shards, shard_info
+
+discover_shards = list_shards  # the trainer's name: the sorted shards of --input_dir / --eval_dir
 
 __all__ = [
     "DataError", "DataLimits", "DataPosition", "Piece", "PretrainingDataset", "StreamLayout",
@@ -182,7 +185,7 @@ class PretrainingDataset:
         _check_stream_args(shards, rank, world_size, items_per_rank_step, seed)
         self.rank = rank
         self.read_ahead = read_ahead
-        self.layout = StreamLayout([shard_num_items(Path(p)) for p in shards], world_size, items_per_rank_step, seed)
+        self.layout = StreamLayout([shard_info(p)[1] for p in shards], world_size, items_per_rank_step, seed)
         if self.layout.total_items < self.layout.global_step_items:
             raise DataError(
                 f"{Path(shards[0]).parent}: {self.layout.total_items} items in {len(shards)} shards, fewer than "
@@ -296,7 +299,13 @@ def load_eval_set(
     if num_examples < 1:
         raise ValueError(f"num_examples must be positive, got {num_examples}")
     source = Path(eval_dir_or_file)
-    paths = [source] if source.is_file() else discover_shards(source)
+    if source.is_file():
+        paths = [source]
+    else:
+        incomplete = folder_problems(source)
+        if incomplete:
+            raise DataError(incomplete[0])
+        paths = list_shards(source)
     samples: list[Item] = []
     for path in paths:
         samples.extend((s,) for item in read_shard(path, limits) for s in item)

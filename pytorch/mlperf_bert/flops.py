@@ -95,7 +95,7 @@ def masked_count(seq_lens: np.ndarray, max_predictions: int = 76, prob: float = 
 def expected_training_flops(shape: ModelShape, counts: np.ndarray, max_predictions: int = 76) -> float:
     """Mean useful training FLOP per real sequence for a length histogram.
 
-    `counts[i]` = sequences of length i + 1 (packing.load_length_histogram's convention).
+    `counts[i]` = sequences of length i + 1 (lengths.load_length_histogram's convention).
     """
     counts = np.asarray(counts, dtype=np.float64)
     if counts.ndim != 1 or counts.sum() <= 0:

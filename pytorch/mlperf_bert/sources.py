@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from .batch import FlatBatch, Item, flatten_items, item_length
 from .config import TrainConfig
-from .data import DataLimits, PretrainingDataset, discover_shards
+from .data import DataError, DataLimits, PretrainingDataset, discover_shards
+from .data_validate import check_dataset
 from .distributed import DistEnv
 from .exchange import Collectives, TorchCollectives, exchange
 from .stratified import StratifiedDataset, is_stratified
@@ -170,6 +171,27 @@ class ExchangeSource(LocalSource):
         return exchange(self.dataset.next_batch(), self.comm, self.order).items
 
 
+def check_input_data(input_dir: str, limits: DataLimits, denv: DistEnv) -> None:
+    """The whole training folder checked before the first step (`data_validate.check_dataset`).
+
+    Each rank reads the rows of every W-th shard; one all-reduce makes every rank stop with
+    exit 2 when any rank found a problem, instead of the others training on without it.
+    """
+    problem = None
+    try:
+        check_dataset(input_dir, limits, denv.rank, denv.world_size)
+    except DataError as err:
+        problem = err
+    if denv.is_distributed and dist.is_initialized():
+        failed = torch.tensor([problem is not None], dtype=torch.int64)
+        dist.all_reduce(failed, group=world_group())
+        if failed.item() and problem is None:
+            raise DataError(f"{input_dir}: another rank found a bad shard (its error line names it); "
+                            "run data_prep/verify_dataset.py on the folder")
+    if problem is not None:
+        raise problem
+
+
 def open_stream(input_dir: str, limits: DataLimits, denv: DistEnv, micro_batch: int, seed: int) -> ItemStream:
     """The rank's stream: stratified when `input_dir` holds strata.json, else plain shards."""
     if is_stratified(input_dir):
@@ -205,6 +227,7 @@ def node_group(denv: DistEnv) -> dist.ProcessGroup:
 def open_batch_source(cfg: TrainConfig, denv: DistEnv, limits: DataLimits) -> BatchSource:
     """Builds the configured source; the caller closes it. Every rank calls it at the same point."""
     assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
+    check_input_data(cfg.data.input_dir, limits, denv)
     stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed)
     try:
         return _balanced(stream, cfg, denv)

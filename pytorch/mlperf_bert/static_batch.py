@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .batch import FlatBatch, Item, Sample
-from .data_validate import DataError, discover_shards, open_shard
+from .shards import DataError, check_keys, list_shards, open_shard
 from .stratified import is_stratified, stratum_dir
 
 # F.cross_entropy's default ignore_index: labels of padded predictions and NSP slots.
@@ -152,20 +152,20 @@ class StaticShape:
 
 def _first_shard(input_dir: str) -> Path:
     folder = stratum_dir(input_dir, 0) if is_stratified(input_dir) else Path(input_dir)
-    return discover_shards(folder)[0]
+    return list_shards(folder)[0]
 
 
 def packed_shape(input_dir: str, rows: int, row_len: int) -> StaticShape:
     """K and Q from the first packed shard's column counts (packed_input_len, masked_lm_positions)."""
     path = _first_shard(input_dir)
-    with open_shard(path) as shard:
-        if "packed_input_len" not in shard.handle:
+    with open_shard(path) as handle:
+        if "packed_input_len" not in handle:
             raise DataError(f"{path}: not a packed shard (no packed_input_len); --cuda_graphs needs "
                             "--input_layout packed with shards from `data_prep/prepare.py pack`")
-        shard.require(("packed_input_len", "masked_lm_positions", "input_ids"))
-        k = int(shard.handle["packed_input_len"].shape[1])
-        q = int(shard.handle["masked_lm_positions"].shape[1])
-        width = int(shard.handle["input_ids"].shape[1])
+        check_keys(handle)
+        k = int(handle["packed_input_len"].shape[1])
+        q = int(handle["masked_lm_positions"].shape[1])
+        width = int(handle["input_ids"].shape[1])
     if width > row_len:
         raise DataError(f"{path}: rows are {width} tokens wide, more than --max_seq_length {row_len}")
     return StaticShape(rows, row_len, k, q)

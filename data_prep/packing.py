@@ -24,23 +24,21 @@ greedy decreasing order does not plan for. NNLSHP reaches 0.9988 at K = 3.
 A plan lists strategies (the lengths that share one pack) with repeat counts; `assign_packs`
 then maps real sample indices onto a plan, for the data preparation that writes packed shards.
 
-Histogram convention (as in data/wikipedia_phase2_seqlen_histogram.json): counts[i] is the
-number of sequences of length i + 1 tokens, for i in [0, max_sequence_length).
+Histograms follow `mlperf_bert.lengths`: counts[i] is the number of sequences of length i + 1
+tokens, for i in [0, max_sequence_length).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 
+from mlperf_bert.lengths import lengths_histogram, validate_counts
+
 ALGORITHMS = ("spfhp", "lpfhp", "nnlshp")
-_WIKIPEDIA_HISTOGRAM = "wikipedia_phase2_seqlen_histogram.json"
 
 # A strategy: the lengths of the sequences that share one pack, longest first.
 Strategy = tuple[int, ...]
@@ -116,7 +114,7 @@ def pack_histogram(
     `max_sequences_per_pack` is K, the slots of the packed shard format (3); None means
     unlimited (the published SPFHP / LPFHP runs use 12). NNLSHP supports K <= 3.
     """
-    counts = _validate_counts(counts, max_sequence_length)
+    counts = validate_counts(counts, max_sequence_length)
     k = _validate_k(max_sequences_per_pack, max_sequence_length, algorithm)
     if algorithm == "spfhp":
         packs = _fit_decreasing(counts, max_sequence_length, k, best_fit=False)
@@ -125,20 +123,6 @@ def pack_histogram(
     else:
         packs = _nnls_packs(counts, max_sequence_length, k)
     return _make_plan(packs, max_sequence_length, int(counts.sum()))
-
-
-def _validate_counts(counts: np.ndarray, max_sequence_length: int) -> np.ndarray:
-    counts = np.asarray(counts)
-    if counts.ndim != 1 or counts.shape[0] != max_sequence_length:
-        raise ValueError(
-            f"counts must be a 1-D histogram of {max_sequence_length} entries "
-            f"(counts[i] = sequences of length i+1), got shape {counts.shape}"
-        )
-    if not np.issubdtype(counts.dtype, np.integer) and not np.all(counts == np.round(counts)):
-        raise ValueError("counts must be whole numbers of sequences")
-    if (counts < 0).any():
-        raise ValueError("counts must be non-negative")
-    return counts.astype(np.int64)
 
 
 def _validate_k(k: int | None, max_sequence_length: int, algorithm: str) -> int:
@@ -368,35 +352,6 @@ def _round_within(strategies: np.ndarray, repeats: np.ndarray, counts: np.ndarra
             repeats[j] -= cut
             np.subtract.at(used, strategies[j][strategies[j] > 0] - 1, cut)
     return repeats
-
-
-def load_length_histogram(path: str | Path | None = None) -> np.ndarray:
-    """Reads `{"counts": [...]}` (counts[i] = sequences of length i+1) from a JSON file.
-
-    Without a path: the Wikipedia phase-2 histogram shipped in the package data.
-    """
-    if path is None:
-        text = resources.files("mlperf_bert").joinpath("data", _WIKIPEDIA_HISTOGRAM).read_text()
-        path = _WIKIPEDIA_HISTOGRAM
-    else:
-        text = Path(path).read_text()
-    counts = json.loads(text).get("counts")
-    if not isinstance(counts, list) or not counts:
-        raise ValueError(f"{path}: expected a JSON object with a non-empty list 'counts' (sequences per length 1..L)")
-    return _validate_counts(np.array(counts), len(counts))
-
-
-def lengths_histogram(lengths: np.ndarray, max_sequence_length: int = 512) -> np.ndarray:
-    """[max_sequence_length] counts of `lengths` (counts[i] = sequences of length i+1)."""
-    lengths = np.asarray(lengths)
-    if lengths.ndim != 1:
-        raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
-    if lengths.size and (lengths.min() < 1 or lengths.max() > max_sequence_length):
-        raise ValueError(
-            f"sequence lengths must lie in [1, {max_sequence_length}], "
-            f"got [{lengths.min()}, {lengths.max()}]"
-        )
-    return np.bincount(lengths.astype(np.int64) - 1, minlength=max_sequence_length)
 
 
 def pack_index_table(
