@@ -18,6 +18,7 @@ from .distributed import dist_env_from, init_distributed, shutdown
 from .faults import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED
 from .faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
+from .startup import check_environment
 from .trainer import resolve_device, run
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
@@ -41,6 +42,7 @@ def _train(args: argparse.Namespace, stop: StopRequest) -> int:
         denv = dist_env_from(os.environ)
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
+        check_environment(cfg, os.environ, device)
         init_distributed(denv, device, cfg.faults.collective_timeout_s)
         with watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop)
