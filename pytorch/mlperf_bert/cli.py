@@ -29,6 +29,13 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line: the flag and what is wrong, not the 50-line usage first."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def _value_type(kind: Any) -> type:
     """int / float / str of a field type, unwrapping `X | None`."""
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
@@ -65,7 +72,7 @@ def _flag_fields(cls: type = TrainConfig) -> list[tuple[Field, Any]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="run_pretraining.py",
         description="MLPerf BERT phase-2 pretraining to a masked-LM accuracy target.",
         formatter_class=_HelpFormatter,
