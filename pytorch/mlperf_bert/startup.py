@@ -24,17 +24,15 @@ from .stratified import STRATA_FILE
 GIB = 2**30
 
 
-def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torch.device) -> BertConfig:
-    """Every machine-dependent check of `cfg`; returns the validated model config."""
+def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torch.device) -> None:
+    """Every machine-dependent check of `cfg`; raises ConfigError naming what to fix."""
     _check_output_paths(cfg)
     _check_resume_file(cfg.checkpoint.resume_from)
     if cfg.data.balance == "local_presort":
         _check_stratified_input(cfg.data.input_dir)
     if cfg.data.balance == "cpu_exchange":
         _check_mpi_launch(environ)
-    bert = BertConfig.from_json(cfg.model.bert_config_path)
-    _check_model_fits(cfg, bert, memory_bytes(device))
-    return bert
+    _check_model_fits(cfg, BertConfig.from_json(cfg.model.bert_config_path), memory_bytes(device))
 
 
 def _require(ok: bool, message: str) -> None:
