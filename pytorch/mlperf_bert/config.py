@@ -3,7 +3,12 @@
 Each component owns one frozen dataclass; `TrainConfig` joins them and rejects bad
 combinations when it is built, with a message that names the flag and the fix. Nothing
 mutates a config afterwards: derived numbers are properties. The resolved config is
-written next to the logs (`TrainConfig.to_dict`).
+written next to the logs (`TrainConfig.to_dict`) and rebuilds with `TrainConfig.from_dict`.
+
+Each field declared with `flag(...)` is also a command-line flag (`cli.py` generates them), so
+its default, choices, help text and --help section are written here and nowhere else.
+Validation reads the values only, never files or the environment: what a run needs from the
+machine it starts on is checked by `startup.check_environment`.
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ def flag(help: str, group: str, default: Any = MISSING, *, name: str | None = No
     name: the flag's spelling when it differs from the field's (MLPerf names such as
     --opt_lamb_beta_1); exclusive: flags sharing this tag may not be given together.
     """
-    assert group in GROUPS, group
     meta = {"help": help, "group": group, "flag": name, "choices": choices, "metavar": metavar, "exclusive": exclusive}
     return field(default=default, metadata=meta)
 
