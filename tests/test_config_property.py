@@ -92,6 +92,7 @@ def test_hostile_config_values_are_accepted_or_rejected_with_a_config_error(root
             return
     assert isinstance(cfg, TrainConfig)
     assert not (root / "out").exists()  # building a config writes nothing
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # resolved_config.json rebuilds
 
 
 FLAG_TEXT = st.one_of(st.text(max_size=10), st.sampled_from(["0", "-1", "1e400", "nan", "inf", "-inf", "3.5", "auto",
