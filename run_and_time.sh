@@ -7,7 +7,10 @@
 #   DATADIR_PHASE2=... EVALDIR=... OUTPUT_DIR=... ./run_and_time.sh
 #
 # Exit code: the trainer's (0 done, 2 bad input, 3 numeric blow-up, 75 preempted with a
-# checkpoint, 76 a lost rank; docs/FAULTS.md). Under torchrun a failed rank makes torchrun exit 1.
+# checkpoint, 76 a lost rank; docs/FAULTS.md), also when torchrun or mpiexec started the ranks:
+# each rank leaves its code in MLPERF_BERT_EXIT_DIR, and this script exits with the lowest
+# one that is not 76 (a lost rank is what the others see when one fails), else 76. A bad config
+# variable exits 2 before anything starts, naming the variable.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -25,6 +28,33 @@ require() {
 require DGXNGPU DGXNNODES BATCHSIZE GRADIENT_STEPS LR MAX_STEPS OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 \
   WEIGHT_DECAY_RATE MAX_SAMPLES_TERMINATION TARGET_MLM_ACCURACY INPUT_LAYOUT PRECISION \
   DATADIR_PHASE2 EVALDIR
+
+# Types of the config variables, checked here so that a bad one is named (the trainer would name
+# its flag); ranges and combinations are the trainer's to check.
+int_re='^[0-9]+$'
+signed_int_re='^-?[0-9]+$'
+number_re='^[-+]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'
+
+check() {
+  local kind=$1 re=$2 name
+  shift 2
+  for name in "$@"; do
+    if [[ -n "${!name:-}" && ! "${!name}" =~ $re ]]; then
+      die "$name=${!name} is not $kind; fix it in the config_<SYSTEM>.sh file or the environment"
+    fi
+  done
+}
+check "a whole number (0, 1, 2, ...)" "$int_re" DGXNGPU DGXNNODES BATCHSIZE GRADIENT_STEPS MAX_STEPS \
+  MAX_SAMPLES_TERMINATION WARMUP_STEPS DECAY_STEPS EVAL_ITER_START_SAMPLES EVAL_ITER_SAMPLES \
+  NUM_EVAL_EXAMPLES EVAL_BATCH_SIZE MAX_SEQ_LENGTH MAX_PREDICTIONS_PER_SEQ LOG_FREQ SYNC_EVERY \
+  CHECKPOINT_EVERY_SAMPLES KEEP_CHECKPOINTS MAX_CONSECUTIVE_SKIPPED_STEPS SEED NODE_RANK MASTER_PORT
+check "an integer" "$signed_int_re" START_WARMUP_STEP
+check "a number" "$number_re" LR OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 WEIGHT_DECAY_RATE TARGET_MLM_ACCURACY \
+  WARMUP_PROPORTION END_LEARNING_RATE OPT_EPSILON MAX_GRAD_NORM CHECKPOINT_EVERY_MINUTES COLLECTIVE_TIMEOUT_S
+check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END
+for name in DGXNGPU DGXNNODES; do
+  (( 10#${!name} >= 1 )) || die "$name=${!name} must be at least 1"
+done
 
 [[ -d "$DATADIR_PHASE2" ]] || die "DATADIR_PHASE2=$DATADIR_PHASE2 is not a directory"
 [[ -e "$EVALDIR" ]] || die "EVALDIR=$EVALDIR does not exist"
@@ -129,11 +159,28 @@ fi
 # SIGUSR1 / SIGTERM are for the trainer (it checkpoints and exits 75, which this script passes
 # on); this shell only waits for it instead of dying first.
 trap ':' USR1 TERM
+MLPERF_BERT_EXIT_DIR=$(mktemp -d)
+export MLPERF_BERT_EXIT_DIR
+trap 'rm -rf "$MLPERF_BERT_EXIT_DIR"' EXIT
+
+# The trainer's code: a launcher's own code (torchrun and mpiexec say 1 for any failed rank)
+# replaced by the lowest code the ranks recorded, 76 (a lost rank) only when it is all they saw.
+trainer_code() {
+  local launcher=$1 codes
+  codes=$(cat "$MLPERF_BERT_EXIT_DIR"/*.code 2>/dev/null | sort -n | uniq) || true
+  if [[ -z "$codes" ]]; then
+    echo "$launcher"
+  else
+    grep -vx 76 <<<"$codes" | head -n 1 | grep . || echo 76
+  fi
+}
+
 start=$(date +%s)
 start_fmt=$(date +%Y-%m-%d\ %r)
 echo "STARTING TIMING RUN AT $start_fmt"
 status=0
 "${trainer[@]}" "${flags[@]}" || status=$?
+if [[ $status -ne 0 ]]; then status=$(trainer_code "$status"); fi
 end=$(date +%s)
 echo "ENDING TIMING RUN AT $(date +%Y-%m-%d\ %r)"
 [[ $status -eq 0 ]] || exit "$status"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
+import os
 import signal
 import tempfile
 from pathlib import Path
@@ -14,12 +16,14 @@ from typing import Iterator
 import h5py
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlperf_bert.cli import build_parser, config_from_args, parse_config
 from mlperf_bert.config import ConfigError, TrainConfig
 from mlperf_bert.data import DataError, DataLimits, read_shard
+from mlperf_bert.startup import check_environment
 
 LIMITS = DataLimits(max_seq_length=8, max_predictions_per_seq=2, vocab_size=30)
 HANG_S = 30  # one example taking this long counts as a hang
@@ -45,9 +49,22 @@ def _valid_args(root: Path) -> list[str]:
             str(root / "bert_config.json"), "--output_dir", str(root / "out"), "--max_steps", "10", "--do_train"]
 
 
+TINY_BERT = {"vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 16, "max_position_embeddings": 512}
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("config_root")
+    folder = tmp_path_factory.mktemp("config_root")
+    (folder / "bert_config.json").write_text(json.dumps(TINY_BERT))
+    return folder
+
+
+def started(argv: list[str]) -> TrainConfig:
+    """The config as main.py builds it: flags, then the start-up checks of this machine."""
+    cfg = parse_config(argv, 1)
+    check_environment(cfg, {}, torch.device("cpu"))
+    return cfg
 
 
 HOSTILE = st.one_of(
@@ -75,6 +92,7 @@ def test_hostile_config_values_are_accepted_or_rejected_with_a_config_error(root
             return
     assert isinstance(cfg, TrainConfig)
     assert not (root / "out").exists()  # building a config writes nothing
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # resolved_config.json rebuilds
 
 
 FLAG_TEXT = st.one_of(st.text(max_size=10), st.sampled_from(["0", "-1", "1e400", "nan", "inf", "-inf", "3.5", "auto",
@@ -102,16 +120,16 @@ def test_an_output_path_cannot_escape_output_dir(root, tmp_path):
     base = _valid_args(root)
     base[base.index("--output_dir") + 1] = str(out)
     with pytest.raises(ConfigError, match="outside --output_dir"):
-        parse_config(base + ["--checkpoint_dir", str(out / ".." / "elsewhere")], 1)
+        started(base + ["--checkpoint_dir", str(out / ".." / "elsewhere")])
     (out / "checkpoints").symlink_to(tmp_path)
     with pytest.raises(ConfigError, match="--checkpoint_dir .* outside --output_dir"):
-        parse_config(base, 1)  # the default folder is a symlink that leads out
+        started(base)  # the default folder is a symlink that leads out
     (out / "mlperf.log").symlink_to(tmp_path / "elsewhere.log")
     with pytest.raises(ConfigError, match="symlink that leads outside --output_dir"):
-        parse_config(base + ["--checkpoint_dir", str(out / "ckpt")], 1)
+        started(base + ["--checkpoint_dir", str(out / "ckpt")])
     (out / "mlperf.log").unlink()
     log = tmp_path / "run.log"  # outside: an explicit --mlperf_log_file is the launcher's choice
-    cfg = parse_config(base + ["--checkpoint_dir", str(out / "ckpt"), "--mlperf_log_file", str(log)], 1)
+    cfg = started(base + ["--checkpoint_dir", str(out / "ckpt"), "--mlperf_log_file", str(log)])
     assert cfg.checkpoint_dir == out / "ckpt" and cfg.run.mlperf_log_path == log
 
 
@@ -127,7 +145,7 @@ def test_an_output_path_cannot_escape_output_dir(root, tmp_path):
 ])
 def test_bad_values_are_rejected_naming_the_flag_and_the_fix(root, extra, message):
     with pytest.raises(ConfigError) as err:
-        parse_config(_valid_args(root) + extra, 1)
+        started(_valid_args(root) + extra)
     assert message in str(err.value)
 
 
@@ -135,6 +153,143 @@ def test_checkpoints_need_training(root):
     argv = [a for a in _valid_args(root) if a != "--do_train"]
     with pytest.raises(ConfigError, match="add --do_train or drop them"):
         parse_config(argv + ["--checkpoint_every_samples", "100"], 1)
+
+
+# --- config purity, the resolved config, --help ------------------------------------------------
+
+class _NoEnvironment(dict):
+    def __getitem__(self, key):
+        raise AssertionError(f"building a config read the environment ({key})")
+
+    get = __getitem__
+
+
+def _no_filesystem(*args, **kwargs):
+    raise AssertionError("building a config touched the file system")
+
+
+SHIPPED_LIKE = ["--balance", "global_presort", "--checkpoint_every_samples", "64", "--resume_from_checkpoint",
+                "/nowhere/ckpt-64.pt", "--warmup_steps", "2", "--start_warmup_step", "-1", "--decay_steps", "8",
+                "--end_learning_rate", "1e-5", "--decay_from_warmup_end", "--mlperf_log_file", "/elsewhere/x.log"]
+
+
+def test_building_a_config_reads_neither_files_nor_the_environment(monkeypatch):
+    argv = ["--input_dir", "/no/train", "--eval_dir", "/no/eval", "--bert_config_path", "/no/bert.json",
+            "--output_dir", "/no/out", "--max_steps", "10", "--do_train", *SHIPPED_LIKE]
+    args = build_parser().parse_args(argv)
+    for name in ("exists", "lexists", "isfile", "isdir", "realpath", "islink"):
+        monkeypatch.setattr(os.path, name, _no_filesystem)
+    for name in ("exists", "is_file", "is_dir", "resolve", "stat"):
+        monkeypatch.setattr(Path, name, _no_filesystem)
+    monkeypatch.setattr(os, "environ", _NoEnvironment())
+    assert config_from_args(args, 4).data.balance == "global_presort"
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_resolved_config_rebuilds_into_the_same_config_elsewhere(tmp_path, world_size):
+    """resolved_config.json names paths of the machine that ran; they need not exist here."""
+    argv = ["--input_dir", "/cluster/train", "--eval_dir", "/cluster/eval", "--bert_config_path",
+            "/cluster/bert_config.json", "--output_dir", "/cluster/out", "--max_steps", "10", "--do_train",
+            "--learning_rate", "0.000425", "--opt_lamb_beta_2", "0.88", "--input_layout", "unpadded", *SHIPPED_LIKE]
+    cfg = parse_config(argv, world_size)
+    (tmp_path / "resolved_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+    rebuilt = TrainConfig.from_dict(json.loads((tmp_path / "resolved_config.json").read_text()))
+    assert rebuilt == cfg and rebuilt.global_batch_size == cfg.global_batch_size
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["optim"].update(beta1=1.5), "--opt_lamb_beta_1 must be in [0, 1)"),
+    (lambda d: d["schedule"].update(decay_stpes=3), "unknown key(s) decay_stpes"),
+    (lambda d: d.pop("run"), "missing 1 required"),
+    (lambda d: d.update(data=[]), "DataSettings: expected a JSON object"),
+])
+def test_a_bad_resolved_config_is_a_config_error(root, edit, message):
+    data = json.loads(json.dumps(parse_config(_valid_args(root), 1).to_dict()))
+    edit(data)
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(data)
+    assert message in str(err.value)
+
+
+def _flag_actions() -> list[argparse.Action]:
+    return [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_flag_has_help_a_topic_and_its_default_once():
+    parser = build_parser()
+    topics = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    grouped = [dest for title, dests in topics.items() if title not in ("options", "positional arguments")
+               for dest in dests]
+    for action in _flag_actions():
+        assert action.help and action.help.strip(), action.option_strings
+        assert grouped.count(action.dest) == 1, f"{action.option_strings} is in no topic (or in two)"
+        shown = parser.formatter_class("x")._get_help_string(action) % {"default": action.default}
+        assert shown.count("default") <= 1 + action.help.count("--default"), shown
+        if action.required:
+            assert shown.endswith("(required)")
+        elif action.default is not None and action.default is not False:
+            assert shown.endswith(f"(default: {action.default})"), shown
+    assert list(topics)[2:] == ["data", "model", "batch and optimizer", "schedule", "clipping",
+                                "precision and fast path", "balance", "evaluation and stopping",
+                                "checkpoints and faults", "run and logging"]
+
+
+# The flags of the shipped shell configs and tests, with their type and default, as they were.
+FLAG_CONTRACT = {
+    "--train_batch_size": (int, 8), "--gradient_accumulation_steps": (int, 1), "--learning_rate": (float, 4e-4),
+    "--opt_lamb_beta_1": (float, 0.9), "--opt_lamb_beta_2": (float, 0.999), "--opt_epsilon": (float, 1e-6),
+    "--weight_decay_rate": (float, 0.01), "--max_grad_norm": (float, 1.0), "--clip_mode": (str, "after_allreduce"),
+    "--optimizer": (str, "lamb"), "--optimizer_impl": (str, "auto"), "--input_layout": (str, "unpadded"),
+    "--max_seq_length": (int, 512), "--max_predictions_per_seq": (int, 76), "--balance": (str, "none"),
+    "--balance_deal": (str, "auto"), "--warmup_steps": (int, None), "--warmup_proportion": (float, None),
+    "--start_warmup_step": (int, 0), "--decay_steps": (int, None), "--end_learning_rate": (float, 0.0),
+    "--target_mlm_accuracy": (float, 0.72), "--num_eval_examples": (int, 10000), "--eval_batch_size": (int, 128),
+    "--eval_iter_start_samples": (int, None), "--eval_iter_samples": (int, None),
+    "--max_samples_termination": (int, None), "--seed": (int, 12345), "--precision": (str, "fp32"),
+    "--device": (str, "auto"), "--log_freq": (int, 10), "--init_loss_scale": (float, 65536.0),
+    "--compile_mode": (str, "none"), "--sync_every": (int, 1), "--input_pipeline": (str, "torch"),
+    "--submission_division": (str, "closed"), "--submission_org": (str, "reference"),
+    "--submission_platform": (str, "unknown"), "--submission_status": (str, "onprem"),
+    "--attention_backend": (str, "auto"), "--init_checkpoint": (str, None), "--input_dir": (str, None),
+    "--mlperf_log_file": (str, None), "--checkpoint_dir": (str, None), "--checkpoint_every_samples": (int, None),
+    "--checkpoint_every_minutes": (float, None), "--keep_checkpoints": (int, 3),
+    "--resume_from_checkpoint": (str, None), "--collective_timeout_s": (float, 600.0),
+    "--max_consecutive_skipped_steps": (int, 50), "--eval_dir": (str, None), "--bert_config_path": (str, None),
+    "--output_dir": (str, None), "--max_steps": (int, None),
+}
+SWITCHES = {"--do_train", "--cuda_graphs", "--decay_from_warmup_end"}
+
+
+def test_flags_keep_their_spelling_type_and_default():
+    actions = {a.option_strings[0]: a for a in _flag_actions()}
+    assert set(actions) == set(FLAG_CONTRACT) | SWITCHES
+    for name, (kind, default) in FLAG_CONTRACT.items():
+        assert (actions[name].type or str, actions[name].default) == (kind, default), name
+    assert all(actions[name].default is False and actions[name].nargs == 0 for name in SWITCHES)
+    assert {a.option_strings[0] for a in actions.values() if a.required} == {
+        "--eval_dir", "--bert_config_path", "--output_dir", "--max_steps"}
+
+
+@pytest.mark.parametrize("extra, flags", [
+    (["--max_steps", "1000", "--warmup_steps", "40", "--decay_steps", "10"], ("--warmup_steps", "--decay_steps 10")),
+    (["--max_steps", "100", "--warmup_proportion", "0.5", "--decay_steps", "20", "--end_learning_rate", "1e-5"],
+     ("--warmup_proportion", "--decay_steps >= 50")),
+    (["--max_steps", "1000", "--decay_steps", "10"], ("--decay_steps 10", "--end_learning_rate 0", "--max_steps 1000")),
+])
+def test_a_schedule_that_sits_at_learning_rate_zero_is_refused(root, extra, flags):
+    argv = _valid_args(root)
+    del argv[argv.index("--max_steps"):argv.index("--max_steps") + 2]
+    with pytest.raises(ConfigError) as err:
+        parse_config(argv + extra, 1)
+    assert all(flag in str(err.value) for flag in flags), str(err.value)
+
+
+def test_schedules_that_decay_to_a_floor_or_to_the_last_step_are_accepted(root):
+    argv = _valid_args(root)[:-3]  # without --max_steps 10 --do_train
+    samsung = ["--max_steps", "299", "--warmup_steps", "82", "--start_warmup_step", "-16", "--decay_steps", "179",
+               "--end_learning_rate", "4.945e-5", "--decay_from_warmup_end"]
+    assert parse_config(argv + samsung, 1).schedule.decay_steps == 179
+    assert parse_config(argv + ["--max_steps", "50", "--warmup_steps", "50"], 1).schedule.warmup_steps == 50
 
 
 # --- shards ---------------------------------------------------------------------------------------

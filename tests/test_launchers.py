@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -159,6 +160,85 @@ def test_container_requirements_resolve_for_the_base_image_python(tmp_path):
     assert done.returncode == 0, done.stderr
     would = re.search(r"Would install (.+)", done.stdout)
     assert would and sorted(would.group(1).split()) == sorted(p.replace("==", "-") for p in pins)
+
+
+# ---------------------------------------------------------------------------------------------
+# run_and_time.sh: config variables and exit codes
+
+
+def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
+    """config_CPU_1x2.sh on the test's demo data (64 tokens, 200 eval samples), as a user runs it."""
+    env = {**_base_env(tmp_path), **_exports(REPO / "config_CPU_1x2.sh"), "PYTHON": sys.executable,
+           "DATADIR_PHASE2": str(data / "train"), "EVALDIR": str(data / "eval"),
+           "BERT_CONFIG": str(data / "bert_config.json"), "INIT_CHECKPOINT": "none",
+           "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1", "OMP_NUM_THREADS": "1", "BATCHSIZE": "8",
+           "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10", "NUM_EVAL_EXAMPLES": "200",
+           "EVAL_BATCH_SIZE": "100", "MASTER_PORT": str(_free_port())}
+    env.update(overrides)
+    return env
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("BATCHSIZE", "3a2", "is not a whole number"),
+    ("DGXNNODES", "1.5", "is not a whole number"),
+    ("DGXNGPU", "0", "must be at least 1"),
+    ("CUDA_GRAPHS", "yes", "is not 0 or 1"),
+    ("DECAY_FROM_WARMUP_END", "true", "is not 0 or 1"),
+    ("LR", "fast", "is not a number"),
+    ("START_WARMUP_STEP", "-2.5", "is not an integer"),
+    ("MAX_STEPS", "1_000", "is not a whole number"),
+])
+def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
+    dirs = _data_dirs(tmp_path)
+    (tmp_path / "bert_config.json").write_text("{}")
+    env = _rat_env(tmp_path, tmp_path, **dirs, BERT_CONFIG=str(tmp_path / "bert_config.json"), **{name: value})
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()] and f"{name}={value} {says}" in done.stderr
+    assert "--" not in done.stderr and "RESULT" not in done.stdout and not (tmp_path / "out").exists()
+
+
+def test_bad_input_under_torchrun_exits_2_through_run_and_time(demo_data, tmp_path):
+    """torchrun turns every failed worker into its own exit 1; the launcher passes on the trainer's 2."""
+    config = json.loads((demo_data / "bert_config.json").read_text())
+    (tmp_path / "bert_config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 1.5}))
+    env = _rat_env(tmp_path, demo_data, BERT_CONFIG=str(tmp_path / "bert_config.json"))
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    errors = {line for line in done.stderr.splitlines() if line.startswith("error:")}
+    assert errors == {f"error: {tmp_path / 'bert_config.json'}: hidden_dropout_prob must be a number in [0, 1); "
+                      "got 1.5"}, done.stderr[-3000:]
+    assert "RESULT" not in done.stdout
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {text!r} appeared in {path}"
+        assert time.monotonic() < deadline, f"no {text!r} in {path} after {timeout} s"
+        time.sleep(0.5)
+
+
+def test_a_preempted_run_under_torchrun_exits_75_through_run_and_time(demo_data, tmp_path):
+    """SIGTERM to the launch (as scancel or a time limit sends it): checkpoint, run_stop aborted, exit 75."""
+    env = _rat_env(tmp_path, demo_data, MAX_STEPS="100000", MAX_SAMPLES_TERMINATION="1600000",
+                   TARGET_MLM_ACCURACY="0.999", EVAL_ITER_START_SAMPLES="800000", EVAL_ITER_SAMPLES="800000")
+    with open(tmp_path / "stdout.txt", "w") as out, open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(["bash", str(REPO / "run_and_time.sh")], env=env, cwd=tmp_path, stdout=out,
+                                stderr=err, start_new_session=True)
+    try:
+        _wait_for(tmp_path / "out" / "mlperf.log", '"key": "run_start"', proc)
+        time.sleep(2)  # a few steps in
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert code == 75, stderr[-3000:]
+    assert "stopped (preempted)" in stderr and "RESULT" not in (tmp_path / "stdout.txt").read_text()
+    assert sorted((tmp_path / "out" / "checkpoints").glob("ckpt-*.pt"))
+    assert '"status": "aborted"' in (tmp_path / "out" / "mlperf.log").read_text()
 
 
 # ---------------------------------------------------------------------------------------------

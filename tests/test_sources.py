@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from _balance_worker import ID_BASE, LIMITS, MAX_LEN, MAX_PRED, write_dataset
 from data_prep.stratify import StratifyParams, stratify
-from mlperf_bert import balance
+from mlperf_bert import balance, startup
 from mlperf_bert.batch import Sample, flatten_items
 from mlperf_bert.config import ConfigError, DataSettings
 from mlperf_bert.data import DataError, read_shard
@@ -262,16 +262,15 @@ def test_deal_order_defaults_to_the_published_one_and_can_be_chosen(plain, strat
     assert data_settings(plain, "global_presort", "greedy").deal_order == "greedy"
 
 
-def test_config_rejects_senseless_balance_combinations(plain, stratified, monkeypatch):
+def test_config_rejects_senseless_balance_combinations(plain, stratified):
     with pytest.raises(ConfigError, match="prepare.py stratify"):
-        data_settings(plain, "local_presort")
+        startup._check_stratified_input(str(plain))  # the start-up check of the machine's files
+    startup._check_stratified_input(str(stratified))
     with pytest.raises(ConfigError, match="--balance_deal snake"):
         data_settings(plain, "none", "snake")
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="mpiexec"):
-        data_settings(plain, "cpu_exchange")
-    monkeypatch.setenv("PMI_RANK", "0")
+        startup._check_mpi_launch({"RANK": "0"})
+    startup._check_mpi_launch({"PMI_RANK": "0"})
     assert data_settings(stratified, "cpu_exchange").balance == "cpu_exchange"
 
 

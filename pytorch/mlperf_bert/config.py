@@ -3,18 +3,25 @@
 Each component owns one frozen dataclass; `TrainConfig` joins them and rejects bad
 combinations when it is built, with a message that names the flag and the fix. Nothing
 mutates a config afterwards: derived numbers are properties. The resolved config is
-written next to the logs (`TrainConfig.to_dict`).
+written next to the logs (`TrainConfig.to_dict`) and rebuilds with `TrainConfig.from_dict`.
+
+Each field declared with `flag(...)` is also a command-line flag (`cli.py` generates them), so
+its default, choices, help text and --help section are written here and nowhere else.
+Validation reads the values only, never files or the environment: what a run needs from the
+machine it starts on is checked by `startup.check_environment`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-from dataclasses import asdict, dataclass, field
+import typing
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 INPUT_LAYOUTS = ("padded", "unpadded", "packed")
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
 OPTIMIZERS = ("lamb", "adam")
 OPTIMIZER_IMPLS = ("auto", "reference", "foreach", "apex")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -32,6 +39,37 @@ MAX_STEPS_LIMIT = 10**9  # optimizer steps; keeps sample counts far inside int64
 # The deal each policy was published with: NVIDIA's global presort and Baidu's CPU exchange
 # deal sample i of the sorted step to rank i mod W (raster), Samsung's local presort snakes.
 DEFAULT_DEALS = {"global_presort": "raster", "local_presort": "snake", "cpu_exchange": "raster"}
+
+
+# The --help sections, in order; every flag belongs to one (`flag(group=...)`).
+GROUPS = ("data", "model", "batch and optimizer", "schedule", "clipping", "precision and fast path", "balance",
+          "evaluation and stopping", "checkpoints and faults", "run and logging")
+
+
+def flag(help: str, group: str, default: Any = MISSING, *, name: str | None = None,
+         choices: tuple[str, ...] | None = None, metavar: str | None = None, exclusive: str | None = None) -> Any:
+    """A config field that is also a command-line flag: its default, choices and help live here only.
+
+    name: the flag's spelling when it differs from the field's (MLPerf names such as
+    --opt_lamb_beta_1); exclusive: flags sharing this tag may not be given together.
+    """
+    meta = {"help": help, "group": group, "flag": name, "choices": choices, "metavar": metavar, "exclusive": exclusive}
+    return field(default=default, metadata=meta)
+
+
+def flag_name(f: Field) -> str:
+    return f.metadata.get("flag") or f.name
+
+
+def settings_fields(cls: type) -> Iterator[tuple[Field, Any]]:
+    """(field, resolved type) of a config dataclass, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        yield f, hints[f.name]
+
+
+def is_flag(f: Field) -> bool:
+    return "help" in f.metadata
 
 
 class ConfigError(ValueError):
@@ -99,25 +137,34 @@ def _flag(name: str, value: bool) -> None:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    bert_config_path: str
-    init_checkpoint: str | None = None
-    attention_backend: str = "auto"
+    bert_config_path: str = flag("Google-format bert_config.json (model shape; checked at start-up)", "model")
+    init_checkpoint: str | None = flag("{'model': state_dict} .pt file or HuggingFace directory; without it the "
+                                       "weights start random", "model", None)
+    attention_backend: str = flag("sdpa: reference, runs anywhere; varlen: GPU kernels on flat tokens; auto picks "
+                                  "varlen on a GPU when it is exact", "precision and fast path", "auto",
+                                  choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
-        _choice("attention_backend", self.attention_backend, ("auto", "sdpa", "varlen"))
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _path("bert_config_path", self.bert_config_path, hint=" (the Google bert_config.json)")
         _path("init_checkpoint", self.init_checkpoint, required=False)
 
 
 @dataclass(frozen=True)
 class DataSettings:
-    input_dir: str | None
-    eval_dir: str
-    max_seq_length: int = 512
-    max_predictions_per_seq: int = 76
-    input_layout: str = "unpadded"
-    balance: str = "none"
-    balance_deal: str = "auto"
+    input_dir: str | None = flag("folder of training hdf5 shards (fixed, varlength or packed); needed with "
+                                 "--do_train", "data")
+    eval_dir: str = flag("folder (or file) of the eval hdf5 shard(s)", "data")
+    max_seq_length: int = flag("longest sequence, in tokens", "data", 512)
+    max_predictions_per_seq: int = flag("masked positions per sequence", "data", 76)
+    input_layout: str = flag("padded: every sequence padded to --max_seq_length; unpadded: real tokens only; "
+                             "packed: packed shards, up to 3 sequences per row", "data", "unpadded",
+                             choices=INPUT_LAYOUTS)
+    balance: str = flag("load balancing of unpadded batches across ranks", "balance", "none",
+                        choices=BALANCE_POLICIES)
+    balance_deal: str = flag("how sorted samples are dealt to ranks; auto: raster for global_presort and "
+                             "cpu_exchange, snake for local_presort (greedy balances best)", "balance", "auto",
+                             choices=BALANCE_DEALS)
 
     def __post_init__(self) -> None:
         _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
@@ -141,10 +188,6 @@ class DataSettings:
             f"--balance_deal {self.balance_deal} orders the deal of a balancing policy: "
             "pick one with --balance or drop --balance_deal",
         )
-        if self.balance == "local_presort":
-            _check_stratified_input(self.input_dir)
-        if self.balance == "cpu_exchange":
-            _check_mpi_launch()
 
     @property
     def deal_order(self) -> str:
@@ -154,45 +197,20 @@ class DataSettings:
         return DEFAULT_DEALS.get(self.balance, "raster")
 
 
-def _check_stratified_input(input_dir: str | None) -> None:
-    """local_presort needs stratified batches, which only a stratified dataset folder gives."""
-    from .stratified import STRATA_FILE  # here, not at the top: the config tree stays free of numpy and h5py
-
-    _require(
-        not input_dir or not Path(input_dir).is_dir() or (Path(input_dir) / STRATA_FILE).is_file(),
-        f"--balance local_presort reads stratified local batches, but --input_dir {input_dir} has no "
-        f"{STRATA_FILE}: make the stratified shards with `data_prep/prepare.py stratify --input {input_dir} "
-        "--out DIR` and pass --input_dir DIR, or use --balance global_presort",
-    )
-
-
-def _check_mpi_launch() -> None:
-    """cpu_exchange talks MPI between the ranks: mpi4py must import and an MPI launcher must start them."""
-    from .distributed import launched_by_mpi  # here, not at the top: the config tree stays free of torch
-
-    _require(
-        importlib.util.find_spec("mpi4py") is not None,
-        "--balance cpu_exchange exchanges samples with MPI, but mpi4py is not installed: "
-        "pip install mpi4py mpich (or use --balance global_presort)",
-    )
-    _require(
-        launched_by_mpi(os.environ),
-        "--balance cpu_exchange needs ranks started by an MPI launcher (mpiexec -n N ..., or srun --mpi=pmix), "
-        "not torchrun: start them with mpiexec, or use --balance global_presort",
-    )
-
-
 @dataclass(frozen=True)
 class OptimSettings:
-    optimizer: str = "lamb"
-    learning_rate: float = 4e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    epsilon: float = 1e-6
-    weight_decay_rate: float = 0.01
-    max_grad_norm: float = 1.0
-    clip_mode: str = "after_allreduce"
-    implementation: str = "auto"
+    optimizer: str = flag("lamb (closed division) or adam", "batch and optimizer", "lamb", choices=OPTIMIZERS)
+    learning_rate: float = flag("peak learning rate", "batch and optimizer", 4e-4)
+    beta1: float = flag("first-moment decay", "batch and optimizer", 0.9, name="opt_lamb_beta_1")
+    beta2: float = flag("second-moment decay", "batch and optimizer", 0.999, name="opt_lamb_beta_2")
+    epsilon: float = flag("optimizer epsilon", "batch and optimizer", 1e-6, name="opt_epsilon")
+    weight_decay_rate: float = flag("decoupled weight decay, not applied to biases and LayerNorm",
+                                    "batch and optimizer", 0.01)
+    max_grad_norm: float = flag("gradient clipping norm", "clipping", 1.0)
+    clip_mode: str = flag("where gradients are clipped relative to the all-reduce", "clipping", "after_allreduce",
+                          choices=CLIP_MODES)
+    implementation: str = flag("auto: apex when importable, else PyTorch multi-tensor (foreach)",
+                               "batch and optimizer", "auto", name="optimizer_impl", choices=OPTIMIZER_IMPLS)
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -208,13 +226,18 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class ScheduleSettings:
-    max_steps: int
-    warmup_steps: int | None = None
-    warmup_proportion: float | None = None
-    start_warmup_step: int = 0
-    decay_steps: int | None = None  # None: the LR decays over max_steps
-    end_learning_rate: float = 0.0
-    decay_from_warmup_end: bool = False  # Samsung: decay progress counts from the end of warm-up
+    max_steps: int = flag("optimizer steps; the LR reaches --end_learning_rate here unless --decay_steps says "
+                          "otherwise", "schedule")
+    warmup_steps: int | None = flag("linear warm-up steps (without it or --warmup_proportion: no warm-up)", "schedule", None, exclusive="warmup")
+    warmup_proportion: float | None = flag("warm-up as a fraction of --max_steps", "schedule", None,
+                                           exclusive="warmup")
+    start_warmup_step: int = flag("schedule offset; negative values start the warm-up part-way (NVIDIA configs)",
+                                  "schedule", 0)
+    decay_steps: int | None = flag("steps over which the LR decays to --end_learning_rate (default: --max_steps)",
+                                   "schedule", None)
+    end_learning_rate: float = flag("LR after the decay", "schedule", 0.0)
+    decay_from_warmup_end: bool = flag("measure decay progress from the end of warm-up (Samsung's schedule)",
+                                       "schedule", False)
 
     def __post_init__(self) -> None:
         _count("max_steps", self.max_steps, 1, MAX_STEPS_LIMIT)
@@ -236,6 +259,26 @@ class ScheduleSettings:
             "--decay_from_warmup_end decays after the warm-up, so the warm-up must end before --decay_steps "
             "(or --max_steps): shorten the warm-up or lengthen the decay",
         )
+        self._check_no_zero_plateau()
+
+    def _check_no_zero_plateau(self) -> None:
+        """The LR must not sit at 0 before --max_steps: such steps change nothing and only burn time."""
+        decay = self.decay_steps or self.max_steps
+        warm_end = self.resolved_warmup_steps + self.start_warmup_step  # first step after the warm-up
+        warm = "--warmup_proportion" if self.warmup_proportion is not None else "--warmup_steps"
+        _require(
+            warm_end <= decay,
+            f"{warm} ends the warm-up at step {warm_end}, after --decay_steps {decay} has already brought the "
+            f"learning rate down to --end_learning_rate {self.end_learning_rate}: the warm-up would jump to "
+            f"{self.end_learning_rate} at step {warm_end}. Give --decay_steps >= {warm_end} (or drop it: the "
+            "decay then runs to --max_steps), or shorten the warm-up",
+        )
+        _require(
+            self.end_learning_rate > 0 or decay == self.max_steps,
+            f"--decay_steps {decay} brings the learning rate to --end_learning_rate 0 at step {decay}, and it "
+            f"stays 0 until --max_steps {self.max_steps}: those steps train nothing. Drop --decay_steps (the "
+            "decay then runs to --max_steps), lower --max_steps to it, or give --end_learning_rate > 0",
+        )
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -246,11 +289,14 @@ class ScheduleSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    target_mlm_accuracy: float = 0.720
-    num_eval_examples: int = 10000
-    eval_batch_size: int = 128
-    eval_iter_start_samples: int | None = None
-    eval_iter_samples: int | None = None
+    target_mlm_accuracy: float = flag("stop with success at this masked-LM accuracy", "evaluation and stopping",
+                                      0.720)
+    num_eval_examples: int = flag("eval samples (the first N of --eval_dir)", "evaluation and stopping", 10000)
+    eval_batch_size: int = flag("eval sequences per rank and step", "evaluation and stopping", 128)
+    eval_iter_start_samples: int | None = flag("samples before the first eval (default: --eval_iter_samples)",
+                                               "evaluation and stopping", None)
+    eval_iter_samples: int | None = flag("samples between evals (default: the MLPerf formula of the global batch "
+                                         "size)", "evaluation and stopping", None)
 
     def __post_init__(self) -> None:
         _require(_is_real(self.target_mlm_accuracy) and 0 < self.target_mlm_accuracy < 1,
@@ -264,23 +310,31 @@ class EvalSettings:
 
 @dataclass(frozen=True)
 class RunSettings:
-    output_dir: str
-    seed: int = 12345
-    do_train: bool = True
-    max_samples_termination: int | None = None
-    precision: str = "fp32"
-    device: str = "auto"
-    log_freq: int = 10
-    init_loss_scale: float = 2.0**16
-    cuda_graphs: bool = False
-    mlperf_log_file: str | None = None
-    submission_division: str = "closed"
-    submission_org: str = "reference"
-    submission_platform: str = "unknown"
-    submission_status: str = "onprem"
-    compile_mode: str = "none"
-    sync_every: int = 1
-    input_pipeline: str = "torch"
+    output_dir: str = flag("where the MLPerf log, resolved_config.json and checkpoints go", "run and logging")
+    seed: int = flag("seed of weights, data order and dropout", "run and logging", 12345)
+    do_train: bool = flag("train; without it the init checkpoint is evaluated once", "run and logging", False)
+    max_samples_termination: int | None = flag("stop with status aborted after this many samples (default: only "
+                                               "--max_steps stops)", "evaluation and stopping", None)
+    precision: str = flag("fp32 (CPU), bf16, or fp16 with dynamic loss scaling (GPU)", "precision and fast path",
+                          "fp32", choices=PRECISIONS)
+    device: str = flag("auto: cuda when available", "run and logging", "auto", choices=DEVICES)
+    log_freq: int = flag("steps between progress lines on stderr", "run and logging", 10)
+    init_loss_scale: float = flag("fp16 initial loss scale", "precision and fast path", 2.0**16)
+    cuda_graphs: bool = flag("capture the packed training step as a CUDA graph", "precision and fast path", False)
+    mlperf_log_file: str | None = flag("MLPerf log path (default: OUTPUT_DIR/mlperf.log)", "run and logging", None)
+    submission_division: str = flag("logged as submission_division; closed requires --optimizer lamb",
+                                    "run and logging", "closed", choices=DIVISIONS)
+    submission_org: str = flag("logged as submission_org", "run and logging", "reference")
+    submission_platform: str = flag("logged as submission_platform", "run and logging", "unknown")
+    submission_status: str = flag("logged as submission_status", "run and logging", "onprem",
+                                  choices=SUBMISSION_STATUSES)
+    compile_mode: str = flag("torch.compile each encoder layer (fuses bias+GELU and dropout+residual+LayerNorm)",
+                             "precision and fast path", "none", choices=COMPILE_MODES)
+    sync_every: int = flag("steps between host reads of the device (loss check, stop agreement); above 1 a "
+                           "non-finite loss rolls the run back to the last good read (docs/FAULTS.md)",
+                           "precision and fast path", 1)
+    input_pipeline: str = flag("host-to-device input: torch (pinned memory, side-stream copies) or NVIDIA DALI",
+                               "precision and fast path", "torch", choices=INPUT_PIPELINES)
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
@@ -315,11 +369,19 @@ class CheckpointSettings:
     configs leave both unset); a preempted or diverged run writes one regardless.
     """
 
-    directory: str | None = None  # None: OUTPUT_DIR/checkpoints
-    every_samples: int | None = None  # after the first step at or past each multiple
-    every_minutes: float | None = None  # wall clock of rank 0, agreed by all ranks at a step
-    keep: int = 3  # newest checkpoints kept; older ones are deleted after each write
-    resume_from: str | None = None  # a checkpoint file, or "auto": the newest in `directory`, if any
+    directory: str | None = flag("run checkpoints; must be inside --output_dir (default: OUTPUT_DIR/checkpoints)",
+                                 "checkpoints and faults", None, name="checkpoint_dir")
+    every_samples: int | None = flag("write a checkpoint after the step that passes each multiple of this many "
+                                     "samples", "checkpoints and faults", None, name="checkpoint_every_samples")
+    every_minutes: float | None = flag("write a checkpoint when this many minutes passed since the last one "
+                                       "(rank 0's clock, agreed by all ranks at a step)", "checkpoints and faults",
+                                       None, name="checkpoint_every_minutes")
+    keep: int = flag("newest checkpoints kept, older ones deleted after each write", "checkpoints and faults", 3,
+                     name="keep_checkpoints")
+    resume_from: str | None = flag("continue a run from a checkpoint file; auto: the newest in --checkpoint_dir, "
+                                   "or a fresh start when there is none (a resumed run is never a timing result)",
+                                   "checkpoints and faults", None, name="resume_from_checkpoint",
+                                   metavar="PATH|auto")
 
     def __post_init__(self) -> None:
         _path("checkpoint_dir", self.directory, required=False)
@@ -329,10 +391,6 @@ class CheckpointSettings:
             _real("checkpoint_every_minutes", self.every_minutes, 1e-3, 1e6)
         _count("keep_checkpoints", self.keep, 1)
         _path("resume_from_checkpoint", self.resume_from, required=False, hint=" (a checkpoint file or 'auto')")
-        if self.resume_from not in (None, RESUME_AUTO):
-            _require(os.path.isfile(self.resume_from),
-                     f"--resume_from_checkpoint {self.resume_from}: no such file; give a checkpoint file "
-                     f"written by a training run, or '{RESUME_AUTO}' for the newest one in --checkpoint_dir")
 
     @property
     def periodic(self) -> bool:
@@ -343,35 +401,15 @@ class CheckpointSettings:
 class FaultSettings:
     """How the run reacts to lost ranks and numeric blow-ups (see docs/FAULTS.md)."""
 
-    collective_timeout_s: float = 600.0  # longest wait in a collective; must exceed a checkpoint write
-    max_consecutive_skipped_steps: int = 50  # fp16 overflow skips in a row before the run stops
+    collective_timeout_s: float = flag("seconds a rank waits in a collective before the run stops naming the "
+                                       "lost rank; must exceed the time to write a checkpoint",
+                                       "checkpoints and faults", 600.0)
+    max_consecutive_skipped_steps: int = flag("fp16: stop (with a checkpoint) after this many overflow-skipped "
+                                              "steps in a row", "checkpoints and faults", 50)
 
     def __post_init__(self) -> None:
         _real("collective_timeout_s", self.collective_timeout_s, 1.0, 7 * 24 * 3600.0)
         _count("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps)
-
-
-def _inside(path: Path, root: Path) -> bool:
-    """Whether `path` stays under `root` once `..` and symlinks are resolved (both may not exist yet)."""
-    return Path(os.path.realpath(path)).is_relative_to(Path(os.path.realpath(root)))
-
-
-def _check_output_paths(run: RunSettings, checkpoint_dir: Path) -> None:
-    """Everything the run writes by its own choice stays inside --output_dir.
-
-    The one exception is an explicit --mlperf_log_file: the launcher's deliberate choice of where
-    the log is collected (run_and_time.sh puts it next to OUTPUT_DIR, as the MLPerf layout wants).
-    """
-    out = Path(run.output_dir)
-    _require(not os.path.lexists(out) or os.path.isdir(out),
-             f"--output_dir {out} exists and is not a directory; pick another")
-    _require(_inside(checkpoint_dir, out),
-             f"--checkpoint_dir {checkpoint_dir} resolves to {os.path.realpath(checkpoint_dir)}, outside "
-             f"--output_dir {out}: give a folder inside it (the default is {out / 'checkpoints'})")
-    for name in ("mlperf.log", "resolved_config.json"):
-        _require(_inside(out / name, out), f"{out / name} is a symlink that leads outside --output_dir; remove it")
-    log = run.mlperf_log_path
-    _require(not os.path.isdir(log), f"--mlperf_log_file {log} is a directory; give a file path")
 
 
 @dataclass(frozen=True)
@@ -382,9 +420,11 @@ class TrainConfig:
     schedule: ScheduleSettings
     eval: EvalSettings
     run: RunSettings
-    train_batch_size: int = 8  # per rank and optimizer step (sequences, or packs when packed)
-    gradient_accumulation_steps: int = 1
-    world_size: int = 1
+    train_batch_size: int = flag("per rank and optimizer step: sequences, or packs with --input_layout packed",
+                                 "batch and optimizer", 8)
+    gradient_accumulation_steps: int = flag("micro-batches per optimizer step (micro-batch = --train_batch_size / "
+                                            "this)", "batch and optimizer", 1)
+    world_size: int = 1  # processes; from the launcher's environment, not a flag
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     faults: FaultSettings = field(default_factory=FaultSettings)
 
@@ -442,7 +482,6 @@ class TrainConfig:
             _require(ok, message)
 
     def _check_checkpoints(self) -> None:
-        _check_output_paths(self.run, self.checkpoint_dir)
         _require(
             self.run.do_train or (self.checkpoint.resume_from is None and not self.checkpoint.periodic),
             "checkpoints and --resume_from_checkpoint belong to training: add --do_train or drop them",
@@ -466,3 +505,21 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """The inverse of `to_dict` (a `resolved_config.json`), validated as when built from flags."""
+        return _from_dict(cls, data)
+
+
+def _from_dict(cls: type, data: object) -> Any:
+    _require(isinstance(data, dict), f"{cls.__name__}: expected a JSON object; got {data!r}")
+    known = {f.name: kind for f, kind in settings_fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    _require(not unknown, f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(known)}")
+    values = {name: _from_dict(known[name], value) if is_dataclass(known[name]) else value
+              for name, value in data.items()}
+    try:
+        return cls(**values)
+    except TypeError as err:  # a required key is missing
+        raise ConfigError(f"{cls.__name__}: {err}") from err

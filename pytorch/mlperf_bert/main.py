@@ -7,9 +7,11 @@ other exit codes (preemption, lost rank, numeric blow-up) are listed in `mlperf_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from .checkpoint import CheckpointError
 from .cli import build_parser, config_from_args
@@ -21,8 +23,10 @@ from .faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
 from .build import resolve_device
 from .hooks import Hook
+from .startup import check_environment
 from .trainer import run
 
+EXIT_DIR_VARIABLE = "MLPERF_BERT_EXIT_DIR"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
 
 
@@ -32,7 +36,10 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: 
     stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
     hooks: more hooks for the training loop (`trainer.run`).
     """
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a bad flag (2) whose one-line error is printed
+        return done.code if isinstance(done.code, int) else EXIT_BAD_INPUT
     if stop is not None:
         return _train(args, stop, hooks)
     with StopRequest() as own:
@@ -45,6 +52,7 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -
         denv = dist_env_from(os.environ)
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
+        check_environment(cfg, os.environ, device)
         init_distributed(denv, device, cfg.faults.collective_timeout_s)
         with watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop, hooks)
@@ -69,6 +77,18 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -
     return 0
 
 
+def record_exit_code(code: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Leaves `code` in $MLPERF_BERT_EXIT_DIR/<pid>.code for the launcher, when it asked for it.
+
+    torchrun and mpiexec replace their workers' exit codes by 1; run_and_time.sh reads these
+    files to exit with the trainer's own code instead (docs/FAULTS.md, "Exit codes").
+    """
+    folder = environ.get(EXIT_DIR_VARIABLE)
+    if code != 0 and folder:
+        with contextlib.suppress(OSError):  # the exit code itself still goes out; the launcher falls back to it
+            Path(folder, f"{os.getpid()}.code").write_text(f"{code}\n")
+
+
 def exit_now(code: int) -> None:
     """Ends the process at once with `code` (after flushing) when the run stopped early.
 
@@ -77,6 +97,7 @@ def exit_now(code: int) -> None:
     teardown would give such a kill time to replace the exit code 75 or 3. Nothing is left to
     clean up: the checkpoint and the MLPerf log are written and the process group is closed.
     """
+    record_exit_code(code)
     if code in (EXIT_PREEMPTED, EXIT_DIVERGED):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -22,11 +22,53 @@ from torch import nn
 
 from .attention import FlatAttention, FlatLayout, flat_layout
 from .batch import FlatBatch
+from .config import ConfigError
+
+# The Google bert_config.json keys. The first five set the model's shape and have no
+# sensible default, so a file must give them; the others default to BERT's published values
+# (Devlin et al. 2018; the MLPerf phase-1 checkpoint's bert_config.json has the same ones).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+DEFAULTED_KEYS = {
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "initializer_range": 0.02,
+    "layer_norm_eps": 1e-12,
+}
+HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+# Bytes per parameter while training: fp32 weights, gradients and the optimizer's two moments.
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _check_value(key: str, value: object) -> None:
+    """The type and range of one key; raises ConfigError naming the key."""
+    if key == "hidden_act":
+        ok, want = value in HIDDEN_ACTS, f"one of {', '.join(HIDDEN_ACTS)}"
+    elif key.endswith("_prob"):
+        ok, want = _is_real(value) and 0.0 <= value < 1.0, "a number in [0, 1)"
+    elif key in ("initializer_range", "layer_norm_eps"):
+        ok, want = _is_real(value) and 0.0 < value < 1.0, "a number in (0, 1)"
+    elif key == "type_vocab_size":
+        ok, want = _is_int(value) and value >= 2, "an integer >= 2 (segment ids are 0 and 1)"
+    else:
+        ok, want = _is_int(value) and value >= 1, "an integer >= 1"
+    if not ok:
+        raise ConfigError(f"{key} must be {want}; got {value!r}")
 
 
 @dataclass(frozen=True)
 class BertConfig:
-    """The Google `bert_config.json` fields."""
+    """The Google `bert_config.json` fields (defaults: BERT-Large; `from_json` requires REQUIRED_KEYS)."""
 
     vocab_size: int
     hidden_size: int = 1024
@@ -42,31 +84,38 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_value(f.name, getattr(self, f.name))
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}"
-            )
-        if self.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (use 'gelu')")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                              f"{self.num_attention_heads}: each head gets hidden_size / num_attention_heads features")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "BertConfig":
+        """Reads and validates a bert_config.json; ConfigError names the file and the key."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: cannot read the BERT config ({err})") from err
-        known = {f.name for f in fields(cls)}
-        if "vocab_size" not in raw:
-            raise ValueError(f"{path}: 'vocab_size' is missing")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read the BERT config ({err})") from err
         try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}: {err}") from err
+            return cls(**_known_keys(raw))
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from err
+
+    @property
+    def parameter_count(self) -> int:
+        """Trainable parameters of BertForPreTraining (padded vocabulary; the decoder is tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.padded_vocab_size
+        embeddings = (v + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+        layer = 4 * h * h + 2 * h * i + i + 9 * h  # Q, K, V, output, FFN in and out, two LayerNorms
+        heads = (h * h + h) + (h * h + 3 * h) + v + (2 * h + 2)  # pooler, MLM transform, MLM bias, NSP
+        return embeddings + self.num_hidden_layers * layer + heads
+
+    @property
+    def training_bytes(self) -> int:
+        """Memory of weights, gradients and optimizer moments in fp32 (activations not counted)."""
+        return TRAINING_BYTES_PER_PARAMETER * self.parameter_count
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +124,20 @@ class BertConfig:
     def padded_vocab_size(self) -> int:
         """Embedding rows, rounded up to a multiple of 8 for tensor-core GEMMs."""
         return 8 * math.ceil(self.vocab_size / 8)
+
+
+def _known_keys(raw: object) -> dict:
+    """The file's keys: required ones present, unknown ones refused, the rest defaulted."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"must hold a JSON object of BERT config keys; got {type(raw).__name__}")
+    missing = [key for key in REQUIRED_KEYS if key not in raw]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} missing; a bert_config.json must give {', '.join(REQUIRED_KEYS)}")
+    unknown = sorted(set(raw) - set(REQUIRED_KEYS) - set(DEFAULTED_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+                          f"{', '.join(REQUIRED_KEYS + tuple(DEFAULTED_KEYS))}")
+    return {**DEFAULTED_KEYS, **raw}
 
 
 @dataclass
