@@ -18,13 +18,16 @@ from .distributed import dist_env_from, init_distributed, shutdown
 from .faults import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED
 from .faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
+from .outputs import EXIT_IO_ERROR, describe_write_error, own_output_dir
 from .trainer import resolve_device, run
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: the shell's code for death by SIGINT
 
 
 def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
-    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 75 preempted, 76 lost rank (mlperf_bert.faults).
+    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 74 write failure (mlperf_bert.outputs),
+    75 preempted (SIGTERM, SIGUSR1, Ctrl-C), 76 lost rank (mlperf_bert.faults), 130 a second Ctrl-C.
 
     stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
     """
@@ -42,11 +45,18 @@ def _train(args: argparse.Namespace, stop: StopRequest) -> int:
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
         init_distributed(denv, device, cfg.faults.collective_timeout_s)
-        with watch_ranks(denv, cfg.faults.collective_timeout_s):
+        with own_output_dir(cfg, denv), watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as err:  # the MLPerf log, a checkpoint, resolved_config.json: nothing is skipped silently
+        print(f"error: {describe_write_error(err)}", file=sys.stderr)
+        return EXIT_IO_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted by a second Ctrl-C before the checkpoint; no checkpoint was written",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except TrainingStopped as stopped:
         if denv.is_main:
             print(f"stopped ({stopped.reason}): {stopped}. Checkpoint: {stopped.checkpoint}; continue with "
