@@ -22,11 +22,11 @@ from typing import Iterator
 import pytest
 import torch
 
-from _fault_launch import mllog_events
+from _fault_launch import mllog_events, run_ranks, worker_command
 from conftest import REPO, TRAINER, trainer_args
 from mlperf_bert.faults import EXIT_PREEMPTED
 from mlperf_bert.mllog import MLPerfLogger
-from mlperf_bert.outputs import EXIT_IO_ERROR, LOCK_NAME
+from mlperf_bert.outputs import EXIT_IO_ERROR, LOCK_NAME, write_text_atomic
 from mlperf_bert.train_checkpoint import write_atomic
 
 
@@ -114,6 +114,26 @@ def test_a_checkpoint_on_a_full_disk_stops_the_run_with_one_error_line(demo_data
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
+def test_a_full_disk_under_resolved_config_stops_the_run_with_one_error_line(demo_data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "resolved_config.json.tmp").symlink_to("/dev/full")  # its write fails with ENOSPC
+    result = _train(trainer_args(demo_data, out, "--do_train"))
+    assert result.returncode == EXIT_IO_ERROR, result.stderr[-2000:]
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write ") and "ENOSPC" in lines[0]
+    assert not (out / "mlperf.log").exists()
+
+
+def test_a_failed_small_file_write_names_the_file_and_keeps_the_old_one(tmp_path):
+    path = tmp_path / "resolved_config.json"
+    write_text_atomic(path, "{}\n")
+    with file_size_limit(100), pytest.raises(OSError) as failed:
+        write_text_atomic(path, "x" * 1000)
+    assert failed.value.filename == str(path)
+    assert path.read_text() == "{}\n" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
 # --- the output folder belongs to one run ----------------------------------------------------
 
 def test_a_second_run_into_a_used_folder_is_refused_and_the_log_kept(demo_data, tmp_path):
@@ -128,6 +148,18 @@ def test_a_second_run_into_a_used_folder_is_refused_and_the_log_kept(demo_data, 
     assert "--resume_from_checkpoint auto" in lines[0]
     assert (out / "mlperf.log").read_bytes() == log
     assert not (out / LOCK_NAME).exists()
+
+
+def test_every_rank_refuses_a_used_folder_together(demo_data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlperf.log").write_text(":::MLLOG {}\n")
+    flags = trainer_args(demo_data, out, "--do_train", "--train_batch_size", "4", "--collective_timeout_s", "60")
+    assert run_ranks(worker_command(flags), 2, tmp_path / "logs", timeout=120) == [2, 2]
+    for rank in (0, 1):
+        lines = _error_lines((tmp_path / "logs" / f"rank{rank}.err").read_text())
+        assert len(lines) == 1 and "already holds the MLPerf log of another run" in lines[0], lines
+    assert (out / "mlperf.log").read_text() == ":::MLLOG {}\n"
 
 
 def _hold_lock(out: Path) -> subprocess.Popen:
