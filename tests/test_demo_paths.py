@@ -48,5 +48,10 @@ def test_make_demo_works_from_a_path_with_spaces_and_leaves_results_alone(tmp_pa
     assert _tree(root / "results") == committed
     logs = list((root / "demo_runs" / "CPU_1x2").glob("*_5.log"))
     assert len(logs) == 1 and ":::MLLOG" in logs[0].read_text()
+    # The README's packaging of the committed runs still works after a demo run.
+    packed = subprocess.run([str(root / ".venv" / "bin" / "python"), "tools/package_results.py", "pack",
+                             "results/CPU_1x2", "--config", "config_CPU_1x2.sh", "--out", str(tmp_path / "package")],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert packed.returncode == 0 and packed.stdout.rstrip().endswith("PASS"), packed.stdout[-2000:] + packed.stderr
     ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", "demo_runs/CPU_1x2/x.log"], cwd=REPO)
     assert ignored.returncode == 0, "demo_runs/ must be ignored by git"
