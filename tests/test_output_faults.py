@@ -7,6 +7,7 @@ EFBIG) or /dev/full (every write fails with ENOSPC): both work unprivileged, in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -15,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -30,7 +30,7 @@ from mlperf_bert.outputs import EXIT_IO_ERROR, LOCK_NAME, write_text_atomic
 from mlperf_bert.train_checkpoint import write_atomic
 
 
-@contextmanager
+@contextlib.contextmanager
 def file_size_limit(limit: int) -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -68,6 +68,18 @@ def test_a_full_disk_under_the_mlperf_log_raises_naming_it():
         logger.init_start()
     assert failed.value.filename == "/dev/full"
     logger.close()
+
+
+def test_a_full_disk_under_the_logs_stdout_copy_raises_naming_it(monkeypatch):
+    full = open("/dev/full", "w")
+    monkeypatch.setattr(sys, "stdout", full)
+    logger = MLPerfLogger(None, rank=0)
+    with pytest.raises(OSError, match="No space left") as failed:
+        logger.init_start()
+    logger.close()
+    with contextlib.suppress(OSError):  # the unwritten line is still in the file's buffer
+        full.close()
+    assert failed.value.filename.startswith("stdout")
 
 
 def test_a_failed_log_write_leaves_only_whole_lines(tmp_path):

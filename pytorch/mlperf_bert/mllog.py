@@ -74,6 +74,16 @@ class LogFileHandler(logging.Handler):
         super().close()
 
 
+class EchoHandler(logging.StreamHandler):
+    """The log's copy on stdout, where launchers collect it: a failed write raises, as for the file."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]  # called inside emit's except clause
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror or str(err), "stdout (the MLPerf log's copy)") from err
+        super().handleError(record)
+
+
 class MLPerfLogger:
     """Writes the MLPerf log of one run (rank 0 only).
 
@@ -90,7 +100,7 @@ class MLPerfLogger:
             if path is not None:
                 self._handlers.append(LogFileHandler(path))
             if path is None or echo_stdout:
-                self._handlers.append(logging.StreamHandler(sys.stdout))
+                self._handlers.append(EchoHandler(sys.stdout))
             sink = logging.Logger(f"mlperf_bert.mllog.{id(self)}", level=logging.INFO)
             sink.propagate = False
             for handler in self._handlers:
