@@ -24,7 +24,7 @@ import torch
 
 from _fault_launch import mllog_events, run_ranks, worker_command
 from conftest import REPO, TRAINER, trainer_args
-from mlperf_bert.faults import EXIT_PREEMPTED
+from mlperf_bert.faults import EXIT_PREEMPTED, StopRequest
 from mlperf_bert.mllog import MLPerfLogger
 from mlperf_bert.outputs import EXIT_IO_ERROR, LOCK_NAME, write_text_atomic
 from mlperf_bert.train_checkpoint import write_atomic
@@ -245,3 +245,12 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_logs_run_stop_aborted(demo_dat
     assert len(stop) == 1 and stop[0]["metadata"]["status"] == "aborted"
     saved = list((out / "checkpoints").glob("ckpt-*.pt"))
     assert len(saved) == 1 and torch.load(saved[0], weights_only=True)["run"]["reason"] == "preempted"
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal_number == signal.SIGINT  # the first one only asks for a stop
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
