@@ -6,6 +6,7 @@ Exit codes of `run_pretraining.py` (docs/FAULTS.md has the user's view):
    2  bad input (flag, shard, checkpoint); the message names it
    3  numeric blow-up: a non-finite loss (fp32/bf16) or too many fp16 overflow skips in a row;
       a checkpoint of the last good state was written
+  74  a write failed (full disk, read-only folder): one line names the file (`outputs.py`)
   75  preempted (EX_TEMPFAIL, "try again"): SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived, a
       checkpoint was written; rerun with `--resume_from_checkpoint auto`
  130  a second SIGINT (Ctrl-C) before the first one's checkpoint: stopped at once, no checkpoint
