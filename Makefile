@@ -27,8 +27,9 @@ $(TEST_STAMP): $(STAMP)
 
 venv: $(STAMP)
 
+# Quoted, not $(abspath): make splits a path with spaces into words.
 demo: $(STAMP)
-	PYTHON=$(abspath $(PY)) bash tools/run_demo.sh
+	PYTHON="$(CURDIR)/$(PY)" bash tools/run_demo.sh
 
 test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
@@ -36,4 +37,4 @@ test: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean-demo:
-	rm -rf demo_data
+	rm -rf demo_data demo_runs

@@ -205,17 +205,19 @@ def create_samples(
     if not text_paths:
         raise DataPrepError("no input text files; point --text at part-XXXXX-of-00500 files or their folder")
     manifest = Manifest.open(out_dir, "samples", sample_params_record(params, vocab_path, exclude_path))
-    todo = [p for p in text_paths if not manifest.is_done(output_name(p))]
+    todo = [p for p in text_paths if not manifest.is_done(output_name(p), source=p)]
     log.info("samples: %d of %d text files to do in %s (%d already done)", len(todo), len(text_paths), out_dir,
              len(text_paths) - len(todo))
     if not todo:
         return manifest
     excluded = document_keys(exclude_path, vocab_path, params.encoding_errors) if exclude_path else frozenset()
     jobs = [SampleJob(p, out_dir / output_name(p), vocab_path, params, excluded) for p in todo]
+    text_of = {output_name(p): p for p in todo}
     with tqdm(total=sum(p.stat().st_size for p in todo), unit="B", unit_scale=True, desc="samples") as bar:
         for stats in run_jobs(create_file_samples, jobs, workers, _one_tokenizer_thread):
             extra = {k: v for k, v in asdict(stats).items() if k not in ("name", "sha256", "samples")}
-            manifest.record(stats.name, stats.samples, "fixed", sha256=stats.sha256, **extra)
+            manifest.record(stats.name, stats.samples, "fixed", sha256=stats.sha256, source=text_of[stats.name],
+                            **extra)
             log.info("samples: %s: %d documents (%d excluded), %d samples", stats.name, stats.documents,
                      stats.excluded_documents, stats.samples)
             bar.update(stats.text_bytes)

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_prep.fileio import Manifest
+from data_prep.fileio import Manifest, content_key
 from data_prep.formats import DataPrepError
 from mlperf_bert.shards import (
     MANIFEST_NAME, Samples, folder_shards, iter_blocks, offsets, read_manifest, read_samples, sequence_lengths,
@@ -95,8 +95,9 @@ def write_formats(
 
 
 def inputs_record(paths: list[Path]) -> list[list]:
-    """[name, bytes] of every input file, stored with a step's parameters so changed inputs are noticed."""
-    return [[p.name, p.stat().st_size] for p in paths]
+    """The content key of every input file (fileio.content_key), stored with a step's parameters:
+    outputs of other inputs, even under the same names, are made again."""
+    return [content_key(p) for p in paths]
 
 
 def recorded_lengths(directory: Path) -> dict[str, tuple[int, str]]:

@@ -2,6 +2,8 @@
 # `make demo`: make the demo data, train config_CPU_1x2.sh to its target on the CPU, check the
 # MLPerf log with the official compliance checker (rulesets 5.0.0 and 2.0.0), print the result.
 # `tools/run_demo.sh --data-only` makes the demo data (in DEMO_DATA) and stops.
+# Runs go to demo_runs/<system>/ (not committed; LOGDIR overrides): results/ holds only the
+# runs that were packaged on purpose. DEMO_CONFIG names another config file to train.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -10,7 +12,7 @@ PYTHON=${PYTHON:-python3}
 DEMO_DATA=${DEMO_DATA:-$here/demo_data}
 
 # shellcheck source=/dev/null
-source "$here/config_CPU_1x2.sh"
+source "${DEMO_CONFIG:-$here/config_CPU_1x2.sh}"
 
 if [[ ! -f "$DEMO_DATA/.complete" ]]; then
   echo "making the demo dataset in $DEMO_DATA"
@@ -26,7 +28,7 @@ if [[ "${1:-}" == --data-only ]]; then exit 0; fi
 
 SEED=${SEED:-$RANDOM}
 stamp=$(date +%y%m%d%H%M%S)
-LOGDIR=${LOGDIR:-$here/results/$DGXSYSTEM}
+LOGDIR=${LOGDIR:-$here/demo_runs/$DGXSYSTEM}
 mkdir -p "$LOGDIR"
 log="$LOGDIR/${stamp}_${SEED}.log"
 export SEED PYTHON

@@ -33,6 +33,7 @@ from .device_input import DeviceInput, HostBuilder
 from .distributed import DistEnv
 from .faults import Guard, Position, StepGuard, StopRequest
 from .hooks import Hook, Hooks
+from .outputs import write_text_atomic
 from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model import BertConfig, BertForPreTraining
 from .optim import build_optimizer, parameter_groups
@@ -150,9 +151,7 @@ def write_resolved_config(cfg: TrainConfig, denv: DistEnv) -> None:
         return
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "resolved_config.json.tmp"
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
-    tmp.replace(out / "resolved_config.json")
+    write_text_atomic(out / "resolved_config.json", json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def open_logger(cfg: TrainConfig, denv: DistEnv) -> MLPerfLogger:

@@ -6,8 +6,10 @@ Exit codes of `run_pretraining.py` (docs/FAULTS.md has the user's view):
    2  bad input (flag, shard, checkpoint); the message names it
    3  numeric blow-up: a non-finite loss (fp32/bf16) or too many fp16 overflow skips in a row;
       a checkpoint of the last good state was written
-  75  preempted (EX_TEMPFAIL, "try again"): SIGTERM or SIGUSR1 arrived, a checkpoint was
-      written; rerun with `--resume_from_checkpoint auto`
+  74  a write failed (full disk, read-only folder): one line names the file (`outputs.py`)
+  75  preempted (EX_TEMPFAIL, "try again"): SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived, a
+      checkpoint was written; rerun with `--resume_from_checkpoint auto`
+ 130  a second SIGINT (Ctrl-C) before the first one's checkpoint: stopped at once, no checkpoint
   76  a rank was lost (EX_PROTOCOL): another process died or stopped answering (`liveness.py`)
 
 Agreement. A decision that changes what the ranks do next (stop for a signal, stop for a
@@ -48,7 +50,7 @@ EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL
 EXIT_LOST_RANK = 76  # sysexits EX_PROTOCOL
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SignalHandler = Union[Callable[[int, Union[FrameType, None]], Any], int, signal.Handlers, None]
 
 
@@ -79,9 +81,11 @@ class NumericBlowUp(TrainingStopped):
 
 
 class StopRequest:
-    """Remembers SIGTERM / SIGUSR1 (SLURM's warning before the time limit, or preemption).
+    """Remembers SIGTERM / SIGUSR1 (SLURM's warning before the time limit, or preemption) and SIGINT.
 
     The handler only records the signal; the loop finishes its step and stops (`StepGuard`).
+    Ctrl-C is such a stop too; a second Ctrl-C raises KeyboardInterrupt at once (a user who
+    presses it twice does not want to wait for the step, e.g. while the data is still loading).
     Use as a context manager: the previous handlers come back on exit. Outside the main
     thread nothing is installed (Python allows handlers only there) and `requested` stays False.
     """
@@ -95,6 +99,8 @@ class StopRequest:
         return self.signal_number != 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signal_number == signal.SIGINT:
+            raise KeyboardInterrupt
         self.signal_number = signum
 
     def install(self) -> "StopRequest":

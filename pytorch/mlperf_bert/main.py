@@ -23,15 +23,18 @@ from .faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
 from .build import resolve_device
 from .hooks import Hook
+from .outputs import EXIT_IO_ERROR, describe_write_error, own_output_dir
 from .startup import check_environment
 from .trainer import run
 
 EXIT_DIR_VARIABLE = "MLPERF_BERT_EXIT_DIR"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: the shell's code for death by SIGINT
 
 
 def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: Sequence[Hook] = ()) -> int:
-    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 75 preempted, 76 lost rank (mlperf_bert.faults).
+    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 74 write failure (mlperf_bert.outputs),
+    75 preempted (SIGTERM, SIGUSR1, Ctrl-C), 76 lost rank (mlperf_bert.faults), 130 a second Ctrl-C.
 
     stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
     hooks: more hooks for the training loop (`trainer.run`).
@@ -54,11 +57,18 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -
         device = resolve_device(cfg.run.device, denv.local_rank)
         check_environment(cfg, os.environ, device)
         init_distributed(denv, device, cfg.faults.collective_timeout_s)
-        with watch_ranks(denv, cfg.faults.collective_timeout_s):
+        with own_output_dir(cfg, denv), watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop, hooks)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as err:  # the MLPerf log, a checkpoint, resolved_config.json: nothing is skipped silently
+        print(f"error: {describe_write_error(err)}", file=sys.stderr)
+        return EXIT_IO_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted by a second Ctrl-C before the checkpoint; no checkpoint was written",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except TrainingStopped as stopped:
         if denv.is_main:
             print(f"stopped ({stopped.reason}): {stopped}. Checkpoint: {stopped.checkpoint}; continue with "

@@ -12,6 +12,10 @@ directly, which passes the stack offset that points past this module to the trai
 For BERT an "epoch" is a count of training samples: pass samples seen wherever an
 `epoch_num` / `first_epoch_num` is asked for.
 
+A failed write (full disk, read-only or vanished file system) raises OSError naming the log at
+the event that failed, and the file is cut back to its last whole line: `logging.FileHandler`
+would report the error to stderr and let training go on with a log cut mid-line.
+
 Values must be JSON-serialisable Python values (call `.item()` on tensors yourself: doing
 it here would hide a device sync).
 """
@@ -19,6 +23,7 @@ it here would hide a device sync).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Iterable, Mapping
 
@@ -36,6 +41,49 @@ RUN_STATUSES = (constants.SUCCESS, constants.ABORTED)
 _CALLER_STACK_OFFSET = 3
 
 
+class LogFileHandler(logging.Handler):
+    """Appends each record as one line with one os.write; a write error raises (module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the MLPerf log is closed")
+        data = (self.format(record) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as err:
+            self._cut_back(size)
+            raise OSError(err.errno, err.strerror, self.path) from err
+
+    def _cut_back(self, size: int) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError:
+            pass  # a device or a vanished file system: the error being raised says enough
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        super().close()
+
+
+class EchoHandler(logging.StreamHandler):
+    """The log's copy on stdout, where launchers collect it: a failed write raises, as for the file."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]  # called inside emit's except clause
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror or str(err), "stdout (the MLPerf log's copy)") from err
+        super().handleError(record)
+
+
 class MLPerfLogger:
     """Writes the MLPerf log of one run (rank 0 only).
 
@@ -50,9 +98,9 @@ class MLPerfLogger:
         self._mllogger: MLLogger | None = None
         if self.enabled:
             if path is not None:
-                self._handlers.append(logging.FileHandler(path, mode="a"))
+                self._handlers.append(LogFileHandler(path))
             if path is None or echo_stdout:
-                self._handlers.append(logging.StreamHandler(sys.stdout))
+                self._handlers.append(EchoHandler(sys.stdout))
             sink = logging.Logger(f"mlperf_bert.mllog.{id(self)}", level=logging.INFO)
             sink.propagate = False
             for handler in self._handlers:

@@ -40,7 +40,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -122,10 +122,12 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
     tmp.unlink(missing_ok=True)
     try:
         with open(tmp, "xb") as f:  # x: never follows a symlink planted under the temporary name
-            torch.save(payload, f)
+            _save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # the earlier checkpoints stay: pruning comes after a good write
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
     finally:
         tmp.unlink(missing_ok=True)
     folder = os.open(path.parent, os.O_RDONLY)
@@ -133,6 +135,34 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+class _Writer:
+    """The file as torch.save sees it; keeps the OSError that torch's writer turns into a RuntimeError."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save(payload: dict[str, Any], f: BinaryIO) -> None:
+    writer = _Writer(f)
+    try:
+        torch.save(payload, writer)
+    except RuntimeError:
+        if writer.error is None:
+            raise
+        raise writer.error from None
 
 
 def _remove_stale_temporaries(directory: Path) -> None:
