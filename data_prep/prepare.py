@@ -88,8 +88,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 
 
 def _eval_params(args: argparse.Namespace) -> EvalParams:
-    return EvalParams(args.num_eval_samples, not args.no_eval_shuffle, args.seed, args.max_seq_length,
-                      args.max_predictions, args.compression)
+    return EvalParams(args.num_eval_samples, args.max_seq_length, args.max_predictions, args.compression)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -190,8 +189,8 @@ def _reshard_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num_eval_samples", type=int, default=NUM_EVAL_SAMPLES)
-    p.add_argument("--no_eval_shuffle", action="store_true", help="pick from the input order (already shuffled)")
+    p.add_argument("--num_eval_samples", type=int, default=NUM_EVAL_SAMPLES,
+                   help="pick_eval_samples.py's --num_examples_to_pick")
 
 
 def _pack_args(p: argparse.ArgumentParser) -> None:
