@@ -111,42 +111,45 @@ def _random_b(order, sentence_starts, doc_starts, doc_index, target_b, words, po
 
 
 @numba.njit(cache=True, nogil=True)
-def _mask(sequence, masked_lm_prob, ids, positions, labels, replacements, words, position) -> int:
-    """Masks one sequence; fills the row's positions/labels/replacements, returns their count."""
+def _mask(sequence, masked_lm_prob, ids, positions, labels, replacements, scratch, words, position) -> int:
+    """Masks one sequence; fills the row's positions/labels/replacements, returns their count.
+
+    `scratch` is [2, max_seq_length] int64 work space, all zero in row 1 between calls.
+    """
     vocab_size, cls_id, sep_id, mask_id = ids[0], ids[1], ids[2], ids[3]
-    max_predictions = positions.shape[0]
     n = sequence.shape[0]
-    candidates = np.empty(n, np.int64)
+    candidates, chosen = scratch[0], scratch[1]
     count = 0
     for i in range(n):
         if sequence[i] != cls_id and sequence[i] != sep_id:
             candidates[count] = i
             count += 1
-    candidates = candidates[:count]
-    mt.shuffle(words, position, candidates)
-    wanted = min(max_predictions, max(1, int(np.rint(n * masked_lm_prob))))  # rint: round half to even
+    mt.shuffle(words, position, candidates[:count])
+    wanted = min(positions.shape[0], max(1, int(np.rint(n * masked_lm_prob))))  # rint: round half to even
     taken = min(wanted, count)
     for k in range(taken):
         index = candidates[k]
         if mt.random_float(words, position) < 0.8:
-            replacement = mask_id
+            chosen[index] = mask_id + 1
         elif mt.random_float(words, position) < 0.5:
-            replacement = sequence[index]
+            chosen[index] = sequence[index] + 1
         else:
-            replacement = mt.randint(words, position, 0, vocab_size - 1)
-        # Insertion keeps the row sorted by position, as the reference sorts its masked_lms.
-        j = k
-        while j > 0 and positions[j - 1] > index:
-            positions[j], labels[j], replacements[j] = positions[j - 1], labels[j - 1], replacements[j - 1]
-            j -= 1
-        positions[j], labels[j], replacements[j] = index, sequence[index], replacement
+            chosen[index] = mt.randint(words, position, 0, vocab_size - 1) + 1
+    # The reference sorts its predictions by position: read them back in position order.
+    out = 0
+    for i in range(n):
+        if chosen[i]:
+            positions[out], labels[out], replacements[out] = i, sequence[i], chosen[i] - 1
+            chosen[i] = 0
+            out += 1
     return taken
 
 
 @numba.njit(cache=True, nogil=True)
-def _sequence(tokens, span, cls_id, sep_id):
+def _sequence(tokens, span, cls_id, sep_id, buffer):
+    """[CLS] A [SEP] B [SEP] of `span`, written into `buffer` (returns the used part)."""
     la, lb = span[1] - span[0], span[3] - span[2]
-    sequence = np.empty(la + lb + 3, np.int64)
+    sequence = buffer[:la + lb + 3]
     sequence[0] = cls_id
     sequence[1:la + 1] = tokens[span[0]:span[1]]
     sequence[la + 1] = sep_id
@@ -163,12 +166,14 @@ def _generate(tokens, sentence_starts, doc_starts, max_seq_length, short_seq_pro
     num_docs = doc_starts.shape[0] - 1
     order = np.arange(num_docs)
     mt.shuffle(words, position, order)
-    capacity = max(16, dupe_factor * (sentence_starts.shape[0] - 1) // 4)
+    # About one instance per max_seq_length / 2 tokens per round; _grow doubles when short.
+    capacity = max(16, 2 * dupe_factor * tokens.shape[0] // max_seq_length)
     spans = np.zeros((capacity, 5), np.int64)
     counts = np.zeros(capacity, np.int64)
     positions = np.zeros((capacity, max_predictions), np.int16)
     labels = np.zeros((capacity, max_predictions), np.int32)
     replacements = np.zeros((capacity, max_predictions), np.int32)
+    sequence, scratch = np.empty(max_seq_length, np.int64), np.zeros((2, max_seq_length), np.int64)
     n = 0
     for _ in range(dupe_factor):
         for doc_index in range(num_docs):
@@ -196,8 +201,8 @@ def _generate(tokens, sentence_starts, doc_starts, max_seq_length, short_seq_pro
                     _truncate(span, max_num_tokens, words, position)
                     counts, positions = _grow(counts, n + 1), _grow(positions, n + 1)
                     labels, replacements = _grow(labels, n + 1), _grow(replacements, n + 1)
-                    counts[n] = _mask(_sequence(tokens, span, ids[1], ids[2]), masked_lm_prob, ids,
-                                      positions[n], labels[n], replacements[n], words, position)
+                    counts[n] = _mask(_sequence(tokens, span, ids[1], ids[2], sequence), masked_lm_prob, ids,
+                                      positions[n], labels[n], replacements[n], scratch, words, position)
                     n += 1
                     chunk_start, chunk_size = i + 1, 0
                 i += 1
@@ -225,8 +230,9 @@ def make_instances(text: TokenizedText, params: InstanceParams, rng: random.Rand
 
 @numba.njit(cache=True, nogil=True)
 def _fill(tokens, spans, counts, positions, replacements, cls_id, sep_id, input_ids, input_mask, segment_ids):
+    buffer = np.empty(input_ids.shape[1], np.int64)
     for row in range(spans.shape[0]):
-        sequence = _sequence(tokens, spans[row], cls_id, sep_id)
+        sequence = _sequence(tokens, spans[row], cls_id, sep_id, buffer)
         n, la = sequence.shape[0], spans[row, 1] - spans[row, 0]
         input_ids[row, :n] = sequence
         input_mask[row, :n] = 1

@@ -175,7 +175,7 @@ def cmd_all(args: argparse.Namespace) -> None:
     eval_text = args.text_dir / EVAL_TEXT
     if not eval_text.is_file():
         raise DataPrepError(f"{eval_text}: not found; --text_dir must hold eval.txt and the part-* files")
-    create_samples(text_files([args.text_dir]), out / "parts", args.vocab, params, args.workers, eval_text)
+    create_samples(text_files([args.text_dir]), out / "parts", args.vocab, params, args.workers)
     create_samples([eval_text], out / "eval_parts", args.vocab, params, 1)
     make_eval_set(list_shards(out / "eval_parts"), {"fixed": out / "eval_fixed", "varlength": out / "eval_varlength"},
                   _eval_params(args))
@@ -197,7 +197,9 @@ def cmd_all(args: argparse.Namespace) -> None:
 def _samples_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=Path, nargs="+", required=True, help="part-* files or folders holding them")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--exclude_text", type=Path, help="eval.txt: its documents are kept out of these samples")
+    p.add_argument("--exclude_text", type=Path,
+                   help="drop the documents of this file (eval.txt) from the inputs; not the reference's behaviour: "
+                        "a file that loses a document no longer gives the MLCommons samples")
 
 
 def _io(p: argparse.ArgumentParser) -> None:
@@ -262,7 +264,7 @@ def _run_verify(args: argparse.Namespace) -> None:
 # step: (help, function, argument groups)
 STEPS = {
     "check-inputs": ("downloads vs the published MLCommons md5 table", cmd_check_inputs, (_check_args,)),
-    "samples": ("text parts -> per-part fixed hdf5 samples", cmd_samples, (_samples_io, _sample_args, _common)),
+    "samples": ("text parts -> per-part hdf5, the reference's rows and order", cmd_samples, (_samples_io, _sample_args, _common)),
     "import-tfrecord": ("reference TFRecords -> per-part fixed hdf5", cmd_import_tfrecord, (_import_args, _common)),
     "reshard": ("per-part files -> OUT/hdf5_N_shards_{fixed,varlength}", cmd_reshard, (_io, _reshard_args, _common)),
     "eval": ("eval samples -> OUT/eval_fixed and OUT/eval_varlength", cmd_eval, (_io, _eval_args, _common)),

@@ -181,5 +181,8 @@ def create_samples(
             manifest.record(stats.name, stats.samples, "fixed", sha256=stats.sha256, **extra)
             log.info("samples: %s: %d documents (%d excluded), %d samples", stats.name, stats.documents,
                      stats.excluded_documents, stats.samples)
+            if stats.excluded_documents:
+                log.warning("samples: %s: %d documents dropped by --exclude_text; this file's samples are no longer "
+                            "the MLCommons reference's", stats.name, stats.excluded_documents)
             bar.update(stats.text_bytes)
     return manifest
