@@ -78,7 +78,7 @@ def _temper_all(words: np.ndarray) -> None:
         words[N + i] = y
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def next_word(words: np.ndarray, position: np.ndarray) -> np.uint32:
     """The next tempered 32-bit output (CPython's genrand_uint32)."""
     if position[0] >= N:
@@ -89,7 +89,7 @@ def next_word(words: np.ndarray, position: np.ndarray) -> np.uint32:
     return words[N + position[0] - 1]
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def random_float(words: np.ndarray, position: np.ndarray) -> float:
     """`random.random()`: 53 bits from two words."""
     a = np.int64(next_word(words, position) >> np.uint32(5))
@@ -106,7 +106,7 @@ def _bit_length(n: int) -> int:
     return k
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def randbelow(words: np.ndarray, position: np.ndarray, n: int) -> int:
     """`random._randbelow(n)` for 1 <= n < 2**32: rejection sampling on getrandbits."""
     shift = np.uint32(32 - _bit_length(n))
@@ -116,7 +116,7 @@ def randbelow(words: np.ndarray, position: np.ndarray, n: int) -> int:
     return r
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def randint(words: np.ndarray, position: np.ndarray, low: int, high: int) -> int:
     """`random.randint(low, high)`, both ends included."""
     return low + randbelow(words, position, high - low + 1)

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import itertools
 import re
-import sys
 import unicodedata
 from collections import Counter
-from functools import cache
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +110,7 @@ _ASCII_CONTROL = bytes(c for c in range(32) if chr(c) not in "\t\n\r") + b"\x7f"
 # BERT's pre-tokeniser on ASCII: runs of non-space, non-punctuation characters, and every
 # punctuation character (ASCII 33-47, 58-64, 91-96, 123-126) on its own.
 _ASCII_WORD = re.compile(rb"[^\s!-/:-@\[-`{-~]+|[!-/:-@\[-`{-~]")
+_ASCII_PIECE = re.compile(_ASCII_WORD.pattern.decode())
 
 
 # CJK Unified Ideographs blocks the reference puts spaces around (_is_chinese_char).
@@ -119,17 +118,23 @@ _CJK = re.compile("[\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U
                   "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\uf900-\ufaff\U0002f800-\U0002fa1f]")
 
 
-@cache
-def _clean_table() -> dict[int, str | None]:
-    """str.translate table of the reference's _clean_text: deleted characters and spaces."""
-    table: dict[int, str | None] = {}
-    for code in range(sys.maxunicode + 1):
+class _CleanTable(dict):
+    """str.translate table of the reference's _clean_text, filled as characters are met.
+
+    Tab, newline, carriage return and Zs become " "; Cc, Cf, U+0000 and U+FFFD are deleted;
+    every other character maps to itself.
+    """
+
+    def __missing__(self, code: int) -> str | None:
         char = chr(code)
         if char in "\t\n\r" or unicodedata.category(char) == "Zs":
-            table[code] = " "
+            value: str | None = " "
         elif code in (0, 0xFFFD) or unicodedata.category(char) in ("Cc", "Cf"):
-            table[code] = None
-    return table
+            value = None
+        else:
+            value = char
+        self[code] = value
+        return value
 
 
 def _is_punctuation(char: str) -> bool:
@@ -155,6 +160,7 @@ class ExactTokenizer:
     def __init__(self, vocab: Vocab, max_cached_words: int = 1_000_000):
         self.ids = {token: i for i, token in enumerate(vocab.tokens)}
         self.unk = self.ids["[UNK]"]
+        self.clean = _CleanTable()
         self.cache: dict[str, tuple[int, ...]] = {}
         self.max_cached_words = max_cached_words
 
@@ -175,13 +181,16 @@ class ExactTokenizer:
 
     def _word_ids(self, word: str) -> tuple[int, ...]:
         """Ids of one whitespace-separated word: lower, strip accents, split punctuation, WordPiece."""
-        folded = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
-        parts = " ".join(_split_punctuation(folded)).split()
+        if word.isascii():  # no accents to strip; punctuation is the ASCII set
+            parts = _ASCII_PIECE.findall(word.lower())
+        else:
+            folded = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
+            parts = " ".join(_split_punctuation(folded)).split()
         return tuple(i for part in parts for i in self._wordpiece(part))
 
     def encode(self, line: str) -> list[int]:
         """Token ids of one (stripped) line."""
-        text = _CJK.sub(r" \g<0> ", line.translate(_clean_table()))
+        text = _CJK.sub(r" \g<0> ", line.translate(self.clean))
         out: list[int] = []
         for word in text.split():
             ids = self.cache.get(word)
