@@ -58,13 +58,17 @@ class InstanceParams:
 
 @dataclass
 class Instances:
-    """N instances in the reference's output order."""
+    """N instances in creation order, and `order`: the reference's output order (its final shuffle).
+
+    Output row i is instance order[i]; the arrays are not permuted, which saves a copy.
+    """
 
     spans: np.ndarray  # [N, 5] int64 token spans of A and B after truncation, is_random
     num_predictions: np.ndarray  # [N] int64
     positions: np.ndarray  # [N, P] int16 masked positions, ascending, 0 after num_predictions
-    labels: np.ndarray  # [N, P] int32 original ids at them
-    replacements: np.ndarray  # [N, P] int32 ids written at them ([MASK], the original, or random)
+    labels: np.ndarray  # [N, P] int16 original ids at them
+    replacements: np.ndarray  # [N, P] int16 ids written at them ([MASK], the original, or random)
+    order: np.ndarray  # [N] int64
 
     def __len__(self) -> int:
         return int(self.spans.shape[0])
@@ -78,7 +82,7 @@ class Instances:
 def _grow(array: np.ndarray, needed: int) -> np.ndarray:
     if needed <= array.shape[0]:
         return array
-    bigger = np.zeros((max(needed, 2 * array.shape[0]),) + array.shape[1:], array.dtype)
+    bigger = np.zeros((max(needed, array.shape[0] * 3 // 2),) + array.shape[1:], array.dtype)
     bigger[: array.shape[0]] = array
     return bigger
 
@@ -166,13 +170,14 @@ def _generate(tokens, sentence_starts, doc_starts, max_seq_length, short_seq_pro
     num_docs = doc_starts.shape[0] - 1
     order = np.arange(num_docs)
     mt.shuffle(words, position, order)
-    # About one instance per max_seq_length / 2 tokens per round; _grow doubles when short.
-    capacity = max(16, 2 * dupe_factor * tokens.shape[0] // max_seq_length)
+    # Measured: one instance per ~0.45 max_seq_length tokens per round (random-next pairs hand
+    # sentences back); start a little above that, _grow adds half when short.
+    capacity = max(16, int(2.5 * dupe_factor * tokens.shape[0] / max_seq_length))
     spans = np.zeros((capacity, 5), np.int64)
     counts = np.zeros(capacity, np.int64)
     positions = np.zeros((capacity, max_predictions), np.int16)
-    labels = np.zeros((capacity, max_predictions), np.int32)
-    replacements = np.zeros((capacity, max_predictions), np.int32)
+    labels = np.zeros((capacity, max_predictions), np.int16)  # ids fit: vocab.py allows <= 32,767 entries
+    replacements = np.zeros((capacity, max_predictions), np.int16)
     sequence, scratch = np.empty(max_seq_length, np.int64), np.zeros((2, max_seq_length), np.int64)
     n = 0
     for _ in range(dupe_factor):
@@ -225,7 +230,7 @@ def make_instances(text: TokenizedText, params: InstanceParams, rng: random.Rand
         params.dupe_factor, params.max_predictions, params.masked_lm_prob, ids, words, position)
     order = _final_order(spans.shape[0], words, position)
     rng.setstate(mt.to_random(words, position).getstate())
-    return Instances(spans[order], counts[order], positions[order], labels[order], replacements[order])
+    return Instances(spans, counts, positions, labels, replacements, order)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -242,7 +247,8 @@ def _fill(tokens, spans, counts, positions, replacements, cls_id, sep_id, input_
 
 
 def fixed_rows(tokens: np.ndarray, instances: Instances, rows: slice, params: InstanceParams) -> dict[str, np.ndarray]:
-    """The padded MLCommons arrays (as the reference's TFRecords hold them) of `instances[rows]`."""
+    """The padded MLCommons arrays (as the reference's TFRecords hold them) of output rows `rows`."""
+    rows = instances.order[rows]
     spans, counts = instances.spans[rows], instances.num_predictions[rows]
     n, length = spans.shape[0], params.max_seq_length
     out = {key: np.zeros((n, length), STORAGE_DTYPES[key]) for key in ("input_ids", "input_mask", "segment_ids")}
