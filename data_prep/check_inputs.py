@@ -83,13 +83,12 @@ def md5_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _files(paths: list[Path]) -> dict[str, Path]:
-    found: dict[str, Path] = {}
+def _files(paths: list[Path]) -> list[Path]:
+    found: list[Path] = []
     for path in paths:
         if not path.exists():
-            raise DataPrepError(f"{path}: no such file or folder (--inputs)")
-        for file in sorted([path] if path.is_file() else (p for p in path.rglob("*") if p.is_file())):
-            found.setdefault(file.name, file)
+            raise DataPrepError(f"{path}: no such file or folder (check-inputs INPUTS)")
+        found += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return found
 
 
@@ -99,28 +98,34 @@ def _check(path: Path, size: int | None, md5: str) -> str | None:
     if size is not None and actual_size != size:
         return f"{actual_size:,} bytes, expected {size:,}"
     actual = md5_file(path)
-    if actual == md5:
-        return None
-    if TF2_CHECKPOINT.get(actual) == path.name:
-        return "this is the TF2 checkpoint's file; the TF1 checkpoint (tf1_ckpt) is the one to use"
-    return f"md5 {actual}, expected {md5}"
+    return None if actual == md5 else f"md5 {actual}, expected {md5}"
+
+
+_LOOKS_LIKE_INPUT = re.compile(r"^(part-\d{5}-of-\d{5}|eval\.txt|vocab\.txt|bert_config\.json|model\.ckpt-.*)$")
 
 
 def check_inputs(paths: list[Path], table: dict[str, tuple[int | None, str]], required: tuple[str, ...] = REQUIRED,
                  ) -> Report:
-    """Checks every file under `paths` that the table names; lists the rest and what is missing."""
-    files = _files(paths)
-    report = Report([], [], [], [name for name in required if name not in files])
-    looks_like_input = re.compile(r"^(part-\d{5}-of-\d{5}|eval\.txt|vocab\.txt|bert_config\.json|model\.ckpt-.*)$")
-    for name, path in files.items():
-        if name not in table:
-            if looks_like_input.match(name):
+    """Checks every file under `paths` that the table names; lists the rest and what is missing.
+
+    A required input counts as present only when a file of that name matches. Files of the
+    TF2 checkpoint (same names, other md5) are listed as not checked, not as wrong.
+    """
+    report, checked = Report([], [], [], []), set()
+    for path in _files(paths):
+        if path.name not in table:
+            if _LOOKS_LIKE_INPUT.match(path.name):
                 report.unchecked.append(str(path))
             continue
         log.info("check-inputs: %s", path)
-        problem = _check(path, *table[name])
+        problem = _check(path, *table[path.name])
         if problem is None:
             report.good.append(str(path))
+        elif TF2_CHECKPOINT.get(md5_file(path)) == path.name:
+            report.unchecked.append(f"{path} (the TF2 checkpoint's file; the TF1 checkpoint is the one used)")
+            continue
         else:
             report.bad.append(f"{path}: {problem}; download it again")
+        checked.add(path.name)
+    report.missing = [name for name in required if name not in checked]
     return report

@@ -263,9 +263,12 @@ def _run_verify(args: argparse.Namespace) -> None:
 
 # step: (help, function, argument groups)
 STEPS = {
-    "check-inputs": ("downloads vs the published MLCommons md5 table", cmd_check_inputs, (_check_args,)),
-    "samples": ("text parts -> per-part hdf5, the reference's rows and order", cmd_samples, (_samples_io, _sample_args, _common)),
-    "import-tfrecord": ("reference TFRecords -> per-part fixed hdf5", cmd_import_tfrecord, (_import_args, _common)),
+    "check-inputs": ("downloads vs the published MLCommons md5 table", cmd_check_inputs,
+                     (_check_args,)),
+    "samples": ("text parts -> per-part hdf5, the reference's rows and order", cmd_samples,
+                (_samples_io, _sample_args, _common)),
+    "import-tfrecord": ("reference TFRecords -> per-part fixed hdf5", cmd_import_tfrecord,
+                        (_import_args, _common)),
     "reshard": ("per-part files -> OUT/hdf5_N_shards_{fixed,varlength}", cmd_reshard, (_io, _reshard_args, _common)),
     "eval": ("eval samples -> OUT/eval_fixed and OUT/eval_varlength", cmd_eval, (_io, _eval_args, _common)),
     "pack": ("shards -> packed shards + packing_report.json", cmd_pack, (_io, _pack_args, _common)),

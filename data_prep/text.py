@@ -6,8 +6,9 @@ sentence per line, documents separated by blank lines. The file is read in block
 arrays are kept: a 27 MB part becomes ~7M int32 tokens plus sentence and document offsets
 (~35 MB), never a Python list per sentence or token.
 
-As in the reference: lines end at "\n" only, every "\r" is deleted, lines are stripped, a blank line ends a document, a line whose
-tokenisation is empty is skipped, and documents without sentences disappear.
+As in the reference: lines end at "\n" only, every "\r" is deleted, lines are stripped, a
+blank line ends a document, a line whose tokenisation is empty is skipped, and documents
+without sentences disappear.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import lzma
 import pytest
 
 from data_prep import prepare
-from data_prep.check_inputs import PUBLISHED, REQUIRED, check_inputs
+from data_prep.check_inputs import PUBLISHED, REQUIRED, TF2_CHECKPOINT, check_inputs, read_md5_list, read_table
 from test_reference_samples import GOLDEN
 
 
@@ -54,11 +54,12 @@ def test_changed_file_fails_naming_it(downloads, capsys):
 
 
 def test_missing_inputs_fail_unless_allowed(downloads, capsys):
-    folder, table, _ = downloads
+    folder, table, md5_list = downloads
     assert _run(str(folder), "--table", str(table)) == 1
     err = capsys.readouterr().err
     assert "missing inputs" in err and "eval.txt" in err and "part-00499-of-00500" in err
-    report = check_inputs([folder], {})
+    report = check_inputs([folder], {**read_table(table), **read_md5_list(md5_list)})
+    assert len(report.good) == 3
     assert set(report.missing) == set(REQUIRED) - {"vocab.txt", "model.ckpt-28252.index", "part-00003-of-00500"}
 
 
@@ -70,3 +71,14 @@ def test_published_table_accepts_the_real_vocabulary(tmp_path):
     (tmp_path / "vocab.txt").write_bytes(lzma.decompress((GOLDEN / "vocab.txt.xz").read_bytes()))
     report = check_inputs([tmp_path], PUBLISHED, required=("vocab.txt",))
     assert report.good == [str(tmp_path / "vocab.txt")] and not report.bad
+
+
+def test_tf2_checkpoint_files_are_named_not_failed(tmp_path, monkeypatch, capsys):
+    data = b"pretend TF2 index"
+    monkeypatch.setitem(TF2_CHECKPOINT, hashlib.md5(data).hexdigest(), "model.ckpt-28252.index")
+    (tmp_path / "tf2_ckpt").mkdir()
+    (tmp_path / "tf2_ckpt" / "model.ckpt-28252.index").write_bytes(data)
+    table = {"model.ckpt-28252.index": (None, "0" * 32)}
+    report = check_inputs([tmp_path], table, required=("model.ckpt-28252.index",))
+    assert not report.bad and report.missing == ["model.ckpt-28252.index"]
+    assert "TF2 checkpoint" in report.unchecked[0]

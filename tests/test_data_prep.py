@@ -71,7 +71,8 @@ def test_line_encoder_equals_the_reference_tokenizer(corpus):
 def test_documents_and_sentences_follow_blank_lines(tmp_path, corpus):
     text = tmp_path / "part-00000-of-00001"
     text.write_text("\n\nfirst doc one.\nfirst doc two.\n\n\n\x01\x02\n\nsecond doc.\n \nthird doc a.\nthird doc b.\n")
-    tokenized = tokenize_file(text, LineEncoder(load_vocab(corpus.vocab)), block_bytes=16)  # tiny blocks: boundaries cross blocks
+    # Tiny blocks: documents and skipped lines cross block boundaries.
+    tokenized = tokenize_file(text, LineEncoder(load_vocab(corpus.vocab)), block_bytes=16)
     assert tokenized.num_sentences == 5  # the line of control characters has no tokens
     assert np.diff(tokenized.document_starts).tolist() == [2, 1, 2]
 
