@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from data_prep import mt19937 as mt
 from data_prep import prepare
 from data_prep import reference_algorithm as ref
+from data_prep.eval_set import EvalParams, pick_indices
 from data_prep.h5io import open_h5
 from data_prep.text import tokenize_file
 from data_prep.vocab import LineEncoder, load_vocab
@@ -164,3 +165,12 @@ def test_compiled_shuffle_equals_python_shuffle(seed, n):
     rng.shuffle(values)
     assert _shuffled(words, position, n).tolist() == values
     assert mt.to_random(words, position).random() == rng.random()
+
+
+@pytest.mark.parametrize("total", [10_000, 10_875, 20_500, 843_343])
+def test_eval_pick_uses_the_float_ratio(total):
+    """pick_eval_samples.py: records[int(i * pick_ratio)], pick_ratio = N / num (float division)."""
+    ratio = total / 10_000
+    assert pick_indices(total, EvalParams()).tolist() == [int(i * ratio) for i in range(10_000)]
+    if total in (10_875, 20_500):  # where the ratio's rounding differs from exact i * N // 10000
+        assert pick_indices(total, EvalParams()).tolist() != [i * total // 10_000 for i in range(10_000)]
