@@ -93,6 +93,14 @@ def _print_list(title: str, lines: list[str]) -> None:
         print(f"{title} ({len(lines)}):", *lines, sep="\n  ", file=sys.stderr)
 
 
+def _missing_lines(names: list[str]) -> list[str]:
+    """Missing inputs, the part files as one line when there are many."""
+    parts = [n for n in names if n.startswith("part-")]
+    if len(parts) <= 3:
+        return names
+    return [n for n in names if not n.startswith("part-")] + [f"{len(parts)} part files ({parts[0]} .. {parts[-1]})"]
+
+
 def cmd_check_inputs(args: argparse.Namespace) -> None:
     table = check_inputs.read_table(args.table) if args.table else dict(check_inputs.PUBLISHED)
     for md5_list in args.md5_list or []:
@@ -101,7 +109,7 @@ def cmd_check_inputs(args: argparse.Namespace) -> None:
     print(f"check-inputs: {len(report.good)} files match the published size and md5")
     _print_list("not checked: no published md5 (for the part files pass --md5_list "
                 "bert_reference_results_text_md5.txt)", report.unchecked)
-    _print_list("missing inputs", [] if args.allow_missing else report.missing)
+    _print_list("missing inputs", [] if args.allow_missing else _missing_lines(report.missing))
     _print_list("WRONG", report.bad)
     if report.bad or (report.missing and not args.allow_missing):
         raise DataPrepError(f"{len(report.bad)} files differ from the published ones, "
