@@ -163,10 +163,49 @@ def _sequence(tokens, span, cls_id, sep_id, buffer):
 
 
 @numba.njit(cache=True, nogil=True)
+def _document(doc_index, order, tokens, sentence_starts, doc_starts, max_seq_length, short_seq_prob, masked_lm_prob,
+              ids, out, n, work, words, position):
+    """Instances of one document (create_instances_from_document), written to `out` from row n.
+
+    `out` = (spans, counts, positions, labels, replacements) has room for one instance per
+    sentence of the document; returns the new row count.
+    """
+    spans, counts, positions, labels, replacements = out
+    max_num_tokens = max_seq_length - 3
+    first, stop = doc_starts[order[doc_index]], doc_starts[order[doc_index] + 1]
+    target = max_num_tokens
+    if mt.random_float(words, position) < short_seq_prob:
+        target = mt.randint(words, position, 2, max_num_tokens)
+    chunk_start, chunk_size, i = first, 0, first
+    while i < stop:
+        chunk_size += 1
+        if i == stop - 1 or sentence_starts[i + 1] - sentence_starts[chunk_start] >= target:
+            a_end = 1
+            if chunk_size >= 2:
+                a_end = mt.randint(words, position, 1, chunk_size - 1)
+            span = spans[n]
+            span[0], span[1] = sentence_starts[chunk_start], sentence_starts[chunk_start + a_end]
+            if chunk_size == 1 or mt.random_float(words, position) < 0.5:
+                span[2], span[3] = _random_b(order, sentence_starts, doc_starts, doc_index,
+                                             target - (span[1] - span[0]), words, position)
+                span[4] = 1
+                i -= chunk_size - a_end  # the chunk's unused sentences go back to the document
+            else:
+                span[2], span[3] = span[1], sentence_starts[chunk_start + chunk_size]
+            _truncate(span, max_num_tokens, words, position)
+            sequence = _sequence(tokens, span, ids[1], ids[2], work[0])
+            counts[n] = _mask(sequence, masked_lm_prob, ids, positions[n], labels[n], replacements[n], work[1:],
+                              words, position)
+            n += 1
+            chunk_start, chunk_size = i + 1, 0
+        i += 1
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
 def _generate(tokens, sentence_starts, doc_starts, max_seq_length, short_seq_prob, dupe_factor, max_predictions,
               masked_lm_prob, ids, words, position):
     """(spans [N, 5], counts [N], positions, labels, replacements [N, P]) in creation order."""
-    max_num_tokens = max_seq_length - 3
     num_docs = doc_starts.shape[0] - 1
     order = np.arange(num_docs)
     mt.shuffle(words, position, order)
@@ -178,39 +217,16 @@ def _generate(tokens, sentence_starts, doc_starts, max_seq_length, short_seq_pro
     positions = np.zeros((capacity, max_predictions), np.int16)
     labels = np.zeros((capacity, max_predictions), np.int16)  # ids fit: vocab.py allows <= 32,767 entries
     replacements = np.zeros((capacity, max_predictions), np.int16)
-    sequence, scratch = np.empty(max_seq_length, np.int64), np.zeros((2, max_seq_length), np.int64)
+    work = np.zeros((3, max_seq_length), np.int64)  # the sequence, then _mask's scratch rows
     n = 0
     for _ in range(dupe_factor):
         for doc_index in range(num_docs):
-            first, stop = doc_starts[order[doc_index]], doc_starts[order[doc_index] + 1]
-            target = max_num_tokens
-            if mt.random_float(words, position) < short_seq_prob:
-                target = mt.randint(words, position, 2, max_num_tokens)
-            chunk_start, chunk_size, i = first, 0, first
-            while i < stop:
-                chunk_size += 1
-                if i == stop - 1 or sentence_starts[i + 1] - sentence_starts[chunk_start] >= target:
-                    a_end = 1
-                    if chunk_size >= 2:
-                        a_end = mt.randint(words, position, 1, chunk_size - 1)
-                    spans = _grow(spans, n + 1)
-                    span = spans[n]
-                    span[0], span[1] = sentence_starts[chunk_start], sentence_starts[chunk_start + a_end]
-                    if chunk_size == 1 or mt.random_float(words, position) < 0.5:
-                        span[2], span[3] = _random_b(order, sentence_starts, doc_starts, doc_index,
-                                                     target - (span[1] - span[0]), words, position)
-                        span[4] = 1
-                        i -= chunk_size - a_end
-                    else:
-                        span[2], span[3] = span[1], sentence_starts[chunk_start + chunk_size]
-                    _truncate(span, max_num_tokens, words, position)
-                    counts, positions = _grow(counts, n + 1), _grow(positions, n + 1)
-                    labels, replacements = _grow(labels, n + 1), _grow(replacements, n + 1)
-                    counts[n] = _mask(_sequence(tokens, span, ids[1], ids[2], sequence), masked_lm_prob, ids,
-                                      positions[n], labels[n], replacements[n], scratch, words, position)
-                    n += 1
-                    chunk_start, chunk_size = i + 1, 0
-                i += 1
+            room = n + doc_starts[order[doc_index] + 1] - doc_starts[order[doc_index]]  # <= 1 per sentence
+            spans, counts, positions = _grow(spans, room), _grow(counts, room), _grow(positions, room)
+            labels, replacements = _grow(labels, room), _grow(replacements, room)
+            n = _document(doc_index, order, tokens, sentence_starts, doc_starts, max_seq_length, short_seq_prob,
+                          masked_lm_prob, ids, (spans, counts, positions, labels, replacements), n, work, words,
+                          position)
     return spans[:n], counts[:n], positions[:n], labels[:n], replacements[:n]
 
 
