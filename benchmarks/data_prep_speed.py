@@ -1,14 +1,17 @@
 """Data preparation speed: sample creation per core, against the MLCommons algorithm, and packing.
 
-`python benchmarks/data_prep_speed.py [--text_mb 4] [--reference_mb 1] [--json out.json]`
+`python benchmarks/data_prep_speed.py [--text_mb 4] [--reference_mb 1] [--text FILE --vocab vocab.txt]
+[--json out.json]`
 
 - samples: MB of text per second per core for one text part, this pipeline
   (data_prep.samples, one process, one tokenizer thread) and the token-by-token rendering of
   the MLCommons create_pretraining_data.py algorithm (data_prep.reference_algorithm:
   tokenise, make and mask instances, pad every feature list; the TFRecord serialisation of
-  the reference is not counted, so the baseline is if anything flattered). Per core means
-  per second of CPU time of the process, which stays meaningful on a shared machine; wall
-  time is reported too.
+  the reference is not counted, so the baseline is if anything flattered), side by side on
+  the same input in one run; the two outputs are compared row for row (they must be equal).
+  With --text/--vocab the side-by-side also runs on that file (e.g. a real part file and the
+  MLPerf vocab.txt). Per core means per second of CPU time of the process, which stays
+  meaningful on a shared machine; wall time is reported too.
 - pool: the `samples` step over several parts with all cores (wall-clock MB/s).
 - packing: sequences per second of planning + assigning (data_prep.packing) on lengths
   drawn from the published Wikipedia histogram, and of the whole `pack` step (read shards,
@@ -35,6 +38,7 @@ import numpy as np
 from data_prep import reference_algorithm as ref
 from data_prep.corpus import installed_sentences, make_documents, train_vocab, write_documents
 from data_prep.fileio import Manifest
+from mlperf_bert.shards import open_shard as open_h5
 from data_prep.pack import PackParams, pack_dataset, plan_packs
 from data_prep.reshard import ReshardParams, reshard
 from data_prep.samples import SampleJob, SampleParams, create_file_samples, create_samples
@@ -65,26 +69,42 @@ def timed(fn) -> tuple[float, float]:
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
-def bench_ours(part: Path, vocab: Path, out: Path) -> dict:
+def bench_ours(part: Path, vocab: Path, out: Path, repeats: int = 3) -> dict:
     job = SampleJob(part, out / "part.hdf5", vocab, SampleParams())
-    runs = [timed(lambda: create_file_samples(job)) for _ in range(3)]
+    runs = [timed(lambda: create_file_samples(job)) for _ in range(repeats)]
     cpu, wall = min(r[0] for r in runs), min(r[1] for r in runs)
     mb = part.stat().st_size / 1e6
     return {"mb": mb, "cpu_s": cpu, "wall_s": wall, "mb_per_s_per_core": mb / cpu, "mb_per_s_wall": mb / wall}
 
 
-def bench_reference(part: Path, vocab_path: Path) -> dict:
+def bench_reference(part: Path, vocab_path: Path) -> tuple[dict, list[dict]]:
+    """(timings, the padded rows) of the plain-Python algorithm on `part`."""
     vocab = load_vocab(vocab_path)
     tokenizer = ref.ReferenceTokenizer(vocab)
+    rows: list[dict] = []
 
     def run() -> None:
         instances = ref.create_instances(part, tokenizer, vocab)
-        for instance in instances:
-            ref.padded_features(instance, tokenizer, 512, 76)
+        rows.extend(ref.padded_features(instance, tokenizer, 512, 76) for instance in instances)
 
     cpu, wall = timed(run)
     mb = part.stat().st_size / 1e6
-    return {"mb": mb, "cpu_s": cpu, "wall_s": wall, "mb_per_s_per_core": mb / cpu, "mb_per_s_wall": mb / wall}
+    return {"mb": mb, "cpu_s": cpu, "wall_s": wall, "mb_per_s_per_core": mb / cpu, "mb_per_s_wall": mb / wall}, rows
+
+
+def rows_equal(path: Path, rows: list[dict]) -> bool:
+    with open_h5(path) as ours:
+        return all(np.array_equal(ours[key][:].reshape(len(rows), -1), np.array([r[key] for r in rows]))
+                   for key in rows[0])
+
+
+def side_by_side(part: Path, vocab: Path, work: Path) -> dict:
+    """Both implementations on one input, one after the other, and whether their outputs are equal."""
+    ours = bench_ours(part, vocab, work)
+    reference, rows = bench_reference(part, vocab)
+    return {"input": part.name, "ours": ours, "reference": reference,
+            "speedup_per_core": ours["mb_per_s_per_core"] / reference["mb_per_s_per_core"],
+            "outputs_equal": rows_equal(work / "part.hdf5", rows)}
 
 
 def bench_pool(parts: list[Path], vocab: Path, out: Path, workers: int) -> dict:
@@ -138,6 +158,9 @@ def main() -> None:
     parser.add_argument("--reference_mb", type=float, default=1.0, help="size of the part the reference processes")
     parser.add_argument("--pool_parts", type=int, default=4)
     parser.add_argument("--plan_sequences", type=int, default=2_000_000)
+    parser.add_argument("--text", type=Path, help="also compare both implementations on this text file")
+    parser.add_argument("--vocab", type=Path, help="vocab.txt for --text (the MLPerf one)")
+    parser.add_argument("--samples_only", action="store_true", help="skip the packing and shard measurements")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,19 +171,22 @@ def main() -> None:
         small = work / "part-00001-of-00001"
         write_part(small, args.reference_mb, seed=1)
         results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                   "ours": bench_ours(part, vocab, work), "ours_on_reference_input": bench_ours(small, vocab, work),
-                   "reference": bench_reference(small, vocab)}
-        results["speedup_per_core"] = (results["ours_on_reference_input"]["mb_per_s_per_core"]
-                                       / results["reference"]["mb_per_s_per_core"])
+                   "load_before": os.getloadavg(), "ours": bench_ours(part, vocab, work),
+                   "side_by_side": side_by_side(small, vocab, work)}
+        if args.text:
+            results["side_by_side_text"] = side_by_side(args.text, args.vocab, work)
         pool_dir = work / "pool"
         pool_dir.mkdir()
         parts = [pool_dir / f"part-{i:05d}-of-{args.pool_parts:05d}" for i in range(args.pool_parts)]
         for i, path in enumerate(parts):
             write_part(path, args.text_mb / 2, seed=10 + i)
         results["pool"] = bench_pool(parts, vocab, work / "pool_out", os.cpu_count() or 1)
-        results["packing_plan"] = bench_packing_plan(args.plan_sequences)
-        results["pack_step"] = bench_pack_step(sorted((work / "pool_out").glob("*.hdf5")), work / "packed")
-        results["shards"] = bench_reshard_and_stratify(sorted((work / "pool_out").glob("*.hdf5")), work / "shards")
+        if not args.samples_only:
+            results["packing_plan"] = bench_packing_plan(args.plan_sequences)
+            results["pack_step"] = bench_pack_step(sorted((work / "pool_out").glob("*.hdf5")), work / "packed")
+            results["shards"] = bench_reshard_and_stratify(sorted((work / "pool_out").glob("*.hdf5")),
+                                                           work / "shards")
+        results["load_after"] = os.getloadavg()
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -1,14 +1,12 @@
 """Step `eval`: the 10,000-sample eval set, picked from the samples made from eval.txt.
 
-MLCommons pick_eval_samples.py takes record int(i * N / 10000), i = 0..9999, of the N eval
-samples, which create_pretraining_data.py had shuffled. The `samples` step writes a file's
-samples in (round, document) order instead, so by default the pick is made from a seeded
-shuffle of the samples: evenly spaced picks from a random order, as in the reference. Give
-`shuffle=False` for an input that is already shuffled (an MLCommons eval intermediate file).
+As MLCommons pick_eval_samples.py: of the N eval samples (the `samples` step's output for
+eval.txt, which is the reference's eval_intermediate, row for row), record
+int(i * (N / 10000)) for i = 0..9999, in file order, with float division.
 
-Eval samples come only from eval.txt: the `samples` step excludes every training document
-that equals an eval document (`--exclude_text`), and random next sentences are drawn from
-the same file, so no eval text reaches a training sample.
+Eval samples come only from eval.txt: the `samples` step can exclude every training
+document that equals an eval document (`--exclude_text`), and random next sentences are
+drawn from the same file, so no eval text reaches a training sample.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EvalParams:
     num_samples: int = NUM_EVAL_SAMPLES
-    shuffle: bool = True
-    seed: int = 12345
     max_seq_length: int = 512
     max_predictions: int = 76
     compression: str | None = None
@@ -42,14 +38,14 @@ def eval_shard_name(num_samples: int) -> str:
 
 
 def pick_indices(total: int, params: EvalParams) -> np.ndarray:
-    """[num_samples] indices int(i * total / num_samples) into the (shuffled) eval samples."""
+    """[num_samples] indices int(i * (total / num_samples)) into the eval samples, as the reference."""
     if total < params.num_samples:
         raise DataPrepError(
             f"the eval text gave {total} samples, fewer than --num_eval_samples {params.num_samples}; "
             "use the full eval.txt or pick fewer samples"
         )
-    order = np.random.default_rng([params.seed, total]).permutation(total) if params.shuffle else np.arange(total)
-    return order[(np.arange(params.num_samples, dtype=np.int64) * total) // params.num_samples]
+    # float64 product truncated: Python's int(i * (total / num_samples)), value for value.
+    return (np.arange(params.num_samples, dtype=np.int64) * (total / params.num_samples)).astype(np.int64)
 
 
 def make_eval_set(inputs: list[Path], out_dirs: dict[str, Path], params: EvalParams) -> dict[str, Manifest]:

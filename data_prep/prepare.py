@@ -2,9 +2,11 @@
 
 Steps (each skips the outputs that already exist and still match their MANIFEST.json, so an
 interrupted run is resumed by running the same command again):
-  samples             text parts -> one fixed-length hdf5 of masked pairs per part
+  check-inputs        downloaded files against the published MLCommons sizes and md5 sums
+  samples             text parts -> one fixed hdf5 per part, the reference's rows in its order
+  import-tfrecord     the reference's TFRecord files -> the same fixed hdf5 files
   reshard             per-part files -> N balanced shards, fixed and varlength, shuffled
-  eval                eval samples -> the 10,000-sample eval set, fixed and varlength
+  eval                eval samples -> the 10,000-sample eval set (pick_eval_samples.py's pick)
   pack                shards -> packed shards + packing_report.json
   stratify            shards -> stratum_0..3 shards + strata.json
   verify              check dataset folders (same as data_prep/verify_dataset.py)
@@ -21,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from data_prep import convert_checkpoint, verify_dataset
+from data_prep import check_inputs, convert_checkpoint, verify_dataset
 from data_prep.eval_set import EvalParams, make_eval_set
 from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES, DataPrepError
 from data_prep.pack import PackParams, pack_dataset
@@ -29,6 +31,7 @@ from data_prep.reshard import ReshardParams, reshard, shard_dir_name
 from data_prep.samples import SampleParams, create_samples
 from mlperf_bert.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
+from data_prep.tfrecords import import_tfrecords
 
 log = logging.getLogger("data_prep")
 
@@ -76,6 +79,43 @@ def cmd_samples(args: argparse.Namespace) -> None:
     create_samples(text_files(args.text), args.out, args.vocab, _sample_params(args), args.workers, args.exclude_text)
 
 
+def cmd_import_tfrecord(args: argparse.Namespace) -> None:
+    sources = []
+    for path in args.input:
+        if not path.exists():
+            raise DataPrepError(f"{path}: no such TFRecord file or folder (--input)")
+        sources += sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    import_tfrecords(sources, args.out, args.max_seq_length, args.max_predictions, args.compression, args.workers)
+
+
+def _print_list(title: str, lines: list[str]) -> None:
+    if lines:
+        print(f"{title} ({len(lines)}):", *lines, sep="\n  ", file=sys.stderr)
+
+
+def _missing_lines(names: list[str]) -> list[str]:
+    """Missing inputs, the part files as one line when there are many."""
+    parts = [n for n in names if n.startswith("part-")]
+    if len(parts) <= 3:
+        return names
+    return [n for n in names if not n.startswith("part-")] + [f"{len(parts)} part files ({parts[0]} .. {parts[-1]})"]
+
+
+def cmd_check_inputs(args: argparse.Namespace) -> None:
+    table = check_inputs.read_table(args.table) if args.table else dict(check_inputs.PUBLISHED)
+    for md5_list in args.md5_list or []:
+        table.update(check_inputs.read_md5_list(md5_list))
+    report = check_inputs.check_inputs(args.inputs, table)
+    print(f"check-inputs: {len(report.good)} files match the published size and md5")
+    _print_list("not checked: no published md5 (for the part files pass --md5_list "
+                "bert_reference_results_text_md5.txt)", report.unchecked)
+    _print_list("missing inputs", [] if args.allow_missing else _missing_lines(report.missing))
+    _print_list("WRONG", report.bad)
+    if report.bad or (report.missing and not args.allow_missing):
+        raise DataPrepError(f"{len(report.bad)} files differ from the published ones, "
+                            f"{0 if args.allow_missing else len(report.missing)} missing (listed above)")
+
+
 def _reshard_params(args: argparse.Namespace) -> ReshardParams:
     return ReshardParams(args.num_shards, tuple(args.formats.split(",")), not args.no_shuffle, args.seed,
                          args.max_seq_length, args.max_predictions, args.bucket_samples, args.compression, args.workers)
@@ -88,8 +128,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 
 
 def _eval_params(args: argparse.Namespace) -> EvalParams:
-    return EvalParams(args.num_eval_samples, not args.no_eval_shuffle, args.seed, args.max_seq_length,
-                      args.max_predictions, args.compression)
+    return EvalParams(args.num_eval_samples, args.max_seq_length, args.max_predictions, args.compression)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -144,7 +183,7 @@ def cmd_all(args: argparse.Namespace) -> None:
     eval_text = args.text_dir / EVAL_TEXT
     if not eval_text.is_file():
         raise DataPrepError(f"{eval_text}: not found; --text_dir must hold eval.txt and the part-* files")
-    create_samples(text_files([args.text_dir]), out / "parts", args.vocab, params, args.workers, eval_text)
+    create_samples(text_files([args.text_dir]), out / "parts", args.vocab, params, args.workers)
     create_samples([eval_text], out / "eval_parts", args.vocab, params, 1)
     make_eval_set(list_shards(out / "eval_parts"), {"fixed": out / "eval_fixed", "varlength": out / "eval_varlength"},
                   _eval_params(args))
@@ -166,7 +205,9 @@ def cmd_all(args: argparse.Namespace) -> None:
 def _samples_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=Path, nargs="+", required=True, help="part-* files or folders holding them")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--exclude_text", type=Path, help="eval.txt: its documents are kept out of these samples")
+    p.add_argument("--exclude_text", type=Path,
+                   help="drop the documents of this file (eval.txt) from the inputs; not the reference's behaviour: "
+                        "a file that loses a document no longer gives the MLCommons samples")
 
 
 def _io(p: argparse.ArgumentParser) -> None:
@@ -181,6 +222,20 @@ def _all_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip_stratify", action="store_true")
 
 
+def _import_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", type=Path, nargs="+", required=True,
+                   help="TFRecord files (part-XXXXX-of-00500, eval_intermediate, eval_10k) or folders of them")
+    p.add_argument("--out", type=Path, required=True)
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", type=Path, nargs="+", help="downloaded files or folders (searched recursively)")
+    p.add_argument("--md5_list", type=Path, action="append",
+                   help="md5sum-format list to check against too, e.g. bert_reference_results_text_md5.txt")
+    p.add_argument("--table", type=Path, help='JSON {"name": [size or null, "md5"]} replacing the published table')
+    p.add_argument("--allow_missing", action="store_true", help="check what is there; do not require every input")
+
+
 def _reshard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num_shards", type=int, default=4320)
     p.add_argument("--formats", default="fixed,varlength", help="comma-separated: fixed, varlength")
@@ -190,8 +245,8 @@ def _reshard_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num_eval_samples", type=int, default=NUM_EVAL_SAMPLES)
-    p.add_argument("--no_eval_shuffle", action="store_true", help="pick from the input order (already shuffled)")
+    p.add_argument("--num_eval_samples", type=int, default=NUM_EVAL_SAMPLES,
+                   help="pick_eval_samples.py's --num_examples_to_pick")
 
 
 def _pack_args(p: argparse.ArgumentParser) -> None:
@@ -216,7 +271,12 @@ def _run_verify(args: argparse.Namespace) -> None:
 
 # step: (help, function, argument groups)
 STEPS = {
-    "samples": ("text parts -> per-part fixed hdf5 samples", cmd_samples, (_samples_io, _sample_args, _common)),
+    "check-inputs": ("downloads vs the published MLCommons md5 table", cmd_check_inputs,
+                     (_check_args,)),
+    "samples": ("text parts -> per-part hdf5, the reference's rows and order", cmd_samples,
+                (_samples_io, _sample_args, _common)),
+    "import-tfrecord": ("reference TFRecords -> per-part fixed hdf5", cmd_import_tfrecord,
+                        (_import_args, _common)),
     "reshard": ("per-part files -> OUT/hdf5_N_shards_{fixed,varlength}", cmd_reshard, (_io, _reshard_args, _common)),
     "eval": ("eval samples -> OUT/eval_fixed and OUT/eval_varlength", cmd_eval, (_io, _eval_args, _common)),
     "pack": ("shards -> packed shards + packing_report.json", cmd_pack, (_io, _pack_args, _common)),

@@ -1,11 +1,11 @@
 """A plain-Python, token-by-token rendering of the MLCommons sample creation algorithm.
 
-It is the baseline the fast pipeline is measured against (benchmarks/data_prep_speed.py)
-and the independent implementation the tests compare its statistics and tokenisation with.
+It is the baseline the compiled pipeline is measured against (benchmarks/data_prep_speed.py)
+and a second implementation the tests hold against the reference's golden outputs.
 It works the way create_pretraining_data.py does: Python strings per token, one random
 draw per decision from a single `random.Random`, the whole file's documents and instances
 held in lists, instances shuffled at the end. The description of the algorithm is in
-data_prep/pairs.py and data_prep/masking.py.
+data_prep/instances.py.
 """
 
 from __future__ import annotations
@@ -22,57 +22,55 @@ from data_prep.vocab import MAX_CHARS_PER_WORD, Vocab
 
 
 class ReferenceTokenizer:
-    """BERT-uncased basic tokenisation + greedy longest-match-first WordPiece, in Python."""
+    """BERT's FullTokenizer(do_lower_case=True), character by character, in plain Python."""
 
     def __init__(self, vocab: Vocab):
         self.vocab = {token: i for i, token in enumerate(vocab.tokens)}
 
     @staticmethod
-    def _char_kind(ch: str) -> str:
-        if ch in " \t\n\r" or unicodedata.category(ch) == "Zs":
-            return "space"
-        if ch == "\x00" or ch == "\ufffd" or unicodedata.category(ch).startswith("C"):
-            return "drop"
-        code = ord(ch)
-        if 33 <= code <= 47 or 58 <= code <= 64 or 91 <= code <= 96 or 123 <= code <= 126 or \
-                unicodedata.category(ch).startswith("P"):
-            return "punct"
-        if 0x4E00 <= code <= 0x9FFF or 0x3400 <= code <= 0x4DBF or 0x20000 <= code <= 0x2A6DF or \
-                0x2A700 <= code <= 0x2CEAF or 0xF900 <= code <= 0xFAFF or 0x2F800 <= code <= 0x2FA1F:
-            return "cjk"
-        return "char"
+    def _is_whitespace(ch: str) -> bool:
+        return ch in " \t\n\r" or unicodedata.category(ch) == "Zs"
 
-    def _words(self, line: str) -> list[str]:
-        """Cleaned, lower-cased, accent-stripped words, punctuation and CJK characters on their own."""
-        words: list[str] = []
-        current: list[str] = []
-        for ch in line:
-            kind = self._char_kind(ch)
-            if kind in ("space", "punct", "cjk") and current:
-                words.append("".join(current))
-                current = []
-            if kind in ("punct", "cjk"):
-                words.append(ch)
-            elif kind == "char":
-                current.append(ch)
-        if current:
-            words.append("".join(current))
+    @staticmethod
+    def _is_control(ch: str) -> bool:
+        return ch not in "\t\n\r" and unicodedata.category(ch) in ("Cc", "Cf")
+
+    @staticmethod
+    def _is_punctuation(ch: str) -> bool:
+        code = ord(ch)
+        return 33 <= code <= 47 or 58 <= code <= 64 or 91 <= code <= 96 or 123 <= code <= 126 or \
+            unicodedata.category(ch).startswith("P")
+
+    @staticmethod
+    def _is_cjk(code: int) -> bool:
+        return 0x4E00 <= code <= 0x9FFF or 0x3400 <= code <= 0x4DBF or 0x20000 <= code <= 0x2A6DF or \
+            0x2A700 <= code <= 0x2CEAF or 0xF900 <= code <= 0xFAFF or 0x2F800 <= code <= 0x2FA1F
+
+    def _clean(self, line: str) -> str:
         out = []
-        for word in words:
-            stripped = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
-            out.extend(self._split_punctuation(stripped))
-        return out
+        for ch in line:
+            if ord(ch) in (0, 0xFFFD) or self._is_control(ch):
+                continue
+            out.append(" " if self._is_whitespace(ch) else f" {ch} " if self._is_cjk(ord(ch)) else ch)
+        return "".join(out)
 
     def _split_punctuation(self, word: str) -> list[str]:
-        """Accent stripping can expose punctuation; split it off again."""
         pieces, current = [], ""
         for ch in word:
-            if self._char_kind(ch) == "punct":
+            if self._is_punctuation(ch):
                 pieces += ([current] if current else []) + [ch]
                 current = ""
             else:
                 current += ch
         return pieces + ([current] if current else [])
+
+    def _words(self, line: str) -> list[str]:
+        """Basic tokenisation: clean, split on str.split(), lower, strip accents, split punctuation."""
+        pieces = []
+        for word in self._clean(line).split():
+            stripped = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
+            pieces.extend(self._split_punctuation(stripped))
+        return " ".join(pieces).split()
 
     def _wordpiece(self, word: str) -> list[str]:
         if len(word) > MAX_CHARS_PER_WORD:
@@ -110,9 +108,9 @@ class Instance:
 def read_documents(path: Path, tokenizer: ReferenceTokenizer) -> list[list[list[str]]]:
     """Documents as lists of tokenised sentences; blank lines separate documents."""
     documents: list[list[list[str]]] = [[]]
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", newline="\n") as handle:  # lines end at "\n" only
         for line in handle:
-            line = line.strip()
+            line = line.replace("\r", "").strip()
             if not line:
                 documents.append([])
                 continue
@@ -133,16 +131,17 @@ def _truncate(first: list[str], second: list[str], limit: int, rng: random.Rando
 
 def _mask(tokens: list[str], prob: float, max_predictions: int, words: list[str],
           rng: random.Random) -> tuple[list[str], list[int], list[str]]:
-    """(masked tokens, positions, original tokens at them), one draw per decision."""
+    """(masked tokens, positions, original tokens at them), decisions drawn in the shuffled order."""
     candidates = [i for i, t in enumerate(tokens) if t not in ("[CLS]", "[SEP]")]
     rng.shuffle(candidates)
     count = min(max_predictions, max(1, int(round(len(tokens) * prob))))
-    output, picked = list(tokens), sorted(candidates[:count])
-    for index in picked:
+    output = list(tokens)
+    for index in candidates[:count]:
         if rng.random() < 0.8:
             output[index] = "[MASK]"
         elif rng.random() >= 0.5:
             output[index] = words[rng.randint(0, len(words) - 1)]
+    picked = sorted(candidates[:count])
     return output, picked, [tokens[i] for i in picked]
 
 
@@ -221,7 +220,7 @@ def padded_features(instance: Instance, tokenizer: ReferenceTokenizer, max_seq_l
 
 
 def to_samples(instances: list[Instance], tokenizer: ReferenceTokenizer) -> Samples:
-    """The instances as Samples, for comparing statistics with the fast pipeline."""
+    """The instances as Samples (ragged), in their order."""
     return Samples(
         input_ids=np.array([i for x in instances for i in tokenizer.ids(x.tokens)], np.int32),
         segment_ids=np.array([s for x in instances for s in x.segment_ids], np.int8),

@@ -6,8 +6,9 @@ sentence per line, documents separated by blank lines. The file is read in block
 arrays are kept: a 27 MB part becomes ~7M int32 tokens plus sentence and document offsets
 (~35 MB), never a Python list per sentence or token.
 
-As in the reference: lines are stripped, a blank line ends a document, a line whose
-tokenisation is empty is skipped, and documents without sentences disappear.
+As in the reference: lines end at "\n" only, every "\r" is deleted, lines are stripped, a
+blank line ends a document, a line whose tokenisation is empty is skipped, and documents
+without sentences disappear.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def read_line_blocks(path: Path, errors: str = "strict", block_bytes: int = BLOC
     with open(path, "rb") as handle:
         line_number = 1
         while raw_lines := handle.readlines(block_bytes):
-            yield [_decode(path, line_number + i, raw, errors) for i, raw in enumerate(raw_lines)]
+            # The reference's line reader (tf.gfile) drops every carriage return, also inside a line.
+            yield [_decode(path, line_number + i, raw.replace(b"\r", b""), errors) for i, raw in enumerate(raw_lines)]
             line_number += len(raw_lines)
 
 
