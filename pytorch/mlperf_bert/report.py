@@ -76,7 +76,7 @@ def _pyplot() -> Any:
 def _samples_scale(largest: float) -> tuple[float, str]:
     """Divide samples by this for the x axis, and the unit to name."""
     for scale, unit in ((1e6, "millions"), (1e3, "thousands")):
-        if largest >= 10 * scale:
+        if largest >= scale * (1 if scale == 1e6 else 10):
             return scale, unit
     return 1.0, ""
 
