@@ -166,3 +166,35 @@ def test_curves_for_runs_of_any_size(tmp_path, largest):
     evals = [(s, 0.2 * k) for k, (s, _) in enumerate(points)]
     plot_curves(points, evals, tmp_path / "c.png")
     _check_png(tmp_path / "c.png")
+
+
+def test_replay_of_a_shipped_demo_run_writes_its_summary_and_curves(tmp_path):
+    """The MLPerf log of a demo run in results/ and progress lines in the trainer's format."""
+    from replay_run import main as replay_main
+
+    from compare import read_run
+
+    log = Path(__file__).resolve().parents[1] / "results" / "CPU_1x2" / "261121070848_1001.log"
+    run = read_run(log)
+    progress = [f"step {k} samples {64 * k} samples/s 200.0 loss {6.0 - k / 30:.4f} lr 1.0e-02 skipped 0"
+                for k in range(10, 130, 10)]
+    progress += [f"eval samples {int(s)} mlm_accuracy {a:.4f} mlm_loss 1.0" for s, a in run.evals]
+    in_order = sorted(progress, key=lambda line: int(re.search(r"samples (\d+)", line).group(1)))
+    (tmp_path / "stderr.txt").write_text("\n".join(in_order) + "\n")
+    assert replay_main(["--progress", str(tmp_path / "stderr.txt"), "--mlperf_log", str(log),
+                        "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "summary.txt").read_text()
+    seconds = (run.run_stop_ms - run.run_start_ms) / 1000
+    assert text.startswith(f"status: success\ntime to train: {seconds:.1f} s")
+    assert f"mlm_accuracy {run.evals[-1][1]:.4f}" in text and f"MLPerf log: {log}" in text
+    _check_png(tmp_path / "out" / "curves.png")
+    assert (tmp_path / "out" / "curves.png").stat().st_mode & 0o044  # readable by others (umask 022)
+
+
+def test_replay_without_progress_lines_names_the_file(tmp_path):
+    from replay_run import main as replay_main
+
+    log = Path(__file__).resolve().parents[1] / "results" / "CPU_1x2" / "261121070848_1001.log"
+    (tmp_path / "empty.txt").write_text("nothing here\n")
+    with pytest.raises(SystemExit, match="no `step N samples S"):
+        replay_main(["--progress", str(tmp_path / "empty.txt"), "--mlperf_log", str(log), "--out", str(tmp_path)])

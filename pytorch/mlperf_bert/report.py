@@ -58,10 +58,17 @@ def atomic_write(path: Path, write: Any, mode: str = "w") -> None:
     try:
         with os.fdopen(handle, mode) as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the team
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _pyplot() -> Any:
@@ -103,9 +110,10 @@ def plot_curves(losses: Sequence[tuple[int, float]], evals: Sequence[tuple[int, 
     acc_ax.set_ylabel("eval masked-LM accuracy", color="C1")
     loss_ax.grid(True, alpha=0.3)
     handles = [h for ax in (loss_ax, acc_ax) for h in ax.get_legend_handles_labels()[0]]
-    loss_ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=9)
+    fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=3, fontsize=9,
+               frameon=False)
     loss_ax.set_title(title or "training loss and eval accuracy")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
     plt.close(fig)
 
@@ -157,10 +165,10 @@ class RunReport(Hook):
 
     def _summary(self, event: RunEnd, curves: Path) -> Summary:
         trained = event.samples - self.start_samples
-        files = {"summary": str(self.output_dir / SUMMARY_TXT), "curves": str(curves),
-                 "progress log": str(self.output_dir / TRAIN_LOG)}
-        if self.mlperf_log is not None:
-            files["MLPerf log"] = str(self.mlperf_log)
+        files = {"summary": str(self.output_dir / SUMMARY_TXT), "curves": str(curves)}
+        for what, path in (("progress log", self.output_dir / TRAIN_LOG), ("MLPerf log", self.mlperf_log)):
+            if path is not None and path.is_file():
+                files[what] = str(path)
         return Summary(event.status, event.reason, event.seconds, event.step, event.samples,
                        self.start_samples, tuple(self.evals) or tuple(event.evals),
                        trained / event.seconds if event.seconds > 0 else 0.0, self.target, files)
