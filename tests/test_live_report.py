@@ -109,7 +109,8 @@ def test_a_terminal_gets_a_bar_not_lines(tmp_path):
     view.step_end(_step(1, 8, next_eval=40))
     view.close()
     out = stream.getvalue()
-    assert "\r" in out and "8.0 seq/s" in out and "8/80" in out
+    assert "\r" in out and "8.0 seq/s" in out and "8/80 seq" in out
+    assert len(re.findall(r"seq/s", out.splitlines()[-1].split("\r")[-1])) == 1  # ours, not tqdm's
     assert not re.search(r"^step 1 ", out, re.M)
     assert "step 1 samples 8/80" in (tmp_path / "train.log").read_text()
 

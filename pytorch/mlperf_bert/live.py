@@ -21,6 +21,7 @@ from mlperf_bert.hooks import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
 
 TARGET_ACCURACY = 0.720
 TRAIN_LOG = "train.log"
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} seq [{elapsed}{postfix}]"
 
 
 def _duration(seconds: float) -> str:
@@ -89,8 +90,9 @@ class LiveView(Hook):
         self._line(f"run {verb} step {event.step} samples {event.samples}; sample limit "
                    f"{event.stop_samples}, global batch {event.global_batch_size}")
         if self.interactive:
-            self._bar = tqdm(total=event.stop_samples, initial=event.samples, unit="seq",
-                             file=self.stream, dynamic_ncols=True, smoothing=0)
+            # tqdm's own rate and ETA would count evals and restored samples: the postfix has ours.
+            self._bar = tqdm(total=event.stop_samples, initial=event.samples, unit="seq", file=self.stream,
+                             dynamic_ncols=True, bar_format=BAR_FORMAT)
 
     def step_end(self, event: StepEnd) -> None:
         self.window.tokens += event.tokens * self.world_size
