@@ -189,5 +189,10 @@ if [[ "${SLURM_PROCID:-${RANK:-${NODE_RANK:-0}}}" != 0 ]]; then
 elif [[ -n "${RESUME_FROM_CHECKPOINT:-}" ]]; then
   echo "no RESULT line: a run started with RESUME_FROM_CHECKPOINT is not a timing result"
 else
-  echo "RESULT,bert,$SEED,$((end - start)),${USER:-unknown},$start_fmt"
+  # The 7th field is the run_stop status of the MLPerf log (success, aborted, or unknown when
+  # the log has no run_stop); the first six are the fields MLPerf result scripts read.
+  run_stop=$(grep -h '"key": "run_stop"' "${MLPERF_LOG_FILE:-$OUTPUT_DIR/mlperf.log}" 2>/dev/null | tail -n 1 || true)
+  run_status=$(sed -n 's/.*"status": *"\([a-z]*\)".*/\1/p' <<< "$run_stop")
+  echo "RESULT,bert,$SEED,$((end - start)),${USER:-unknown},$start_fmt,${run_status:-unknown}"
+  [[ "$run_status" == success ]] || echo "run_and_time.sh: the run did not reach the target (run_stop status ${run_status:-missing}); its time is not a result" >&2
 fi

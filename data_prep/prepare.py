@@ -12,6 +12,8 @@ interrupted run is resumed by running the same command again):
   verify              check dataset folders (same as data_prep/verify_dataset.py)
   convert-checkpoint  TF1 / PyTorch / HuggingFace checkpoint conversion
   all                 samples (train + eval), eval, reshard, pack, stratify, verify
+  vocab               text files -> a WordPiece vocab.txt trained on them
+  model-config        a named BERT size (tiny ... large) -> bert_config.json
 See data_prep/README.md for a full walk-through.
 """
 
@@ -26,12 +28,14 @@ from pathlib import Path
 from data_prep import check_inputs, convert_checkpoint, verify_dataset
 from data_prep.eval_set import EvalParams, make_eval_set
 from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES, DataPrepError
+from data_prep.model_files import MLPERF_VOCAB_SIZE, MODEL_SIZES, model_config, train_vocab, write_model_config
 from data_prep.pack import PackParams, pack_dataset
 from data_prep.reshard import ReshardParams, reshard, shard_dir_name
 from data_prep.samples import SampleParams, create_samples
 from mlperf_bert.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.tfrecords import import_tfrecords
+from data_prep.vocab import load_vocab
 
 log = logging.getLogger("data_prep")
 
@@ -263,6 +267,40 @@ def _stratify_args(p: argparse.ArgumentParser) -> None:
                                            "(default: the quarters of --max_seq_length, 128,256,384,512)")
 
 
+def cmd_vocab(args: argparse.Namespace) -> None:
+    size = train_vocab(text_files(args.text), args.out, args.size, args.lower_case, args.unused, args.min_frequency)
+    log.info("wrote %s: %d tokens", args.out, size)
+
+
+def _vocab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", type=Path, nargs="+", required=True,
+                   help="text files (one sentence a line) or folders of part-* files")
+    p.add_argument("--out", type=Path, required=True, help="the vocab.txt to write")
+    p.add_argument("--size", type=int, default=MLPERF_VOCAB_SIZE, help="tokens in the vocabulary, reserved "
+                   "ones included (default %(default)s, the MLPerf vocabulary's; at most 32768)")
+    p.add_argument("--lower_case", action=argparse.BooleanOptionalAction, default=True,
+                   help="lower-case and strip accents first, as the uncased MLPerf model does (default: on; "
+                        "`samples` always tokenises uncased, so --no-lower_case is for other tokenisers)")
+    p.add_argument("--unused", type=int, default=0, help="[unusedN] placeholder tokens; 994 gives the "
+                   "MLPerf ids ([UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103) (default %(default)s)")
+    p.add_argument("--min_frequency", type=int, default=2, help="occurrences a merge needs (default %(default)s)")
+
+
+def cmd_model_config(args: argparse.Namespace) -> None:
+    vocab_size = load_vocab(args.vocab).size if args.vocab else MLPERF_VOCAB_SIZE
+    write_model_config(args.out, model_config(args.size, vocab_size, args.max_position_embeddings))
+    log.info("wrote %s: BERT-%s, vocab_size %d", args.out, args.size, vocab_size)
+
+
+def _model_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", choices=tuple(MODEL_SIZES), required=True,
+                   help="published BERT shapes: " + ", ".join(f"{name} {layers}x{hidden}/{heads} heads"
+                                                              for name, (layers, hidden, heads) in MODEL_SIZES.items()))
+    p.add_argument("--out", type=Path, required=True, help="the bert_config.json to write")
+    p.add_argument("--vocab", type=Path, help=f"take vocab_size from this vocab.txt (default {MLPERF_VOCAB_SIZE})")
+    p.add_argument("--max_position_embeddings", type=int, default=512, help="longest sequence (default %(default)s)")
+
+
 def _run_verify(args: argparse.Namespace) -> None:
     code = verify_dataset.run(args)
     if code:
@@ -286,6 +324,8 @@ STEPS = {
                            (convert_checkpoint.add_arguments,)),
     "all": ("text folder -> every dataset folder, verified", cmd_all,
             (_all_io, _sample_args, _common, _reshard_args, _eval_args, _pack_args, _stratify_args)),
+    "vocab": ("text files -> a WordPiece vocab.txt trained on them", cmd_vocab, (_vocab_args,)),
+    "model-config": ("named BERT size -> bert_config.json", cmd_model_config, (_model_config_args,)),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import math
 import shutil
 import tarfile
@@ -144,3 +145,56 @@ def test_samsung_open_division_1024_gpus(tmp_path):
     assert (row.runs, row.converged) == (10, 10)
     files = glob.glob(str(tmp_path / "Samsung/results/*/bert/result_*.txt"))
     assert row.samples_min == row.samples_max == 2_932_736 and len(files) == 10
+
+
+def test_archive_is_read_directly_and_its_unpacked_copy_removed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compare.tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    assert compare.main([str(LOGS / "v2.0" / "Samsung.tar.gz"), "--out", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    assert "| Samsung/samsung_supercomputer21_dgxa100_n128_pytorch | open | 1024 | 16384 | 10 (10) |" in table
+    assert "2.933M" in table
+    assert list((tmp_path / "scratch").iterdir()) == []
+    assert (tmp_path / "out" / "accuracy.png").stat().st_size > 20_000
+
+
+def test_broken_archive_is_a_clear_error(tmp_path):
+    bad = tmp_path / "logs.tar.gz"
+    bad.write_bytes(b"not an archive")
+    with pytest.raises(SystemExit, match=f"cannot unpack {bad}"):
+        compare.main([str(bad), "--no-plots"])
+
+
+def _small_run(path: Path, evals: list[tuple[int, float]]) -> None:
+    records = [{"key": "submission_benchmark", "value": "bert", "event_type": "POINT_IN_TIME", "time_ms": 0},
+               {"key": "global_batch_size", "value": 32, "event_type": "POINT_IN_TIME", "time_ms": 0},
+               {"key": "run_start", "event_type": "INTERVAL_START", "time_ms": 1000}]
+    records += [{"key": "eval_accuracy", "value": acc, "event_type": "POINT_IN_TIME", "time_ms": 2000,
+                 "metadata": {"epoch_num": samples}} for samples, acc in evals]
+    records.append({"key": "run_stop", "event_type": "INTERVAL_END", "time_ms": 9000,
+                    "metadata": {"status": "aborted"}})
+    path.write_text("".join(f":::MLLOG {json.dumps(r)}\n" for r in records))
+
+
+def test_small_cpu_runs_get_a_samples_axis_of_their_size(tmp_path):
+    """A few hundred samples: the x axis counts samples (not millions, where they sat at 0)."""
+    logs = tmp_path / "cpu"
+    logs.mkdir()
+    _small_run(logs / "run_1.log", [(96, 0.2), (192, 0.41), (288, 0.55)])
+    _small_run(logs / "run_2.log", [(96, 0.25), (192, 0.43)])
+    systems = compare.discover(logs)
+    rows = [compare.summarize(s) for s in systems]
+    plt = compare._pyplot()
+    fig, ax = plt.subplots()
+    compare._draw_curves(ax, systems, rows)
+    assert ax.get_xlabel() == "training samples"
+    assert ax.get_xlim() == pytest.approx((0, 288 * 1.03))
+    plt.close(fig)
+    assert "0.5500 @ 288" in compare.markdown_curves(rows)
+    assert compare._zoom_limits(rows)[0] == pytest.approx(0.54)
+
+
+@pytest.mark.parametrize("largest,expected", [
+    (500, (1.0, "")), (50_000, (1e3, " (thousands)")), (2_932_736, (1e6, " (millions)"))])
+def test_samples_scale(largest, expected):
+    assert compare.samples_scale(largest) == expected

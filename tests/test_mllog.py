@@ -185,3 +185,16 @@ def test_bad_values_are_rejected(tmp_path: Path) -> None:
             log.submission_info(org="A", division="closedd", platform="p", status="onprem")
         with pytest.raises(ValueError, match="status"):
             log.submission_info(org="A", division="open", platform="p", status="lab")
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_lines_reach_stdout_only_when_echo_is_asked(tmp_path, capsys, echo):
+    path = tmp_path / "mlperf.log"
+    with MLPerfLogger(str(path), rank=0, echo_stdout=echo) as logger:
+        logger.init_start()
+    written = path.read_text()
+    assert written.startswith(":::MLLOG ") and '"key": "init_start"' in written
+    assert capsys.readouterr().out == (written if echo else "")
+    with MLPerfLogger(str(tmp_path / "default.log"), rank=0) as logger:
+        logger.init_start()
+    assert capsys.readouterr().out == ""  # the default keeps the console for the progress view

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -18,6 +19,7 @@ import package_results
 REPO = Path(__file__).resolve().parents[1]
 NVIDIA_V20 = REPO / "tests" / "data" / "mlperf_logs" / "v2.0" / "NVIDIA"
 TOOL = REPO / "tools" / "package_results.py"
+DEMO_RUNS = REPO / "results" / "CPU_1x2"
 
 CACHE_CLEAR = (':::MLLOG {"namespace": "", "time_ms": 1, "event_type": "POINT_IN_TIME", '
                '"key": "cache_clear", "value": true, "metadata": {"file": "<string>", "lineno": 1}}\n')
@@ -107,15 +109,67 @@ def test_pack_synthetic_runs_into_a_compliant_5_0_package(tmp_path):
     assert f"{_olympic_minutes(logs):.3f} minutes" in done.stdout
 
 
-def test_description_of_this_machine_when_logs_carry_none(tmp_path):
+H100 = {"accelerator_model_name": "NVIDIA H100 80GB HBM3", "accelerator_memory_capacity": "81559 MiB",
+        "cuda_driver_version": "550.54.15"}
+
+
+@pytest.mark.parametrize("gpus,accelerators,notes", [(H100, "8", ""), ({}, "0", "CPU only, 8 training processes per node")])
+def test_description_of_this_machine_when_logs_carry_none(tmp_path, monkeypatch, gpus, accelerators, notes):
+    monkeypatch.setattr(package_results, "_gpu_facts", lambda: dict(gpus))
     config = _write_config(tmp_path / "config_TEST_1x8.sh")
     logs = _write_runs(tmp_path / "runs", config, sysjson=None)
     description = package_results.system_description(logs, config, "5.0.0")
     assert set(package_results.SYSTEM_FIELDS) <= set(description)
     assert description["host_processor_vcpu_count"] == str(os.cpu_count())
     assert (description["submitter"], description["number_of_nodes"],
-            description["accelerators_per_node"]) == ("TestOrg", "1", "8")
+            description["accelerators_per_node"]) == ("TestOrg", "1", accelerators)
+    assert description["hw_notes"] == notes
     assert description["status"] == "Available on-premise"
+
+
+def test_cpu_system_from_older_logs_is_described_with_0_accelerators(tmp_path):
+    """The shipped demo logs say accelerators_per_node "2" for 2 CPU processes; packing fixes that,
+    and the official system-description checker and result summarizer accept the result."""
+    from mlperf_logging.system_desc_checker.system_desc_checker import check_system_desc
+
+    logs = sorted(DEMO_RUNS.glob("*_10*.log"))
+    config = package_results.read_config(REPO / "config_CPU_1x2.sh")
+    description = package_results.system_description(logs, config, "5.0.0")
+    assert description["accelerators_per_node"] == "0" and description["accelerator_model_name"] == ""
+    assert description["hw_notes"] == "CPU only, 2 training processes per node"
+    (tmp_path / "CPU_1x2.json").write_text(json.dumps(description))
+    valid, _, _, _ = check_system_desc(str(tmp_path / "CPU_1x2.json"), "training", "5.0.0")
+    assert valid
+
+
+def test_sources_say_which_log_became_which_result(tmp_path, capsys):
+    config = package_results.read_config(REPO / "config_CPU_1x2.sh")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for log in sorted(DEMO_RUNS.glob("*_10*.log")):
+        shutil.copy(log, runs / log.name.replace("261121", "run_"))
+    org = package_results.build_package(runs, REPO / "config_CPU_1x2.sh", tmp_path / "out", "5.0.0")
+    sources = (org / "results" / "CPU_1x2" / "sources.txt").read_text().splitlines()
+    assert sources == capsys.readouterr().out.splitlines()[-10:]
+    for line in sources:
+        result, source = re.match(r"(result_\d+\.txt) <- (\S+) \(seed (\d+), success, [\d.]+ min\)$", line).group(1, 2)
+        assert (org / "results" / "CPU_1x2" / "bert" / result).read_bytes() == Path(source).read_bytes()
+    assert "result_9.txt <- " in sources[9] and "seed 1010" in sources[9]
+    assert config["DGXSYSTEM"] == "CPU_1x2"
+
+
+def test_check_leaves_no_temporary_folders_also_on_failure(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    package = tmp_path / "NVIDIA"
+    shutil.copytree(NVIDIA_V20, package)
+    broken = next(package.glob("results/*/bert/result_3.txt"))
+    broken.write_text("".join(line for line in broken.read_text().splitlines(keepends=True)
+                              if '"run_stop"' not in line))
+    done = _tool("check", str(package), "--ruleset", "2.0.0", env={**os.environ, "TMPDIR": str(scratch)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "checker logs: removed (pass --logs DIR to keep them)" in done.stdout
+    assert list(scratch.iterdir()) == []
 
 
 def test_sysjson_command_reads_the_config_from_the_environment(tmp_path):
@@ -165,8 +219,11 @@ def test_unknown_status_names_the_allowed_values():
         package_results.availability("on-prem")
 
 
-def test_logs_of_another_config_are_rejected(tmp_path):
+@pytest.mark.parametrize("gpus,message", [(H100, "accelerators_per_node=4 but"),
+                                          ({}, "4 training processes per node but")])
+def test_logs_of_another_config_are_rejected(tmp_path, monkeypatch, gpus, message):
+    monkeypatch.setattr(package_results, "_gpu_facts", lambda: dict(gpus))
     config = _write_config(tmp_path / "config_TEST_1x8.sh")
     logs = _write_runs(tmp_path / "runs", config, package_results.sysjson_line({**config, "DGXNGPU": "4"}))
-    with pytest.raises(package_results.PackageError, match="accelerators_per_node=4 but the config says DGXNGPU=8"):
+    with pytest.raises(package_results.PackageError, match=f"{message} the config says DGXNGPU=8"):
         package_results.system_description(logs, config, "5.0.0")

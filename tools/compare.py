@@ -4,7 +4,9 @@
 Each DIR is one of
   * an MLPerf package: ORG/results/<system>/bert/result_*.txt (+ ORG/systems/<system>.json),
   * one system folder of such a package: <system>/bert/result_*.txt,
-  * a plain folder of run logs (any file with `:::MLLOG` lines, e.g. run_with_docker.sh's LOGDIR).
+  * a plain folder of run logs (any file with `:::MLLOG` lines, e.g. run_with_docker.sh's LOGDIR),
+  * a .tar.gz / .tgz / .tar archive of any of these (unpacked into a temporary folder, removed
+    when the report is written).
 
 Per system the report gives the global batch size, the number of runs (and how many converged),
 the olympic time to train (mean of the run times without the fastest and the slowest; a run that
@@ -27,6 +29,9 @@ import math
 import re
 import statistics
 import sys
+import tarfile
+import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -220,6 +225,29 @@ def _package_systems(package: Path) -> list[SystemResults]:
     return systems
 
 
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+
+
+def unpack(archive: Path, stack: ExitStack) -> Path:
+    """Unpack an archive into a temporary folder that `stack` removes; the folder it holds
+    (Samsung.tar.gz holds Samsung/), or the temporary folder when it holds several."""
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compare_")))
+    try:
+        with tarfile.open(archive) as opened:
+            opened.extractall(scratch, filter="data")
+    except (tarfile.TarError, OSError) as err:
+        raise SystemExit(f"compare.py: cannot unpack {archive}: {err}") from err
+    entries = list(scratch.iterdir())
+    return entries[0] if len(entries) == 1 and entries[0].is_dir() else scratch
+
+
+def resolve_input(path: Path, stack: ExitStack) -> Path:
+    """The folder to read for one DIR argument (an archive is unpacked first)."""
+    if path.is_file() and path.name.endswith(ARCHIVE_SUFFIXES):
+        return unpack(path, stack)
+    return path
+
+
 def discover(folder: Path) -> list[SystemResults]:
     """All systems under one DIR argument (see the module docstring for the accepted layouts)."""
     if not folder.is_dir():
@@ -332,12 +360,19 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "n/a" if value is None else pattern.format(value)
 
 
+def count_text(samples: float) -> str:
+    """3.123M for full runs, 12.3k or 960 for small ones (so a CPU run is not 0.000M)."""
+    if samples >= 1e6:
+        return f"{samples / 1e6:.3f}M"
+    return f"{samples / 1e3:.1f}k" if samples >= 1e4 else f"{samples:.0f}"
+
+
 def _samples_cell(row: SystemSummary) -> str:
     if row.samples_mean is None:
         return "n/a"
-    spread = f" ± {row.samples_std / 1e6:.3f}M" if row.samples_std is not None else ""
-    return (f"{row.samples_mean / 1e6:.3f}M{spread} "
-            f"({row.samples_min / 1e6:.3f}–{row.samples_max / 1e6:.3f}M)")
+    spread = f" ± {count_text(row.samples_std)}" if row.samples_std is not None else ""
+    return (f"{count_text(row.samples_mean)}{spread} "
+            f"({count_text(row.samples_min)}–{count_text(row.samples_max)})")
 
 
 def markdown_table(rows: Sequence[SystemSummary]) -> str:
@@ -359,7 +394,7 @@ def markdown_curves(rows: Sequence[SystemSummary]) -> str:
     """Mean eval-accuracy curve per system as `accuracy @ samples` points."""
     lines = ["Mean eval accuracy (over the runs that reached each eval), `accuracy @ samples`:", ""]
     for row in rows:
-        points = ", ".join(f"{acc:.4f} @ {samples / 1e6:.2f}M" for samples, acc in row.curve)
+        points = ", ".join(f"{acc:.4f} @ {count_text(samples)}" for samples, acc in row.curve)
         lines.append(f"- **{row.label}**: {points}")
     return "\n".join(lines)
 
@@ -381,18 +416,40 @@ def _pyplot() -> Any:
     return plt
 
 
+def samples_scale(largest: float) -> tuple[float, str]:
+    """Divisor and unit for a samples axis: millions for full runs, plain counts for CPU runs."""
+    for scale, unit in ((1e6, "millions"), (1e3, "thousands")):
+        if largest >= scale * (1 if scale == 1e6 else 10):
+            return scale, f" ({unit})"
+    return 1.0, ""
+
+
+def _largest_samples(systems: Sequence[SystemResults]) -> float:
+    return max((s for system in systems for run in system.runs for s, _ in run.evals), default=1.0)
+
+
 def _draw_curves(ax: Any, systems: Sequence[SystemResults], rows: Sequence[SystemSummary]) -> None:
+    largest = _largest_samples(systems)
+    scale, unit = samples_scale(largest)
     for index, (system, row) in enumerate(zip(systems, rows)):
         color = f"C{index % 10}"
         for run in system.runs:
-            xs = [s / 1e6 for s, _ in run.evals]
+            xs = [s / scale for s, _ in run.evals]
             ax.plot(xs, [a for _, a in run.evals], color=color, alpha=0.25, linewidth=0.8)
-        ax.plot([s / 1e6 for s, _ in row.curve], [a for _, a in row.curve], color=color,
+        ax.plot([s / scale for s, _ in row.curve], [a for _, a in row.curve], color=color,
                 linewidth=2.0, marker="o", markersize=3, label=f"{row.label} ({row.runs} runs)")
     ax.axhline(TARGET_ACCURACY, color="black", linestyle="--", linewidth=1.0, label="target 0.720")
-    ax.set_xlabel("training samples (millions)")
+    ax.set_xlim(0, largest / scale * 1.03)
+    ax.set_xlabel(f"training samples{unit}")
     ax.set_ylabel("masked-LM eval accuracy")
     ax.grid(True, alpha=0.3)
+
+
+def _zoom_limits(rows: Sequence[SystemSummary]) -> tuple[float, float]:
+    """0.69-0.73 around the target, widened down to the last evals of runs that end below it."""
+    last = [row.curve[-1][1] for row in rows if row.curve]
+    low = min([0.69, *(a - 0.01 for a in last)])
+    return max(low, 0.0), 0.73
 
 
 def plot_accuracy(systems: Sequence[SystemResults], rows: Sequence[SystemSummary], path: Path) -> None:
@@ -404,7 +461,7 @@ def plot_accuracy(systems: Sequence[SystemResults], rows: Sequence[SystemSummary
     _draw_curves(zoom, systems, rows)
     full.set_title("eval accuracy vs training samples (thin: runs, thick: mean)")
     zoom.set_title("near the target")
-    zoom.set_ylim(0.69, 0.73)
+    zoom.set_ylim(*_zoom_limits(rows))
     handles, labels = full.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0.015 + 0.035 * legend_rows, 1, 1))
@@ -449,7 +506,7 @@ def plot_time_to_train(systems: Sequence[SystemResults], rows: Sequence[SystemSu
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
-                        help="MLPerf package (ORG/), system folder, or folder of run logs")
+                        help="MLPerf package (ORG/), system folder, folder of run logs, or a .tar.gz of one")
     parser.add_argument("--out", type=Path, help="write report.md and the PNG plots here")
     parser.add_argument("--no-plots", action="store_true", help="Markdown only (no matplotlib needed)")
     return parser.parse_args(argv)
@@ -457,7 +514,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    systems = [system for folder in args.dirs for system in discover(folder)]
+    with ExitStack() as stack:
+        systems = [system for path in args.dirs for system in discover(resolve_input(path, stack))]
     rows = [summarize(system) for system in systems]
     images: list[str] = []
     if args.out is not None:

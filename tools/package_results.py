@@ -4,10 +4,13 @@
   pack RUN_DIR --config config_X.sh --out OUT [--ruleset 5.0.0]
       RUN_DIR holds one MLPerf log per run (e.g. run_with_docker.sh's LOGDIR). Writes
       OUT/<ORG>/results/<DGXSYSTEM>/bert/result_<i>.txt and OUT/<ORG>/systems/<DGXSYSTEM>.json,
-      then checks and scores the package in place.
+      and OUT/<ORG>/results/<DGXSYSTEM>/sources.txt, which says which log became which
+      result_<i>.txt (printed too); then checks and scores the package in place, with the
+      checkers' logs in OUT/checker_logs/ unless --logs says otherwise.
   check PACKAGE_DIR [--ruleset 5.0.0]
       Checks and scores an existing package (ORG/ with results/ and systems/) on a temporary copy,
-      so the input is never modified (the package checker writes scaling.json files).
+      so the input is never modified (the package checker writes scaling.json files). The copy
+      and, without --logs, the checkers' logs are removed at the end, also on failure.
   sysjson
       Prints one `:::SYSJSON {...}` line describing this machine and the config in the environment.
       The launchers run it inside the container before each run, so the description of the machine
@@ -194,7 +197,10 @@ def availability(status: str) -> str:
 
 
 def describe_system(config: Mapping[str, str], machine: Mapping[str, Any]) -> dict[str, Any]:
-    """An MLPerf system description: the config says what was run, the machine what it ran on."""
+    """An MLPerf system description: the config says what was run, the machine what it ran on.
+
+    A machine without accelerators (no accelerator_model_name) is a CPU system: 0 accelerators
+    per node, whatever number of training processes DGXNGPU starts (that goes in hw_notes)."""
     description: dict[str, Any] = {name: "" for name in SYSTEM_FIELDS}
     description["other_software_stack"] = {}
     description.update({k: v for k, v in machine.items() if k in description})
@@ -206,7 +212,32 @@ def describe_system(config: Mapping[str, str], machine: Mapping[str, Any]) -> di
         "number_of_nodes": _require(config, "DGXNNODES"),
         "accelerators_per_node": _require(config, "DGXNGPU"),
     })
-    return description
+    return as_cpu_system(description) if not description["accelerator_model_name"] else description
+
+
+def as_cpu_system(description: Mapping[str, Any]) -> dict[str, Any]:
+    """The description of a system that trained on CPUs only: 0 accelerators per node (the
+    checkers read the count as a number; the result summarizer counts such a node as one chip)
+    and the processes per node in hw_notes."""
+    processes = description["accelerators_per_node"]
+    cpu = dict(description, accelerators_per_node="0")
+    if str(processes) != "0":
+        note = CPU_NOTE.format(processes)
+        cpu["hw_notes"] = "; ".join(n for n in (note, str(description.get("hw_notes") or "")) if n)
+    return cpu
+
+
+CPU_NOTE = "CPU only, {} training processes per node"
+
+
+def cpu_processes(description: Mapping[str, Any]) -> str | None:
+    """The training processes per node that as_cpu_system noted, if it did."""
+    found = re.search(CPU_NOTE.format(r"(\d+)"), str(description.get("hw_notes", "")))
+    return found.group(1) if found else None
+
+
+def is_cpu_system(description: Mapping[str, Any]) -> bool:
+    return not description.get("accelerator_model_name") or str(description["accelerators_per_node"]) == "0"
 
 
 def sysjson_line(config: Mapping[str, str]) -> str:
@@ -246,8 +277,17 @@ def system_description(logs: Sequence[Path], config: Mapping[str, str], ruleset:
     missing = [name for name in SYSTEM_FIELDS if name not in description]
     if missing:
         raise PackageError(f"the :::SYSJSON line in the logs lacks {missing}")
-    for field_name, variable in (("number_of_nodes", "DGXNNODES"), ("accelerators_per_node", "DGXNGPU"),
-                                 ("submitter", "SUBMISSION_ORG")):
+    checked = [("number_of_nodes", "DGXNNODES"), ("submitter", "SUBMISSION_ORG")]
+    if is_cpu_system(description):
+        # Logs written before CPU systems were told apart carry DGXNGPU as accelerators_per_node.
+        description = as_cpu_system(description)
+        processes = cpu_processes(description)
+        if processes is not None and processes != _require(config, "DGXNGPU"):
+            raise PackageError(f"the logs were run with {processes} training processes per node but the "
+                               f"config says DGXNGPU={config['DGXNGPU']}: pass the runs' config")
+    else:
+        checked.append(("accelerators_per_node", "DGXNGPU"))
+    for field_name, variable in checked:
         if str(description[field_name]) != _require(config, variable):
             raise PackageError(f"the logs were run with {field_name}={description[field_name]} but the "
                                f"config says {variable}={config[variable]}: pass the runs' config")
@@ -269,15 +309,41 @@ def build_package(run_dir: Path, config_path: Path, out: Path, ruleset: str) -> 
     results = org / "results" / system / BENCHMARK
     if results.exists():
         raise PackageError(f"{results} already exists: remove it or choose another --out")
+    try:
+        _write_system(org, system, logs, description)
+    except BaseException:
+        shutil.rmtree(results.parent, ignore_errors=True)  # no half-written package
+        (org / "systems" / f"{system}.json").unlink(missing_ok=True)
+        raise
+    print(f"packaged {len(logs)} runs of {system} from {run_dir} into {org}")
+    print((results.parent / SOURCES).read_text(), end="")
+    return org
+
+
+SOURCES = "sources.txt"
+
+
+def source_lines(logs: Sequence[Path]) -> list[str]:
+    """`result_<i>.txt <- LOG (seed, status, minutes)`, one line per run, in package order."""
+    lines = []
+    for index, log in enumerate(logs):
+        run = read_run(log)
+        minutes = f"{run.minutes:.2f} min" if run.minutes is not None else "no run_stop"
+        lines.append(f"result_{index}.txt <- {log} (seed {run.values.get('seed', '?')}, "
+                     f"{run.status or 'no status'}, {minutes})")
+    return lines
+
+
+def _write_system(org: Path, system: str, logs: Sequence[Path], description: Mapping[str, Any]) -> None:
+    results = org / "results" / system / BENCHMARK
     results.mkdir(parents=True)
     for index, log in enumerate(logs):
         shutil.copyfile(log, results / f"result_{index}.txt")
+    (results.parent / SOURCES).write_text("\n".join(source_lines(logs)) + "\n")
     (org / "systems").mkdir(exist_ok=True)
     with (org / "systems" / f"{system}.json").open("w") as f:
         json.dump(description, f, indent=4)
         f.write("\n")
-    print(f"packaged {len(logs)} runs of {system} from {run_dir} into {org}")
-    return org
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +489,7 @@ def check_package(package: Path, ruleset: str, logs: Path) -> Verdict:
     return verdict
 
 
-def report(checked: Path, shown: Path, ruleset: str, verdict: Verdict, logs: Path) -> int:
+def report(checked: Path, shown: Path, ruleset: str, verdict: Verdict, logs: Path, kept: bool = True) -> int:
     """Print the verdict plainly (naming `shown` where the checks ran on a copy); the exit status."""
     def say(line: str) -> None:
         print("  " + line.replace(str(checked.resolve()), str(shown)))
@@ -436,7 +502,7 @@ def report(checked: Path, shown: Path, ruleset: str, verdict: Verdict, logs: Pat
         say(f"score {system}: {minutes} (official result summarizer, olympic mean)")
     for problem in verdict.problems:
         say(f"FAIL: {problem}")
-    print(f"  checker logs: {logs}")
+    print(f"  checker logs: {logs}" if kept else "  checker logs: removed (pass --logs DIR to keep them)")
     print("PASS" if verdict.passed else f"FAIL ({len(verdict.problems)} problem(s))")
     return 0 if verdict.passed else 1
 
@@ -458,15 +524,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for sub in (pack, check):
         sub.add_argument("--ruleset", default=DEFAULT_RULESET,
                          help="MLPerf training ruleset of the logs (default %(default)s)")
-        sub.add_argument("--logs", type=Path, help="where the checkers' logs go (default: temp dir)")
+        sub.add_argument("--logs", type=Path, help="where the checkers' logs go (default: OUT/checker_logs "
+                         "for pack; none kept for check)")
     commands.add_parser("sysjson", help="print a :::SYSJSON line (config variables from the environment)")
     return parser.parse_args(argv)
 
 
-def _checked(package: Path, args: argparse.Namespace, shown: Path) -> int:
-    logs = args.logs or Path(tempfile.mkdtemp(prefix="mlperf_checks_"))
-    logs.mkdir(parents=True, exist_ok=True)
-    return report(package, shown, args.ruleset, check_package(package, args.ruleset, logs), logs)
+def _checked(package: Path, args: argparse.Namespace, shown: Path, logs: Path | None) -> int:
+    """Check and report; `logs` None: the checkers' logs go to a temporary folder, removed after."""
+    with tempfile.TemporaryDirectory(prefix="mlperf_checks_") as scratch:
+        where = logs or Path(scratch)
+        where.mkdir(parents=True, exist_ok=True)
+        verdict = check_package(package, args.ruleset, where)
+        return report(package, shown, args.ruleset, verdict, where, kept=logs is not None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,12 +547,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "pack":
             package = build_package(args.run_dir, args.config, args.out, args.ruleset)
-            return _checked(package, args, package)
+            return _checked(package, args, package, args.logs or args.out / "checker_logs")
         _result_dirs(args.package)
         with tempfile.TemporaryDirectory(prefix="mlperf_package_") as scratch:
             copy = Path(scratch) / args.package.resolve().name
             shutil.copytree(args.package, copy)
-            return _checked(copy, args, args.package)
+            return _checked(copy, args, args.package, args.logs)
     except PackageError as err:
         print(f"package_results.py: {err}", file=sys.stderr)
         return 2

@@ -88,8 +88,9 @@ class MLPerfLogger:
     """Writes the MLPerf log of one run (rank 0 only).
 
     path: file to append to, or None for stdout. rank: this process's global rank.
-    echo_stdout: also print every line to stdout, where launchers such as run_and_time.sh
-    collect the log of each run.
+    echo_stdout: also print every line to stdout (the trainer's --echo_mllog). Off by default,
+    so a console shows the progress view rather than JSON; on where a launcher collects the
+    log from stdout (run_and_time.sh under run_with_docker.sh, which tees it into LOGDIR).
     """
 
     def __init__(self, path: str | None, rank: int, echo_stdout: bool = False) -> None:
