@@ -1,0 +1,48 @@
+"""Runs small programs on the fake CUDA device and prints what the recorder saw, as JSON.
+
+Its own process: the fake device must be loaded before torch is imported, and the test
+process has torch already.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mlperf_bert.dryrun.native import load
+
+load()
+
+import torch  # noqa: E402  (after the fake CUDA device)
+
+from mlperf_bert.dryrun import cuda_standins  # noqa: E402
+from mlperf_bert.dryrun.run import _FakeCudaMode  # noqa: E402
+from mlperf_bert.dryrun.record import Recorder  # noqa: E402
+
+
+def program() -> None:
+    """A capture with a host read and a host->device copy inside, then the same outside."""
+    weights = torch.ones(4, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flag = (weights.sum() > 0).item()  # host read inside the capture
+        weights.copy_(torch.ones(4))  # host tensor copied in inside the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    sums = torch.stack([weights.sum(), weights.amax()]).tolist()  # one read of two values
+    assert flag is False and len(sums) == 2
+    assert weights.device.type == "cuda" and weights.shape == (4,)
+
+
+def main() -> None:
+    recorder = Recorder(phase="probe")
+    with cuda_standins.install(recorder) as log, _FakeCudaMode.make(), recorder:
+        program()
+    events = [{"kind": e.kind, "where": e.where, "in_capture": e.in_capture, "values": e.values, "detail": e.detail}
+              for e in recorder.events]
+    json.dump({"events": events, "captures": log.captures, "replays": log.replays, "syncs": len(log.syncs)},
+              sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
