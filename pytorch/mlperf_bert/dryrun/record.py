@@ -17,7 +17,6 @@ sums (eval totals), which read 1.0 so that the ratios built from them are define
 from __future__ import annotations
 
 import traceback
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -89,7 +88,8 @@ class Recorder(TorchDispatchMode):
 
     events: list[Event] = field(default_factory=list)
     phase: str = "build"
-    capturing: bool = False
+    capturing: bool = False  # set by the cuda stand-ins' capture (fake runs)
+    fake: bool = True  # False on a real GPU: reads return the device's values, pinning is real
     _reading: bool = False  # the last op seen was a host read
 
     def __post_init__(self) -> None:
@@ -99,11 +99,13 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _READ:
             self._note_read()
-            return healthy_value(args[0].dtype)
+            if self.fake:
+                return healthy_value(args[0].dtype)
+            return func(*args, **kwargs)
         self._reading = False
-        if func in _PIN:
+        if self.fake and func in _PIN:
             return args[0]
-        if func is _RECORD_STREAM:  # allocator bookkeeping only: no fake implementation, nothing to check
+        if self.fake and func is _RECORD_STREAM:  # allocator bookkeeping: no fake implementation, nothing to check
             return None
         if func in _COPIES:
             self._note_copy(func, args, kwargs)
@@ -116,20 +118,14 @@ class Recorder(TorchDispatchMode):
         if self._reading and last is not None and last.where == where and last.phase == self.phase:
             self.events[-1] = replace(last, values=last.values + 1)
         else:
-            self.events.append(Event("read", where, self.phase, self.capturing))
+            self.events.append(Event("read", where, self.phase, self.in_capture_now()))
         self._reading = True
 
     def _note_copy(self, func: Any, args: tuple, kwargs: dict) -> None:
         src, dst = _copy_devices(func, args, kwargs)
         if src is None or dst is None or src.type == dst.type:
             return
-        self.events.append(Event("copy", caller_line(), self.phase, self.capturing, f"{src.type}->{dst.type}"))
+        self.events.append(Event("copy", caller_line(), self.phase, self.in_capture_now(), f"{src.type}->{dst.type}"))
 
-    def reads(self, phase_prefix: str = "") -> list[Event]:
-        return [e for e in self.events if e.kind == "read" and e.phase.startswith(phase_prefix)]
-
-    def in_capture(self) -> list[Event]:
-        return [e for e in self.events if e.in_capture]
-
-    def reads_by_phase(self) -> Counter[str]:
-        return Counter(e.phase for e in self.events if e.kind == "read")
+    def in_capture_now(self) -> bool:
+        return self.capturing or (not self.fake and torch.cuda.is_current_stream_capturing())

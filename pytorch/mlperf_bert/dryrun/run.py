@@ -64,9 +64,6 @@ class DryRunReport:
     replays: int = 0
     failures: list[str] = field(default_factory=list)
 
-    def reads_in(self, phase: str) -> list[Event]:
-        return [e for e in self.events if e.kind == "read" and e.phase == phase]
-
 
 class SyntheticSource:
     """A BatchSource of random sequences of the configured layout, lengths and masks."""
@@ -221,7 +218,7 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     """Builds the configured run on 'cuda', runs `steps` steps and an eval; raises on a finding."""
     denv = dist_env_from(os.environ if env is None else env)
     cfg = parse_config(trainer_argv, denv.world_size)
-    recorder = Recorder()
+    recorder = Recorder(fake=fake)
     model = cpu_model(cfg)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
     standins = cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
