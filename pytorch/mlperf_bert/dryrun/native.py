@@ -73,11 +73,17 @@ def build() -> Path:
     return target
 
 
+_loaded: list[Path] = []
+
+
 def load() -> Path:
     """Builds if needed and loads the fake CUDA device; call before the first `import torch`."""
+    if _loaded:
+        return _loaded[0]
     if "torch" in sys.modules:
         raise NativeBuildError("torch is already imported: the fake CUDA device must be loaded first "
                                "(run the dry run in its own process: python -m mlperf_bert.dryrun)")
     library = build()
     ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    _loaded.append(library)
     return library
