@@ -117,3 +117,11 @@ def test_fake_device_must_load_before_torch() -> None:
 
     with pytest.raises(NativeBuildError, match="torch is already imported"):
         load()
+
+
+def test_padded_layout_unpads_with_host_reads(tmp_path: Path) -> None:
+    """Boolean indexing on the device is a host read of the output size: found, with its lines."""
+    code, output = _dry_run(tmp_path, "--precision", "bf16", "--input_layout", "padded", "--sync_every", "10")
+    assert code == 1, output
+    step_1 = output.split("step 1:")[1].split("step 2:")[0]
+    assert step_1.startswith(" 6 host read(s)") and step_1.count("mlperf_bert/batch.py:") == 6, output

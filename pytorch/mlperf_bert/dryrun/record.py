@@ -4,14 +4,15 @@
 before the fake mode does, and records:
 
 - host reads: `aten._local_scalar_dense` (behind `.item()`, `.tolist()`, `float(t)`, `bool(t)`,
-  `if t:`), each with the first source line outside torch that asked for it;
+  `if t:`) and `aten.nonzero` (behind boolean indexing, whose output size the host must read),
+  each with the first source line outside torch that asked for it;
 - host<->device copies: `aten._to_copy` / `aten.copy_` between the CPU and 'cuda';
 - whether each happened inside a CUDA-graph capture (`cuda_standins` sets `capturing`).
 
 A fake tensor has no data, so a host read cannot return the device's value: it returns the
 answer of a healthy run (0: no overflow, no non-finite loss, no stop request), except for
 GradScaler's scale (2**16, its default start) and float64 tensors, the trainer's accumulated
-sums (eval totals), which read 1.0 so that the ratios built from them are defined.
+sums (eval totals), which read 1.0 so that the ratios built from them are defined; a boolean mask reads as all true.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _HERE = str(Path(__file__).parent)
 _READ = torch.ops.aten._local_scalar_dense.default
 # Page-locking is a host-memory matter the fake mode does not model: the tensor stands as is.
 _PIN = (torch.ops.aten._pin_memory.default,)
+_NONZERO = torch.ops.aten.nonzero.default
+_INDEX = torch.ops.aten.index.Tensor
 _RECORD_STREAM = torch.ops.aten.record_stream.default
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
 
@@ -102,6 +105,12 @@ class Recorder(TorchDispatchMode):
             if self.fake:
                 return healthy_value(args[0].dtype)
             return func(*args, **kwargs)
+        if func is _NONZERO:  # the output's size is read from the device
+            self._note_read()
+            return self._all_true_nonzero(args[0]) if self.fake else func(*args, **kwargs)
+        if func is _INDEX and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self._note_read()  # boolean indexing is a nonzero: same host read
+            return func(args[0], self._integer_indices(args[1])) if self.fake else func(*args, **kwargs)
         self._reading = False
         if self.fake and func in _PIN:
             return args[0]
@@ -110,6 +119,23 @@ class Recorder(TorchDispatchMode):
         if func in _COPIES:
             self._note_copy(func, args, kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _all_true_nonzero(mask: torch.Tensor) -> torch.Tensor:
+        """nonzero of a mask taken as all true (every token real): the healthy answer's shape."""
+        return torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)
+
+    @classmethod
+    def _integer_indices(cls, indices: list) -> list:
+        """Boolean masks as the integer indices of their (all true) elements, as indexing expands them."""
+        out: list = []
+        for index in indices:
+            if index is None or index.dtype != torch.bool:
+                out.append(index)
+            else:
+                positions = cls._all_true_nonzero(index)
+                out.extend(positions[:, d] for d in range(index.dim()))
+        return out
 
     def _note_read(self) -> None:
         """One event per call site: the scalars of one `.tolist()` arrive with no op between them."""
