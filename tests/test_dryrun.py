@@ -79,6 +79,17 @@ def test_recorder_catches_reads_and_copies_inside_a_capture() -> None:
     assert (seen["captures"], seen["replays"], seen["syncs"]) == (1, 1, 1)
 
 
+def test_device_loss_scaler_captures_without_host_reads() -> None:
+    result = run_cli([sys.executable, "tests/_dryrun_probe.py", "scaled_step"])
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["captures"] == 1
+    assert not [e for e in seen["events"] if e["in_capture"]], seen
+    reads = [e for e in seen["events"] if e["kind"] == "read"]
+    assert len(reads) == 1 and reads[0]["values"] == 3, reads  # DeviceLossScaler.read(): one read, three values
+    assert reads[0]["where"].startswith("mlperf_bert/loss_scale.py:") and reads[0]["where"].endswith("(read)")
+
+
 def _dry_run(tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:
     (tmp_path / "bert_config.json").write_text(json.dumps(TINY_BERT))
     base = ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
