@@ -3,9 +3,9 @@
 On a machine without a GPU (`fake=True`) every CUDA tensor is a FakeTensor: shapes, dtypes and
 devices are checked op by op and no arithmetic runs. On a GPU (`fake=False`, `make gpu-check`)
 the same calls run for real. Either way the `Recorder` lists the host reads per step with their
-source lines, and the run fails (`DryRunFailure`) on a host read or host<->device copy inside a
-CUDA-graph capture, or on more host reads per sync window than the config promises (one: the
-window's agreement, `--sync_every` steps apart).
+source lines, and the report's `failures` name every host read or host<->device copy inside a
+CUDA-graph capture, and more host reads per sync window than the config promises (one: the
+window's agreement, `--sync_every` steps apart). Any exception propagates.
 
 What is the trainer's own: config parsing and validation (`cli.parse_config`),
 `trainer.build_training` (optimizer, schedule, scaler, DDP + clipping hooks, step guard),
@@ -23,8 +23,8 @@ import contextlib
 import copy
 import math
 import os
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterator
 from unittest import mock
 
@@ -47,10 +47,6 @@ from .bucketed import BucketedDataParallel
 from .record import Event, Recorder
 
 MAX_SEQS_PER_PACK = 3  # K of the packed shards (data_prep pack)
-
-
-class DryRunFailure(RuntimeError):
-    pass
 
 
 @dataclass
@@ -215,7 +211,7 @@ def run_steps(rt: trainer.Runtime, recorder: Recorder, steps: int) -> None:
 
 def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
             env: dict[str, str] | None = None) -> DryRunReport:
-    """Builds the configured run on 'cuda', runs `steps` steps and an eval; raises on a finding."""
+    """Builds the configured run on 'cuda', runs `steps` steps and an eval; the report lists the findings."""
     denv = dist_env_from(os.environ if env is None else env)
     cfg = parse_config(trainer_argv, denv.world_size)
     recorder = Recorder(fake=fake)
