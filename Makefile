@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs, makes the demo data and trains the CPU demo to its target
 #   make test   creates .venv, installs, runs the whole test suite
+#   make gpu-check  on a GPU machine: the fake-CUDA dry run of every shipped config, run for real
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean-demo
+.PHONY: demo test venv clean-demo gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +36,10 @@ test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
 	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The same steps the test suite dry-runs on fake CUDA, on this machine's GPU (tools/gpu_check.sh).
+gpu-check:
+	PYTHON=$${PYTHON_GPU:-python3} bash tools/gpu_check.sh
 
 clean-demo:
 	rm -rf demo_data demo_runs

@@ -319,17 +319,38 @@ def _build_apex(params: Any, name: str, lr: LearningRate, betas: tuple[float, fl
     return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)
 
 
-def _resolve_implementation(name: str, implementation: str, max_grad_norm: float | None, lr: LearningRate) -> str:
+def _resolve_implementation(name: str, implementation: str, max_grad_norm: float | None, lr: LearningRate,
+                            cuda_graphs: bool = False) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"optimizer implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if name not in LAMB_NAMES + ADAM_NAMES:
         raise ValueError(f"optimizer name must be one of {LAMB_NAMES + ADAM_NAMES}, got {name!r}")
-    if implementation != "auto":
-        if implementation == "apex" and not apex_available():
-            raise ImportError("implementation 'apex' needs NVIDIA apex with its CUDA extensions; "
-                              "install it or choose 'foreach'")
-        return implementation
-    # apex takes a float lr only, and FusedAdam cannot clip globally: those stay on foreach.
+    if implementation == "auto":
+        return _auto_implementation(name, max_grad_norm, lr, cuda_graphs)
+    if implementation == "apex" and cuda_graphs:
+        raise ValueError(f"--optimizer_impl apex cannot run inside a CUDA graph: {APEX_NOT_GRAPH_SAFE}; "
+                         "use --optimizer_impl foreach (or auto) with --cuda_graphs")
+    if implementation == "apex" and not apex_available():
+        raise ImportError("implementation 'apex' needs NVIDIA apex with its CUDA extensions; "
+                          "install it or choose 'foreach'")
+    return implementation
+
+
+# Why apex's FusedLAMB / FusedAdam are never captured: both keep the step count as a Python int
+# and take lr as a float, so a graph would replay the bias corrections and learning rate of the
+# captured step forever; FusedLAMB also reads its overflow buffer on the host.
+APEX_NOT_GRAPH_SAFE = "its step count and learning rate are host numbers a graph would freeze at capture"
+
+
+def _auto_implementation(name: str, max_grad_norm: float | None, lr: LearningRate, cuda_graphs: bool) -> str:
+    """apex for eager steps where it computes the same thing; foreach under CUDA graphs.
+
+    apex takes a float lr only, and FusedAdam cannot clip globally: those stay on foreach.
+    Under --cuda_graphs the step is captured, which apex's optimizers cannot be
+    (APEX_NOT_GRAPH_SAFE), so foreach (whose capturable twin keeps all state on the device).
+    """
+    if cuda_graphs:
+        return "foreach"
     apex_fits = not isinstance(lr, torch.Tensor) and (name in LAMB_NAMES or max_grad_norm is None)
     return "apex" if apex_fits and apex_available() else "foreach"
 
@@ -349,6 +370,7 @@ def build_optimizer(
     weight_decay: float,
     max_grad_norm: float | None,
     implementation: str = "auto",
+    cuda_graphs: bool = False,
 ) -> torch.optim.Optimizer:
     """Builds LAMB or ADAM(W).
 
@@ -362,8 +384,10 @@ def build_optimizer(
     implementation: "auto" (apex when it imports, lr is a float and, for ADAM, no clipping is
       asked for; otherwise "foreach"), "reference", "foreach" or "apex". Note that apex
       overwrites p.grad with the update inside step().
+    cuda_graphs: the step will be captured in a CUDA graph: "auto" then never picks apex,
+      and "apex" is refused (see APEX_NOT_GRAPH_SAFE).
     """
-    chosen = _resolve_implementation(name, implementation, max_grad_norm, lr)
+    chosen = _resolve_implementation(name, implementation, max_grad_norm, lr, cuda_graphs)
     _check_hyperparameters(lr, betas, eps, max_grad_norm)
     if chosen == "apex":
         return _build_apex(params_or_groups, name, lr, betas, eps, weight_decay, max_grad_norm)

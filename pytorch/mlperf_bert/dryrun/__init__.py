@@ -1,0 +1,12 @@
+"""Dry run of the GPU path: the trainer's build, steps and eval on 'cuda' without a GPU.
+
+`python -m mlperf_bert.dryrun [--steps N] [--real] -- <trainer flags>` loads a fake CUDA
+device into a CPU-only torch (`native`, before torch is imported), runs the configured
+steps and an eval under FakeTensorMode (`run`), prints the host reads per step with their
+source lines (`record`) and fails on a host read or host<->device copy inside a CUDA-graph
+capture or on more host reads per sync window than the config promises. With `--real` the
+same code runs on a real GPU (`make gpu-check`).
+
+Nothing in this package may import torch at import time: `__main__` loads the fake device
+first.
+"""

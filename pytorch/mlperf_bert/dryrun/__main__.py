@@ -1,0 +1,43 @@
+"""`python -m mlperf_bert.dryrun`: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python -m mlperf_bert.dryrun",
+                                description="Runs the configured training steps and an eval on 'cuda' "
+                                            "(fake without a GPU) and reports the host reads.",
+                                epilog="Everything after -- is the trainer's flags (run_pretraining.py); "
+                                       "WORLD_SIZE/RANK set the ranks, as for the trainer.")
+    p.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
+    p.add_argument("--real", action="store_true", help="run on the real GPU instead of the fake device")
+    split = argv.index("--") if "--" in argv else len(argv)
+    return p.parse_args(argv[:split]), argv[split + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, trainer_argv = parse(sys.argv[1:] if argv is None else argv)
+    if trainer_argv and trainer_argv[0].endswith("run_pretraining.py"):
+        trainer_argv = trainer_argv[1:]  # called as $PYTHON by run_and_time.sh
+    if not opts.real:
+        from .native import load
+
+        load()
+    from ..config import ConfigError
+    from .report import print_report
+    from .run import dry_run
+
+    try:
+        report = dry_run(trainer_argv, steps=opts.steps, fake=not opts.real)
+    except ConfigError as refused:
+        print(f"dry run: the trainer refuses these flags: {refused}", file=sys.stderr)
+        return 2
+    print_report(report)
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

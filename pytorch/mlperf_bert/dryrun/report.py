@@ -1,0 +1,25 @@
+"""The dry run's printout: host reads per phase with their source lines, then the findings."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .run import DryRunReport
+
+
+def print_report(report: DryRunReport) -> None:
+    cfg = report.cfg
+    print(f"dry run: {report.world_size} rank(s), precision {cfg.run.precision}, layout {cfg.data.input_layout}, "
+          f"cuda_graphs {cfg.run.cuda_graphs}, optimizer {cfg.optim.optimizer}/{cfg.optim.implementation}, "
+          f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}; "
+          f"{report.captures} capture(s), {report.replays} replay(s)")
+    phases = list(dict.fromkeys(e.phase for e in report.events))
+    for phase in phases:
+        reads = Counter(e.where for e in report.events if e.phase == phase and e.kind == "read")
+        copies = Counter(f"{e.where} {e.detail}" for e in report.events if e.phase == phase and e.kind == "copy")
+        print(f"  {phase}: {sum(reads.values())} host read(s), {sum(copies.values())} host<->device copy(ies)")
+        for where, n in reads.items():
+            print(f"    read x{n}  {where}")
+    for failure in report.failures:
+        print(f"FAIL: {failure}")
+    print("dry run: " + ("FAILED" if report.failures else "passed"))

@@ -1,0 +1,241 @@
+"""The dry run: the trainer's own build, steps and eval on 'cuda', fake or real.
+
+On a machine without a GPU (`fake=True`) every CUDA tensor is a FakeTensor: shapes, dtypes and
+devices are checked op by op and no arithmetic runs. On a GPU (`fake=False`, `make gpu-check`)
+the same calls run for real. Either way the `Recorder` lists the host reads per step with their
+source lines, and the report's `failures` name every host read or host<->device copy inside a
+CUDA-graph capture, and more host reads per sync window than the config promises (one: the
+window's agreement, `--sync_every` steps apart). Any exception propagates.
+
+What is the trainer's own: config parsing and validation (`cli.parse_config`),
+`trainer.build_training` (optimizer, schedule, scaler, DDP + clipping hooks, step guard),
+`trainer.build_fast_path` (the graphed `StaticPackedStep` and the sync window),
+`trainer.device_input`, `trainer.train_step`, `trainer._read_window` and `trainer.evaluate`.
+What the dry run supplies: synthetic batches of the configured layout and sizes, the model
+built on the CPU and moved to 'cuda' inside the fake mode, the static packed shape (no
+shards are read), and on more than one rank `BucketedDataParallel` in place of DDP over
+torch's fake process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Iterator
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import sync_window, trainer
+from ..attention import resolve_backend
+from ..batch import Item, Sample, flatten_items
+from ..cli import parse_config
+from ..config import TrainConfig
+from ..distributed import DistEnv, dist_env_from
+from ..graphed_training import StaticShape
+from ..mllog import MLPerfLogger
+from ..model import BertConfig, BertForPreTraining
+from ..sources import TokenImbalance
+from . import cuda_standins
+from .bucketed import BucketedDataParallel
+from .record import Event, Recorder
+
+MAX_SEQS_PER_PACK = 3  # K of the packed shards (data_prep pack)
+
+
+@dataclass
+class DryRunReport:
+    cfg: TrainConfig
+    world_size: int
+    events: list[Event]
+    steps: int
+    sync_every: int
+    captures: int = 0
+    replays: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class SyntheticSource:
+    """A BatchSource of random sequences of the configured layout, lengths and masks."""
+
+    def __init__(self, cfg: TrainConfig, vocab_size: int, seed: int = 0) -> None:
+        self.cfg, self.vocab = cfg, vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.taken = 0
+
+    def sample(self, length: int, predictions: int) -> Sample:
+        ids = self.rng.integers(1, self.vocab, length)
+        positions = np.sort(self.rng.choice(np.arange(1, length), size=predictions, replace=False))
+        return Sample(ids, (np.arange(length) > length // 2).astype(np.int64), positions,
+                      self.rng.integers(1, self.vocab, predictions), int(self.rng.integers(0, 2)))
+
+    def item(self) -> Item:
+        seq, preds = self.cfg.data.max_seq_length, self.cfg.data.max_predictions_per_seq
+        if self.cfg.data.input_layout != "packed":
+            length = int(self.rng.integers(seq // 4, seq + 1))
+            return (self.sample(length, min(preds, length - 1)),)
+        lengths = [seq // MAX_SEQS_PER_PACK] * MAX_SEQS_PER_PACK
+        return tuple(self.sample(n, min(preds // MAX_SEQS_PER_PACK, n - 1)) for n in lengths)
+
+    def next_batch(self) -> list[Item]:
+        self.taken += 1
+        return [self.item() for _ in range(self.cfg.micro_batch_size)]
+
+    def next_flat_batch(self) -> Any:
+        return flatten_items(self.next_batch())
+
+    def token_imbalance(self) -> TokenImbalance:
+        return TokenImbalance.empty()
+
+    def state_dict(self) -> dict:
+        return {"batches": self.taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.taken = state["batches"]
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeCudaMode:
+    """FakeTensorMode that never constant-folds a copy onto the (missing) real CUDA device."""
+
+    @staticmethod
+    def make() -> Any:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        class Mode(FakeTensorMode):
+            avoid_device_init = property(lambda self: True)
+
+        return Mode(allow_non_fake_inputs=True)
+
+
+def static_shape(cfg: TrainConfig) -> StaticShape:
+    """The packed step's static shape from the flags (the trainer reads K and Q from a shard)."""
+    return StaticShape(cfg.micro_batch_size, cfg.data.max_seq_length, MAX_SEQS_PER_PACK,
+                       cfg.data.max_predictions_per_seq)
+
+
+def cpu_model(cfg: TrainConfig) -> BertForPreTraining:
+    """The trainer's model, built on the CPU (moved to 'cuda' under the fake mode)."""
+    bert = BertConfig.from_json(cfg.model.bert_config_path)
+    backend = resolve_backend(cfg.model.attention_backend, torch.device("cuda"), bert.attention_probs_dropout_prob)
+    return BertForPreTraining(bert, attention_backend=backend)
+
+
+class _DoneWork:
+    """An async collective's handle whose future holds [tensor], as NCCL's and gloo's do."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.future.set_result([tensor])
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+
+def _all_reduce_with_result(original: Any) -> Any:
+    """The fake backend completes all_reduce's future with None: comm hooks chain on [tensor]."""
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        work = original(tensor, *args, async_op=async_op, **kwargs)
+        return _DoneWork(tensor) if async_op else work
+
+    return all_reduce
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """torch's fake process group: collectives accepted and checked, nothing exchanged."""
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with mock.patch.object(dist, "all_reduce", _all_reduce_with_result(dist.all_reduce)):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_runtime(cfg: TrainConfig, denv: DistEnv, model: BertForPreTraining) -> trainer.Runtime:
+    device = torch.device("cuda", 0)
+    logger = MLPerfLogger(None, denv.rank)
+    rt = trainer.Runtime(cfg, denv, device, model.to(device), logger)
+    with mock.patch.object(trainer, "DistributedDataParallel", BucketedDataParallel):
+        trainer.build_training(rt)
+    source = SyntheticSource(cfg, model.config.vocab_size, seed=1)
+    rt.eval_batches = [flatten_items(source.next_batch()).to(device)]
+    return rt
+
+
+def clone_tree(value: Any) -> Any:
+    """copy.deepcopy with tensors cloned: deepcopy of a FakeTensor corrupts the heap."""
+    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x),
+                                        value)
+
+
+@contextlib.contextmanager
+def fake_safe_copies() -> Iterator[None]:
+    """The sync window's snapshots deepcopy optimizer state: clone instead (fake runs only)."""
+    with mock.patch.object(sync_window, "copy", SimpleNamespace(deepcopy=clone_tree)):
+        yield
+
+
+def run_steps(rt: trainer.Runtime, recorder: Recorder, steps: int) -> None:
+    cfg, state = rt.cfg, trainer.TrainState()
+    source = SyntheticSource(cfg, rt.model.config.vocab_size)
+    recorder.phase = "fast path build"
+    with mock.patch.object(trainer, "packed_shape", lambda *_: static_shape(cfg)):
+        trainer.build_fast_path(rt, state, source)
+    feed = trainer.device_input(rt, source)
+    for i in range(steps):
+        recorder.phase = f"step {i + 1}"
+        trainer.train_step(rt, feed, state)
+        if rt.window is not None:
+            trainer._read_window(rt, feed, state, force=i == steps - 1)
+    recorder.phase = "eval"
+    trainer.evaluate(rt)
+
+
+def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
+            env: dict[str, str] | None = None) -> DryRunReport:
+    """Builds the configured run on 'cuda', runs `steps` steps and an eval; the report lists the findings."""
+    denv = dist_env_from(os.environ if env is None else env)
+    cfg = parse_config(trainer_argv, denv.world_size)
+    recorder = Recorder(fake=fake)
+    model = cpu_model(cfg)
+    mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
+    standins = cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
+    copies = fake_safe_copies() if fake else contextlib.nullcontext()
+    with fake_process_group(denv.world_size), standins as log, copies, mode, recorder:
+        rt = build_runtime(cfg, denv, model)
+        run_steps(rt, recorder, steps)
+    report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
+                          log.captures, log.replays)
+    report.failures = findings(report)
+    return report
+
+
+def findings(report: DryRunReport) -> list[str]:
+    """Host reads or copies inside a capture; more host reads per window than promised."""
+    found = [f"{e.kind} inside a CUDA-graph capture at {e.where} ({e.detail or 'host read'})"
+             for e in report.events if e.in_capture]
+    train_reads = [e for e in report.events if e.kind == "read" and e.phase.startswith("step ")]
+    windows = math.ceil(report.steps / report.sync_every)
+    if len(train_reads) > windows:
+        lines = sorted({e.where for e in train_reads})
+        found.append(f"{len(train_reads)} host reads in {report.steps} steps, more than the {windows} promised "
+                     f"(one per --sync_every {report.sync_every} window): " + "; ".join(lines))
+    return found

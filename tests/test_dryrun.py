@@ -1,0 +1,138 @@
+"""The fake-CUDA dry run: the trainer's GPU path for every shipped GPU config, without a GPU.
+
+Each dry run is its own process (the fake device must load before torch): the shipped
+configs go through `run_and_time.sh` itself, with the dry run standing in for the trainer's
+Python, so the flags checked are exactly the ones a real run gets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from mlperf_bert.dryrun.native import NativeBuildError, load
+
+GPU_CONFIGS = sorted(p.name for p in REPO.glob("config_*.sh") if "export DEVICE=cpu" not in p.read_text())
+TINY_BERT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+             "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+             "initializer_range": 0.02}
+# Host reads the dry run finds today beyond the one per sync window the configs promise: the
+# clipping hooks' agreement on a non-finite gradient reads the device every step.
+KNOWN_EXTRA_READS = {
+    "config_DGXA100_1x8.sh": {"mlperf_bert/clipping.py:218 (found_nonfinite)"},
+    "config_SamsungA100_128x8.sh": {"mlperf_bert/clipping.py:218 (found_nonfinite)"},
+}
+
+
+def _exports(config: Path) -> dict[str, str]:
+    return dict(re.findall(r"^export (\w+)=(\S+)", config.read_text(), flags=re.M))
+
+
+def _dry_run_env(tmp_path: Path, config: Path) -> dict[str, str]:
+    """The config's variables, tiny model and data folders, one process as rank 0 of the full world."""
+    (tmp_path / "bert_config.json").write_text(json.dumps(TINY_BERT))
+    for name in ("data", "eval", "out"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    (tmp_path / "data" / "strata.json").write_text("{}")  # --balance local_presort's start-up check; no data is read
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/bash\nexec {sys.executable} -m mlperf_bert.dryrun --steps 3 -- \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    exports = _exports(config)
+    world = int(exports["DGXNGPU"]) * int(exports["DGXNNODES"])
+    return {**exports, "PYTHON": str(wrapper), "BERT_CONFIG": str(tmp_path / "bert_config.json"),
+            "DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
+            "OUTPUT_DIR": str(tmp_path / "out"), "RANK": "0", "WORLD_SIZE": str(world), "SEED": "1"}
+
+
+def _extra_reads(output: str) -> set[str]:
+    found = re.search(r"FAIL: \d+ host reads in \d+ steps, more than .*?: (.*)", output)
+    return set(found.group(1).split("; ")) - {"mlperf_bert/faults.py:151 (agree)"} if found else set()
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> None:
+    result = run_cli(["bash", "run_and_time.sh"], env=_dry_run_env(tmp_path, REPO / config), timeout=300)
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    assert re.search(r"step 3: \d+ host read", output) and "eval:" in output, output
+    assert "inside a CUDA-graph capture" not in output, output
+    expected = KNOWN_EXTRA_READS.get(config, set())
+    assert _extra_reads(output) == expected, output
+    assert (result.returncode == 0) == (not expected), output
+
+
+def test_recorder_catches_reads_and_copies_inside_a_capture() -> None:
+    result = run_cli([sys.executable, "tests/_dryrun_probe.py"])
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    read_in, copy_in, read_after = seen["events"]
+    assert read_in["kind"] == "read" and read_in["in_capture"] and read_in["where"].endswith(":28 (program)")
+    assert copy_in["kind"] == "copy" and copy_in["in_capture"] and copy_in["detail"] == "cpu->cuda"
+    assert read_after["kind"] == "read" and not read_after["in_capture"] and read_after["values"] == 2
+    assert (seen["captures"], seen["replays"], seen["syncs"]) == (1, 1, 1)
+
+
+def test_device_loss_scaler_captures_without_host_reads() -> None:
+    result = run_cli([sys.executable, "tests/_dryrun_probe.py", "scaled_step"])
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["captures"] == 1
+    assert not [e for e in seen["events"] if e["in_capture"]], seen
+    reads = [e for e in seen["events"] if e["kind"] == "read"]
+    assert len(reads) == 1 and reads[0]["values"] == 3, reads  # DeviceLossScaler.read(): one read, three values
+    assert reads[0]["where"].startswith("mlperf_bert/loss_scale.py:") and reads[0]["where"].endswith("(read)")
+
+
+def _dry_run(tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:
+    (tmp_path / "bert_config.json").write_text(json.dumps(TINY_BERT))
+    base = ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
+            "--bert_config_path", str(tmp_path / "bert_config.json"), "--do_train", "--max_steps", "100",
+            "--learning_rate", "1e-3", "--train_batch_size", "2", "--max_seq_length", "128",
+            "--max_predictions_per_seq", "20", "--device", "cuda"]
+    result = run_cli([sys.executable, "-m", "mlperf_bert.dryrun", "--steps", "3", "--", *base, *flags],
+                     env={"WORLD_SIZE": str(world_size), "RANK": "0"})
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_fp16_eager_step_reads_the_device_four_times(tmp_path: Path) -> None:
+    code, output = _dry_run(tmp_path, "--precision", "fp16")
+    assert code == 1, output
+    assert output.count("step 2: 4 host read(s)") == 1, output
+    for line in ("faults.py:151 (agree)", "trainer.py:291 (_optimizer_step)", "trainer.py:292 (_optimizer_step)",
+                 "trainer.py:294 (_optimizer_step)"):
+        assert line in output.split("step 2:")[1].split("step 3:")[0], output
+
+
+def test_graphed_packed_step_captures_once_and_reads_once_per_window(tmp_path: Path) -> None:
+    code, output = _dry_run(tmp_path, "--precision", "bf16", "--input_layout", "packed", "--cuda_graphs",
+                            "--sync_every", "3")
+    assert code == 0, output
+    assert "1 capture(s), 3 replay(s)" in output
+    assert re.findall(r"step \d: (\d) host read", output) == ["0", "0", "1"], output
+
+
+def test_flags_the_trainer_refuses_end_with_its_message(tmp_path: Path) -> None:
+    code, output = _dry_run(tmp_path, "--precision", "fp16", "--sync_every", "4")
+    assert code == 2 and "the trainer refuses these flags: --sync_every > 1 needs" in output, output
+
+
+def test_fake_device_must_load_before_torch() -> None:
+    import torch  # noqa: F401  (this process's torch has settled on its devices)
+
+    with pytest.raises(NativeBuildError, match="torch is already imported"):
+        load()
+
+
+def test_padded_layout_unpads_with_host_reads(tmp_path: Path) -> None:
+    """Boolean indexing on the device is a host read of the output size: found, with its lines."""
+    code, output = _dry_run(tmp_path, "--precision", "bf16", "--input_layout", "padded", "--sync_every", "10")
+    assert code == 1, output
+    step_1 = output.split("step 1:")[1].split("step 2:")[0]
+    assert step_1.startswith(" 6 host read(s)") and step_1.count("mlperf_bert/batch.py:") == 6, output
