@@ -264,13 +264,13 @@ def _fill(tokens, spans, counts, positions, replacements, cls_id, sep_id, input_
 
 def fixed_rows(tokens: np.ndarray, instances: Instances, rows: slice, params: InstanceParams) -> dict[str, np.ndarray]:
     """The padded MLCommons arrays (as the reference's TFRecords hold them) of output rows `rows`."""
-    rows = instances.order[rows]
-    spans, counts = instances.spans[rows], instances.num_predictions[rows]
+    picked = instances.order[rows]
+    spans, counts = instances.spans[picked], instances.num_predictions[picked]
     n, length = spans.shape[0], params.max_seq_length
     out = {key: np.zeros((n, length), STORAGE_DTYPES[key]) for key in ("input_ids", "input_mask", "segment_ids")}
-    _fill(tokens, spans, counts, instances.positions[rows], instances.replacements[rows], params.cls_id,
+    _fill(tokens, spans, counts, instances.positions[picked], instances.replacements[picked], params.cls_id,
           params.sep_id, out["input_ids"], out["input_mask"], out["segment_ids"])
-    out["masked_lm_positions"] = instances.positions[rows].astype(STORAGE_DTYPES["masked_lm_positions"])
-    out["masked_lm_ids"] = instances.labels[rows].astype(STORAGE_DTYPES["masked_lm_ids"])
+    out["masked_lm_positions"] = instances.positions[picked].astype(STORAGE_DTYPES["masked_lm_positions"])
+    out["masked_lm_ids"] = instances.labels[picked].astype(STORAGE_DTYPES["masked_lm_ids"])
     out["next_sentence_labels"] = spans[:, IS_RANDOM].astype(STORAGE_DTYPES["next_sentence_labels"])
     return out

@@ -108,4 +108,4 @@ def model_config(size: str, vocab_size: int = MLPERF_VOCAB_SIZE, max_position_em
 
 def write_model_config(out: Path, config: dict[str, Any]) -> None:
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    write_atomic(out, lambda tmp: tmp.write_text(text))
+    write_atomic(out, lambda tmp: None if tmp.write_text(text) else None)

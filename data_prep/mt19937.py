@@ -113,7 +113,7 @@ def randbelow(words: np.ndarray, position: np.ndarray, n: int) -> int:
     r = np.int64(next_word(words, position) >> shift)
     while r >= n:
         r = np.int64(next_word(words, position) >> shift)
-    return r
+    return int(r)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -12,7 +12,7 @@ import argparse
 import types
 import typing
 from dataclasses import MISSING, Field, is_dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from .config import GROUPS, TrainConfig, flag_name, is_flag, settings_fields
 
@@ -65,7 +65,7 @@ def _flag_fields(cls: type = TrainConfig) -> list[tuple[Field, Any]]:
     found: list[tuple[Field, Any]] = []
     for f, kind in settings_fields(cls):
         if is_dataclass(kind):
-            found += _flag_fields(kind)
+            found += _flag_fields(cast(type, kind))
         elif is_flag(f):
             found.append((f, kind))
     return found
@@ -94,7 +94,7 @@ def _build(cls: type, args: argparse.Namespace, world_size: int) -> Any:
     values: dict[str, Any] = {}
     for f, kind in settings_fields(cls):
         if is_dataclass(kind):
-            values[f.name] = _build(kind, args, world_size)
+            values[f.name] = _build(cast(type, kind), args, world_size)
         elif is_flag(f):
             values[f.name] = getattr(args, flag_name(f))
     if cls is TrainConfig:

@@ -513,7 +513,8 @@ class TrainConfig:
 
 
 def _from_dict(cls: type, data: object) -> Any:
-    _require(isinstance(data, dict), f"{cls.__name__}: expected a JSON object; got {data!r}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cls.__name__}: expected a JSON object; got {data!r}")
     known = {f.name: kind for f, kind in settings_fields(cls)}
     unknown = sorted(set(data) - set(known))
     _require(not unknown, f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(known)}")

@@ -42,10 +42,11 @@ class LossScaleReading:
 
 def _device_step_counts(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     counts = [g.get("step") for g in optimizer.param_groups]
-    if not all(isinstance(c, torch.Tensor) for c in counts):
+    tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+    if len(tensors) != len(counts):
         raise ValueError(f"{type(optimizer).__name__} counts steps on the host: a skipped step would still "
                          "advance its bias corrections; wrap it with fast_path.capturable() first")
-    return counts
+    return tensors
 
 
 def _step_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

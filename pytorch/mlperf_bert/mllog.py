@@ -62,6 +62,8 @@ class LogFileHandler(logging.Handler):
             raise OSError(err.errno, err.strerror, self.path) from err
 
     def _cut_back(self, size: int) -> None:
+        if self._fd is None:
+            return
         try:
             os.ftruncate(self._fd, size)
         except OSError:

@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +43,12 @@ HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 TRAINING_BYTES_PER_PARAMETER = 16
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def _is_real(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_value(key: str, value: object) -> None:

@@ -57,7 +57,7 @@ def describe_write_error(err: OSError) -> str:
     """One line naming the path, the error and what to do; the last good checkpoint is kept."""
     where = err.filename if err.filename is not None else "a file of the run"
     code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno else "I/O error"
-    hint = _WRITE_HINTS.get(err.errno, "check that file system")
+    hint = _WRITE_HINTS.get(err.errno, "check that file system") if err.errno else "check that file system"
     return f"cannot write {where}: {err.strerror or err} ({code}); {hint}. Earlier checkpoints are intact"
 
 

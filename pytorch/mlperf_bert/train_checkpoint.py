@@ -158,7 +158,7 @@ class _Writer:
 def _save(payload: dict[str, Any], f: BinaryIO) -> None:
     writer = _Writer(f)
     try:
-        torch.save(payload, writer)
+        torch.save(payload, cast(BinaryIO, writer))  # a file-like object: write and flush
     except RuntimeError:
         if writer.error is None:
             raise
