@@ -24,7 +24,7 @@ import torch
 
 from _fault_launch import mllog_events, run_ranks, worker_command
 from conftest import REPO, TRAINER, trainer_args
-from mlperf_bert.faults import EXIT_PREEMPTED, StopRequest
+from mlperf_bert.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED, StopRequest
 from mlperf_bert.mllog import MLPerfLogger
 from mlperf_bert.outputs import EXIT_IO_ERROR, LOCK_NAME, write_text_atomic
 from mlperf_bert.train_checkpoint import write_atomic
@@ -128,13 +128,21 @@ def test_a_checkpoint_on_a_full_disk_stops_the_run_with_one_error_line(demo_data
 
 def test_a_full_disk_under_resolved_config_stops_the_run_with_one_error_line(demo_data, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "resolved_config.json.tmp").symlink_to("/dev/full")  # its write fails with ENOSPC
-    result = _train(trainer_args(demo_data, out, "--do_train"))
+    result = _train(trainer_args(demo_data, out, "--do_train"), limit=200)  # the first file written
     assert result.returncode == EXIT_IO_ERROR, result.stderr[-2000:]
     lines = _error_lines(result.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: cannot write ") and "ENOSPC" in lines[0]
-    assert not (out / "mlperf.log").exists()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write {out / 'resolved_config.json'}: "), lines
+    assert "EFBIG" in lines[0]
+    assert not (out / "mlperf.log").exists() and not (out / "resolved_config.json").exists()
+
+
+def test_an_output_folder_the_run_may_not_write_is_refused_up_front(demo_data):
+    # sysfs refuses new entries even to root, as a read-only or foreign file system would.
+    result = _train(trainer_args(demo_data, Path("/sys/mlperf_bert_out"), "--do_train"))
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr[-2000:]
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write /sys/mlperf_bert_out: "), lines
+    assert "pick a writable --output_dir" in lines[0]
 
 
 def test_a_failed_small_file_write_names_the_file_and_keeps_the_old_one(tmp_path):
