@@ -173,8 +173,10 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
 
 def run_steps(run: Run, recorder: Recorder, steps: int) -> None:
-    """`steps` of the trainer's steps (the last one reads the window, as a block's last step does), then an eval."""
+    """The hooks' run start, `steps` of the trainer's steps (the last one reads the window, as a block's last
+    step does), then an eval."""
     until = steps * run.cfg.global_batch_size
+    run.hooks.run_start(trainer.run_start_event(run))
     for i in range(steps):
         recorder.phase = f"step {i + 1}"
         trainer.train_step(run, until)
