@@ -16,7 +16,7 @@ load()
 import torch  # noqa: E402  (after the fake CUDA device)
 
 from mlperf_bert.dryrun import cuda_standins  # noqa: E402
-from mlperf_bert.dryrun.run import _FakeCudaMode  # noqa: E402
+from mlperf_bert.dryrun.run import _FakeCudaMode, built_run  # noqa: E402
 from mlperf_bert.dryrun.record import Recorder  # noqa: E402
 
 
@@ -34,9 +34,23 @@ def program() -> None:
     assert weights.device.type == "cuda" and weights.shape == (4,)
 
 
+def built_optimizer() -> None:
+    """`build_run` of the trainer flags after argv[2] with apex importable (faked): prints the step's optimizer."""
+    import pytest
+
+    import fake_apex
+    from mlperf_bert.cli import parse_config
+    from mlperf_bert.distributed import DistEnv
+
+    fake_apex.install(pytest.MonkeyPatch())
+    cfg = parse_config(sys.argv[2:], 1)
+    with built_run(cfg, DistEnv(0, 1, 0, 1, "127.0.0.1", 0), Recorder(phase="build")) as (run, _):
+        print(json.dumps({"optimizer": type(run.step.optimizer).__name__, "step": type(run.step).__name__}))
+
+
 def scaled_step() -> None:
     """An fp16 step with DeviceLossScaler, captured in a graph: forward, backward, step, update."""
-    from mlperf_bert.fast_path import capturable
+    from mlperf_bert.cuda_graphs import capturable
     from mlperf_bert.loss_scale import DeviceLossScaler
     from mlperf_bert.optim import build_optimizer, parameter_groups
 
@@ -60,6 +74,9 @@ PROGRAMS = {"program": program, "scaled_step": scaled_step}
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["built_optimizer"]:  # the dry run's own recorder and fake device
+        built_optimizer()
+        return
     recorder = Recorder(phase="probe")
     with cuda_standins.install(recorder) as log, _FakeCudaMode.make(), recorder:
         PROGRAMS[sys.argv[1] if len(sys.argv) > 1 else "program"]()

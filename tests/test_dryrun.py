@@ -53,7 +53,7 @@ def _dry_run_env(tmp_path: Path, config: Path) -> dict[str, str]:
 
 def _extra_reads(output: str) -> set[str]:
     found = re.search(r"FAIL: \d+ host reads in \d+ steps, more than .*?: (.*)", output)
-    return set(found.group(1).split("; ")) - {"mlperf_bert/faults.py:151 (agree)"} if found else set()
+    return set(found.group(1).split("; ")) - {"mlperf_bert/faults.py:208 (agree)"} if found else set()
 
 
 @pytest.mark.parametrize("config", GPU_CONFIGS)
@@ -90,23 +90,39 @@ def test_device_loss_scaler_captures_without_host_reads() -> None:
     assert reads[0]["where"].startswith("mlperf_bert/loss_scale.py:") and reads[0]["where"].endswith("(read)")
 
 
-def _dry_run(tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:
+def _base_flags(tmp_path: Path) -> list[str]:
     (tmp_path / "bert_config.json").write_text(json.dumps(TINY_BERT))
-    base = ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
+    return ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
             "--bert_config_path", str(tmp_path / "bert_config.json"), "--do_train", "--max_steps", "100",
             "--learning_rate", "1e-3", "--train_batch_size", "2", "--max_seq_length", "128",
             "--max_predictions_per_seq", "20", "--device", "cuda"]
-    result = run_cli([sys.executable, "-m", "mlperf_bert.dryrun", "--steps", "3", "--", *base, *flags],
+
+
+def _dry_run(tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:
+    result = run_cli([sys.executable, "-m", "mlperf_bert.dryrun", "--steps", "3", "--", *_base_flags(tmp_path), *flags],
                      env={"WORLD_SIZE": str(world_size), "RANK": "0"})
     return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("graphs, optimizer, step", [([], "FusedLAMB", "EagerStep"),
+                                                     (["--cuda_graphs"], "CapturableLamb", "GraphedStep")])
+def test_build_run_with_apex_picks_a_graph_safe_optimizer_under_cuda_graphs(
+        tmp_path: Path, graphs: list[str], optimizer: str, step: str) -> None:
+    """--optimizer_impl auto with apex importable: apex for eager steps, foreach (then its capturable twin) for graphs."""
+    flags = [*_base_flags(tmp_path), "--precision", "bf16", "--input_layout", "packed", "--optimizer_impl", "auto",
+             *graphs]
+    result = run_cli([sys.executable, "tests/_dryrun_probe.py", "built_optimizer", *flags],
+                     env={"PYTHONPATH": str(REPO / "tests" / "fakes")})  # fake_apex, importable as apex
+    assert result.returncode == 0, result.stderr
+    built = json.loads(result.stdout.splitlines()[-1])
+    assert built == {"optimizer": optimizer, "step": step}, result.stdout
 
 
 def test_fp16_eager_step_reads_the_device_four_times(tmp_path: Path) -> None:
     code, output = _dry_run(tmp_path, "--precision", "fp16")
     assert code == 1, output
     assert output.count("step 2: 4 host read(s)") == 1, output
-    for line in ("faults.py:151 (agree)", "trainer.py:291 (_optimizer_step)", "trainer.py:292 (_optimizer_step)",
-                 "trainer.py:294 (_optimizer_step)"):
+    for line in ("faults.py:208 (agree)", "step.py:129 (_update)", "step.py:130 (_update)", "step.py:132 (_update)"):
         assert line in output.split("step 2:")[1].split("step 3:")[0], output
 
 

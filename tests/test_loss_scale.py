@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlperf_bert.fast_path import capturable
+from mlperf_bert.cuda_graphs import capturable
 from mlperf_bert.loss_scale import DeviceLossScaler
 from mlperf_bert.optim import build_optimizer, parameter_groups
 

@@ -15,14 +15,14 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .attention import resolve_backend
-from .batch import FlatBatch, flatten_items, pad_items, unpad
+from .batch import FlatBatch, Item, flatten_items, pad_items, unpad
 from .checkpoint import load_init_checkpoint
 from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .compiling import compile_model
@@ -58,6 +58,31 @@ class Evaluation:
     logger: MLPerfLogger
     batches: list[FlatBatch]  # this rank's share of the eval set, on the device
     hooks: Hooks
+
+
+DDPFactory = Callable[[torch.nn.Module, torch.device], DistributedDataParallel]
+
+
+def distributed_data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@dataclass(frozen=True)
+class Supplied:
+    """What a caller may hand `build_run` in place of what it reads from disk or wraps itself.
+
+    A training run supplies nothing. The dry run (`mlperf_bert.dryrun`) builds the trainer's
+    run without shards and over a process group that exchanges nothing: synthetic batches,
+    the static shape from the flags, a DDP stand-in whose buckets it can see, and the model
+    built on the CPU before its fake CUDA mode starts (inside it, only the move to the device
+    and what follows run).
+    """
+
+    model: BertForPreTraining | None = None  # built by `cpu_model`, placed by build_run; None: built there
+    source: BatchSource | None = None  # the training batches; None: opened over --input_dir
+    eval_items: Sequence[Item] | None = None  # this rank's eval share; None: read from --eval_dir
+    shape: StaticShape | None = None  # --cuda_graphs' static shape; None: K and Q read from the shards
+    ddp: DDPFactory = distributed_data_parallel  # wraps the model on more than one rank
 
 
 @dataclass
@@ -171,7 +196,8 @@ def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraini
     logger.weights_initialization(bert_tf_tensor_names(model.config.num_hidden_layers))
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
+def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
+    """The model on the CPU, --init_checkpoint loaded; `device` is where it will run (its attention back-end)."""
     bert = BertConfig.from_json(cfg.model.bert_config_path)
     if cfg.data.max_seq_length > bert.max_position_embeddings:
         raise ValueError(
@@ -182,33 +208,45 @@ def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     model = BertForPreTraining(bert, attention_backend=backend)
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)
+    return model
+
+
+def build_model(cfg: TrainConfig, device: torch.device, model: BertForPreTraining | None = None) -> BertForPreTraining:
+    """The model (`cpu_model`'s, or the one given) on `device`, compiled as --compile_mode asks."""
+    model = model if model is not None else cpu_model(cfg, device)
     # dynamic=None: the first shape compiles static (all of training under --cuda_graphs); the
     # first other shape (the next flat batch, or eval's) recompiles once with dynamic sizes.
     return compile_model(model.to(device), cfg.run.compile_mode, dynamic=None)
 
 
-def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device) -> Evaluation:
-    """Resolved config, MLPerf log up to the weights, the model, and this rank's eval batches."""
+def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
+                     supplied: Supplied | None = None) -> Evaluation:
+    """Resolved config, MLPerf log up to the weights, the model, and this rank's eval batches.
+
+    supplied: its model and eval items replace the ones read from disk (see `Supplied`).
+    """
+    supplied = supplied or Supplied()
     write_resolved_config(cfg, denv)
     logger = open_logger(cfg, denv)
     seed_everything(cfg.run.seed)
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, supplied.model)
     log_preamble(logger, cfg, model)
-    items = load_eval_set(cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size,
-                          data_limits(cfg, model.config))
+    items = supplied.eval_items if supplied.eval_items is not None else load_eval_set(
+        cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size, data_limits(cfg, model.config))
     size = cfg.eval.eval_batch_size
     batches = [flatten_items(items[i : i + size]).to(device) for i in range(0, len(items), size)]
     hooks = Hooks([MLPerfLog(logger, cfg.eval.num_eval_examples), EvalLine(denv.is_main)])
     return Evaluation(cfg, denv, device, model, logger, batches, hooks)
 
 
-def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model: BertForPreTraining) -> Training:
-    """Optimizer, schedule, loss scaler, DDP wrapper and clipping hooks."""
+def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model: BertForPreTraining,
+                   ddp: DDPFactory = distributed_data_parallel) -> Training:
+    """Optimizer, schedule, loss scaler, DDP wrapper (made by `ddp`) and clipping hooks."""
     clip_config = ClipConfig(ClipMode(cfg.optim.clip_mode), cfg.optim.max_grad_norm)
     module: torch.nn.Module = model
     clip = None
     if denv.is_distributed:
-        module = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        module = ddp(model, device)
         clip = apply_clip_mode(module, clip_config)
         optimizer_clip = optimizer_clip_norm(clip_config)
     else:
@@ -218,7 +256,7 @@ def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model:
     optimizer = build_optimizer(
         parameter_groups(model, cfg.optim.weight_decay_rate), cfg.optim.optimizer, cfg.optim.learning_rate,
         (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.epsilon, cfg.optim.weight_decay_rate, optimizer_clip,
-        cfg.optim.implementation,
+        cfg.optim.implementation, cuda_graphs=cfg.run.cuda_graphs,
     )
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.run.init_loss_scale) if cfg.run.precision == "fp16" else None
     return Training(module, TrainingParts(model, optimizer, scaler), clip, lr_schedule(cfg))
@@ -240,6 +278,16 @@ def resume(cfg: TrainConfig, denv: DistEnv, device: torch.device, parts: Trainin
     except ValueError as err:
         raise ResumeError(f"{path}: {err}") from err
     return [Resumed(path, dict(ckpt["run"]))]
+
+
+def static_shape(cfg: TrainConfig, supplied: StaticShape | None) -> StaticShape | None:
+    """--cuda_graphs' static shape: the supplied one, else K and Q read from the shards; None without graphs."""
+    if not cfg.run.cuda_graphs:
+        return None
+    if supplied is not None:
+        return supplied
+    assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
+    return packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length)
 
 
 def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Position,
@@ -298,21 +346,22 @@ def build_hooks(ev: Evaluation, writer: CheckpointWriter, data: DeviceInput, ext
 
 
 def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,
-              extra_hooks: Sequence[Hook] = ()) -> Run:
-    """Every part of a training run, in the order of the module docstring."""
-    ev = build_evaluation(cfg, denv, device)
-    training = build_training(cfg, denv, device, ev.model)
+              extra_hooks: Sequence[Hook] = (), supplied: Supplied = Supplied()) -> Run:
+    """Every part of a training run, in the order of the module docstring (`supplied`: see `Supplied`)."""
+    ev = build_evaluation(cfg, denv, device, supplied)
+    training = build_training(cfg, denv, device, ev.model, supplied.ddp)
     torch.manual_seed(cfg.run.seed + denv.rank)  # from here on, dropout draws differ per rank
-    source = open_batch_source(cfg, denv, data_limits(cfg, ev.model.config))
+    source = supplied.source if supplied.source is not None else \
+        open_batch_source(cfg, denv, data_limits(cfg, ev.model.config))
     try:
-        return _build_on(cfg, denv, device, stop, extra_hooks, ev, training, source)
+        return _build_on(cfg, denv, device, stop, extra_hooks, ev, training, source, supplied.shape)
     except BaseException:
         source.close()  # its reader threads would keep the process alive
         raise
 
 
 def _build_on(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest, extra_hooks: Sequence[Hook],
-              ev: Evaluation, training: Training, source: BatchSource) -> Run:
+              ev: Evaluation, training: Training, source: BatchSource, supplied_shape: StaticShape | None) -> Run:
     """build_run from the resume on, once the data source is open."""
     state = TrainState()
     resumed = resume(cfg, denv, device, training.parts, source, state)
@@ -322,10 +371,7 @@ def _build_on(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopR
     guard = StepGuard(device, loss_checked=training.parts.scaler is None,
                       max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps, stop=stop,
                       checkpoint_due=checkpoints.time_due)
-    shape = None
-    if cfg.run.cuda_graphs:
-        assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
-        shape = packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length)
+    shape = static_shape(cfg, supplied_shape)
     step, guard_used = build_step(cfg, training, guard, Position(state.state_dict(), source.state_dict()), shape)
     data = device_input(cfg, device, source, shape)
     writer = CheckpointWriter(checkpoints, training.parts, state, data, ev.logger, cfg.to_dict())

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .faults import Position, StepFacts, StepGuard, Verdict
 
@@ -34,6 +35,12 @@ class Snapshot(Protocol):
     def restore(self) -> None:
         """Writes the remembered state back."""
         ...
+
+
+def cloned(value: Any) -> Any:
+    """A deep copy with every tensor `clone()`d: the same as `copy.deepcopy` for plain tensors,
+    and safe for tensor subclasses that deepcopy cannot copy (the dry run's fake tensors)."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x), value)
 
 
 class StateDictSnapshot:
@@ -52,12 +59,12 @@ class StateDictSnapshot:
 
     def capture(self) -> None:
         self._model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self._optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+        self._optimizer_state = cloned(self.optimizer.state_dict())
 
     @torch.no_grad()
     def restore(self) -> None:
         self.model.load_state_dict(self._model_state)
-        self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_state))
+        self.optimizer.load_state_dict(cloned(self._optimizer_state))
 
 
 class InPlaceSnapshot:

@@ -171,8 +171,7 @@ def train(run: Run) -> RunResult:
     run.eval.logger.init_stop()
     run.checkpoints.record = log_run_start(run)
     state = run.state
-    run.hooks.run_start(RunStart(state.samples, state.step, stop_samples(run.cfg), run.cfg.global_batch_size,
-                                 Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model))
+    run.hooks.run_start(run_start_event(run))
     start = time.time()
     try:
         status = train_loop(run)
@@ -188,6 +187,12 @@ def train(run: Run) -> RunResult:
     seconds = time.time() - start
     run.hooks.run_end(RunEnd(status, state.step, state.samples, seconds, tuple(state.evals)))
     return RunResult(status, state.samples, state.evals[-1][1] if state.evals else math.nan, seconds)
+
+
+def run_start_event(run: Run) -> RunStart:
+    state = run.state
+    return RunStart(state.samples, state.step, stop_samples(run.cfg), run.cfg.global_batch_size,
+                    Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model)
 
 
 def log_run_start(run: Run) -> dict:

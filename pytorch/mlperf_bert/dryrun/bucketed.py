@@ -3,8 +3,10 @@
 DDP's C++ reducer copies gradients into buckets it allocates itself and cannot take fake
 tensors ("data is not allocated yet"). The dry run still needs the trainer's gradient exchange
 on every path: the default all-reduce, and the clipping modes' comm hooks, which
-`clipping.apply_clip_mode` registers on the DDP object. So this stand-in offers the part of
-DDP's interface the trainer uses (`module`, `process_group`, `no_sync`, `register_comm_hook`,
+`clipping.apply_clip_mode` registers on the DDP object. So this stand-in is a
+`DistributedDataParallel` whose constructor builds no reducer (`build.Supplied.ddp` makes it
+in DDP's place, and the trainer's `isinstance` checks hold); it overrides the part of DDP's
+interface the trainer uses (`module`, `process_group`, `no_sync`, `register_comm_hook`,
 forward) and at the end of each synchronized backward hands flat buckets, in DDP's order
 (reverse parameter order, the first bucket capped at 1 MiB, then 25 MiB), to the registered
 hook, or all-reduces their mean when none is registered. The collectives are real calls on
@@ -22,9 +24,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        raise RuntimeError("a bucket holds only parameters that have a gradient")
+    return p.grad
 
 
 class Bucket:
@@ -32,7 +41,7 @@ class Bucket:
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], is_last: bool) -> None:
         self._index, self._params, self._is_last = index, params, is_last
-        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+        self._buffer = torch.cat([_grad(p).reshape(-1) for p in params])
 
     def index(self) -> int:
         return self._index
@@ -47,13 +56,14 @@ class Bucket:
         return self._params
 
     def gradients(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params]
+        return [_grad(p) for p in self._params]
 
     def write_back(self, reduced: torch.Tensor) -> None:
         offset = 0
         for p in self._params:
-            n = p.grad.numel()
-            p.grad.copy_(reduced[offset : offset + n].view_as(p.grad))
+            grad = _grad(p)
+            n = grad.numel()
+            grad.copy_(reduced[offset : offset + n].view_as(grad))
             offset += n
 
 
@@ -75,12 +85,14 @@ def _mean_all_reduce(_: Any, bucket: Bucket) -> torch.futures.Future:
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
 
 
-class BucketedDataParallel(torch.nn.Module):
+class BucketedDataParallel(DistributedDataParallel):
     """The trainer-facing part of DistributedDataParallel, with buckets handled in Python."""
 
-    def __init__(self, module: torch.nn.Module, device_ids: list[int] | None = None, **_: Any) -> None:
-        super().__init__()
+    def __init__(self, module: torch.nn.Module) -> None:
+        torch.nn.Module.__init__(self)  # not DDP's: no reducer, no broadcast of the weights
         self.module = module
+        if dist.group.WORLD is None:
+            raise RuntimeError("BucketedDataParallel needs a process group: call dist.init_process_group first")
         self.process_group = dist.group.WORLD
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._hook: tuple[Any, Callable[[Any, Bucket], torch.futures.Future]] = (None, _mean_all_reduce)
@@ -88,7 +100,7 @@ class BucketedDataParallel(torch.nn.Module):
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def register_comm_hook(self, state: Any, hook: Callable[[Any, Bucket], torch.futures.Future]) -> None:
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         self._hook = (state, hook)
 
     @contextlib.contextmanager

@@ -34,15 +34,14 @@ class _Stream(torch.Stream):
     def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
         pass
 
-    def wait_stream(self, other: "_Stream") -> None:
+    def wait_stream(self, other: torch.Stream) -> None:
         pass
 
-    def wait_event(self, event: "_Event") -> None:
+    def wait_event(self, event: torch.Event) -> None:
         pass
 
-    def record_event(self, event: "_Event | None" = None) -> "_Event":
-        event = event or _Event()
-        return event
+    def record_event(self, event: torch.Event | None = None) -> torch.Event:
+        return event or _Event()
 
     def synchronize(self) -> None:
         _state.log.syncs.append(caller_line())
@@ -51,14 +50,19 @@ class _Stream(torch.Stream):
         return True
 
 
-class _Event:
+class _Event(torch.Event):
+    """A torch.Event whose every method is a no-op (a CPU event underneath: there is no CUDA one to make)."""
+
+    def __new__(cls, enable_timing: bool = False, **_: Any) -> "_Event":
+        return super().__new__(cls, device="cpu")
+
     def __init__(self, enable_timing: bool = False, **_: Any) -> None:
         pass
 
-    def record(self, stream: _Stream | None = None) -> None:
+    def record(self, stream: torch.Stream | None = None) -> None:
         pass
 
-    def wait(self, stream: _Stream | None = None) -> None:
+    def wait(self, stream: torch.Stream | None = None) -> None:
         pass
 
     def query(self) -> bool:
@@ -67,7 +71,7 @@ class _Event:
     def synchronize(self) -> None:
         _state.log.syncs.append(caller_line())
 
-    def elapsed_time(self, other: "_Event") -> float:
+    def elapsed_time(self, other: torch.Event) -> float:
         return 0.0
 
 

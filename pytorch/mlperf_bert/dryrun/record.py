@@ -3,7 +3,7 @@
 `Recorder` is a TorchDispatchMode that runs inside FakeTensorMode. It sees every aten op
 before the fake mode does, and records:
 
-- host reads: `aten._local_scalar_dense` (behind `.item()`, `.tolist()`, `float(t)`, `bool(t)`,
+- host reads of the device: `aten._local_scalar_dense` (behind `.item()`, `.tolist()`, `float(t)`, `bool(t)`,
   `if t:`) and `aten.nonzero` (behind boolean indexing, whose output size the host must read),
   each with the first source line outside torch that asked for it;
 - host<->device copies: `aten._to_copy` / `aten.copy_` between the CPU and 'cuda';
@@ -101,15 +101,15 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is _READ:
-            self._note_read()
+            self._note_read(args[0])
             if self.fake:
                 return healthy_value(args[0].dtype)
             return func(*args, **kwargs)
         if func is _NONZERO:  # the output's size is read from the device
-            self._note_read()
+            self._note_read(args[0])
             return self._all_true_nonzero(args[0]) if self.fake else func(*args, **kwargs)
         if func is _INDEX and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            self._note_read()  # boolean indexing is a nonzero: same host read
+            self._note_read(args[0])  # boolean indexing is a nonzero: same host read
             return func(args[0], self._integer_indices(args[1])) if self.fake else func(*args, **kwargs)
         self._reading = False
         if self.fake and func in _PIN:
@@ -137,8 +137,14 @@ class Recorder(TorchDispatchMode):
                 out.extend(positions[:, d] for d in range(index.dim()))
         return out
 
-    def _note_read(self) -> None:
-        """One event per call site: the scalars of one `.tolist()` arrive with no op between them."""
+    def _note_read(self, tensor: torch.Tensor) -> None:
+        """One event per call site: the scalars of one `.tolist()` arrive with no op between them.
+
+        A host tensor's value is on the host already (the input's token count): not a read of the device.
+        """
+        if tensor.device.type == "cpu":
+            self._reading = False
+            return
         where = caller_line()
         last = self.events[-1] if self.events else None
         if self._reading and last is not None and last.where == where and last.phase == self.phase:

@@ -7,24 +7,21 @@ source lines, and the report's `failures` name every host read or host<->device 
 CUDA-graph capture, and more host reads per sync window than the config promises (one: the
 window's agreement, `--sync_every` steps apart). Any exception propagates.
 
-What is the trainer's own: config parsing and validation (`cli.parse_config`),
-`trainer.build_training` (optimizer, schedule, scaler, DDP + clipping hooks, step guard),
-`trainer.build_fast_path` (the graphed `StaticPackedStep` and the sync window),
-`trainer.device_input`, `trainer.train_step`, `trainer._read_window` and `trainer.evaluate`.
-What the dry run supplies: synthetic batches of the configured layout and sizes, the model
-built on the CPU and moved to 'cuda' inside the fake mode, the static packed shape (no
-shards are read), and on more than one rank `BucketedDataParallel` in place of DDP over
-torch's fake process group.
+What is the trainer's own: config parsing and validation (`cli.parse_config`), the whole
+build (`build.build_run`: model, optimizer, schedule, scaler, clipping hooks, the `Step`, the
+guard or sync window, device input, hooks), each step (`trainer.train_step`: the step, the
+guard's verdict, the hooks) and the eval (`trainer.run_eval`). What the dry run supplies
+(`build.Supplied`): synthetic batches of the configured layout and sizes for training and
+eval, the static packed shape from the flags (no shards are read), and on more than one rank
+`BucketedDataParallel` in place of DDP over torch's fake process group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Iterator
 from unittest import mock
 
@@ -32,16 +29,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import sync_window, trainer
-from ..attention import resolve_backend
+from .. import trainer
 from ..batch import Item, Sample, flatten_items
+from ..build import Run, Supplied, build_run, cpu_model
 from ..cli import parse_config
 from ..config import TrainConfig
 from ..distributed import DistEnv, dist_env_from
-from ..graphed_training import StaticShape
-from ..mllog import MLPerfLogger
-from ..model import BertConfig, BertForPreTraining
+from ..faults import StopRequest
 from ..sources import TokenImbalance
+from ..static_batch import StaticShape
 from . import cuda_standins
 from .bucketed import BucketedDataParallel
 from .record import Event, Recorder
@@ -122,11 +118,18 @@ def static_shape(cfg: TrainConfig) -> StaticShape:
                        cfg.data.max_predictions_per_seq)
 
 
-def cpu_model(cfg: TrainConfig) -> BertForPreTraining:
-    """The trainer's model, built on the CPU (moved to 'cuda' under the fake mode)."""
-    bert = BertConfig.from_json(cfg.model.bert_config_path)
-    backend = resolve_backend(cfg.model.attention_backend, torch.device("cuda"), bert.attention_probs_dropout_prob)
-    return BertForPreTraining(bert, attention_backend=backend)
+def bucketed_ddp(model: torch.nn.Module, device: torch.device) -> BucketedDataParallel:
+    """DDP's place in `build_run` on the fake process group (see `bucketed`)."""
+    return BucketedDataParallel(model)
+
+
+def supplied(cfg: TrainConfig, device: torch.device) -> Supplied:
+    """What the dry run hands `build_run` (see the module docstring); built before the fake mode starts."""
+    model = cpu_model(cfg, device)
+    vocab = model.config.vocab_size
+    return Supplied(model=model, source=SyntheticSource(cfg, vocab),
+                    eval_items=SyntheticSource(cfg, vocab, seed=1).next_batch(), shape=static_shape(cfg),
+                    ddp=bucketed_ddp)
 
 
 class _DoneWork:
@@ -169,44 +172,33 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_runtime(cfg: TrainConfig, denv: DistEnv, model: BertForPreTraining) -> trainer.Runtime:
-    device = torch.device("cuda", 0)
-    logger = MLPerfLogger(None, denv.rank)
-    rt = trainer.Runtime(cfg, denv, device, model.to(device), logger)
-    with mock.patch.object(trainer, "DistributedDataParallel", BucketedDataParallel):
-        trainer.build_training(rt)
-    source = SyntheticSource(cfg, model.config.vocab_size, seed=1)
-    rt.eval_batches = [flatten_items(source.next_batch()).to(device)]
-    return rt
-
-
-def clone_tree(value: Any) -> Any:
-    """copy.deepcopy with tensors cloned: deepcopy of a FakeTensor corrupts the heap."""
-    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x),
-                                        value)
+def run_steps(run: Run, recorder: Recorder, steps: int) -> None:
+    """The hooks' run start, `steps` of the trainer's steps (the last one reads the window, as a block's last
+    step does), then an eval."""
+    until = steps * run.cfg.global_batch_size
+    run.hooks.run_start(trainer.run_start_event(run))
+    for i in range(steps):
+        recorder.phase = f"step {i + 1}"
+        trainer.train_step(run, until)
+    recorder.phase = "eval"
+    trainer.run_eval(run.eval, run.state)
 
 
 @contextlib.contextmanager
-def fake_safe_copies() -> Iterator[None]:
-    """The sync window's snapshots deepcopy optimizer state: clone instead (fake runs only)."""
-    with mock.patch.object(sync_window, "copy", SimpleNamespace(deepcopy=clone_tree)):
-        yield
-
-
-def run_steps(rt: trainer.Runtime, recorder: Recorder, steps: int) -> None:
-    cfg, state = rt.cfg, trainer.TrainState()
-    source = SyntheticSource(cfg, rt.model.config.vocab_size)
-    recorder.phase = "fast path build"
-    with mock.patch.object(trainer, "packed_shape", lambda *_: static_shape(cfg)):
-        trainer.build_fast_path(rt, state, source)
-    feed = trainer.device_input(rt, source)
-    for i in range(steps):
-        recorder.phase = f"step {i + 1}"
-        trainer.train_step(rt, feed, state)
-        if rt.window is not None:
-            trainer._read_window(rt, feed, state, force=i == steps - 1)
-    recorder.phase = "eval"
-    trainer.evaluate(rt)
+def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True
+              ) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
+    """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` watching, and the log of CUDA calls."""
+    device = torch.device("cuda", 0)
+    parts = supplied(cfg, device)
+    mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
+    standins = cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
+    with fake_process_group(denv.world_size), standins as log, mode, recorder:
+        run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
+        try:
+            yield run, log
+        finally:
+            run.close()
+            run.hooks.close()
 
 
 def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
@@ -215,13 +207,8 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     denv = dist_env_from(os.environ if env is None else env)
     cfg = parse_config(trainer_argv, denv.world_size)
     recorder = Recorder(fake=fake)
-    model = cpu_model(cfg)
-    mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
-    standins = cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
-    copies = fake_safe_copies() if fake else contextlib.nullcontext()
-    with fake_process_group(denv.world_size), standins as log, copies, mode, recorder:
-        rt = build_runtime(cfg, denv, model)
-        run_steps(rt, recorder, steps)
+    with built_run(cfg, denv, recorder, fake) as (run, log):
+        run_steps(run, recorder, steps)
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
                           log.captures, log.replays)
     report.failures = findings(report)
