@@ -4,8 +4,8 @@
 
 Clipping modes can only differ where clipping is active. For every mode, 2 processes (gloo)
 train the demo from the flags run_and_time.sh builds for `config_CPU_1x2.sh` with that
-CLIP_MODE (`clip_study.trainer_flags`), through the trainer's own `build_training` and
-`train_step`, in the order `trainer.run` seeds and builds things. One thing is added: a
+CLIP_MODE (`clip_study.trainer_flags`), through the trainer's own `build_run` and
+`trainer.train_step`. One thing is added: a
 recording DDP comm hook that notes each bucket's local gradient norm, then hands the bucket to
 the mode's own hook (`apply_clip_mode`'s) or to PyTorch's plain averaging all-reduce, and notes
 the averaged bucket's norm when the all-reduce ends. Per mode, with c = --max_grad_norm:
@@ -35,15 +35,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from clip_study import REPO, RunSpec, StudySetup, trainer_flags, write_section
 from mlperf_bert import trainer
+from mlperf_bert.build import Supplied, build_run
 from mlperf_bert.cli import parse_config
-from mlperf_bert.clipping import ClipConfig, ClipMode, apply_clip_mode
-from mlperf_bert.config import CLIP_MODES, TrainConfig
+from mlperf_bert.config import CLIP_MODES
 from mlperf_bert.distributed import DistEnv, init_distributed
-from mlperf_bert.mllog import MLPerfLogger
-from mlperf_bert.sources import open_batch_source
+from mlperf_bert.faults import StopRequest
 
 WORLD = 2
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
@@ -55,18 +55,6 @@ class StepNorms:
 
     local: list[float] = field(default_factory=list)  # ||g_r[b]|| as DDP hands bucket b over
     averaged: dict[int, float] = field(default_factory=dict)  # bucket -> norm after the all-reduce
-
-
-class _HookSlot:
-    """Takes the place of the DDP model in `apply_clip_mode` and keeps the hook it registers."""
-
-    def __init__(self, process_group: dist.ProcessGroup) -> None:
-        self.process_group = process_group
-        self.state: object = process_group  # PyTorch's averaging hook takes the group as its state
-        self.hook: CommHook = default_hooks.allreduce_hook
-
-    def register_comm_hook(self, state: object, hook: CommHook) -> None:
-        self.state, self.hook = state, hook
 
 
 @dataclass(eq=False)
@@ -91,41 +79,39 @@ class NormRecorder:
         return self.inner_hook(self.inner_state, bucket).then(note_average)
 
 
-def build_recorded(cfg: TrainConfig, denv: DistEnv) -> tuple[trainer.Runtime, NormRecorder]:
-    """The trainer's runtime for cfg's clip mode, with the recorder wrapped around its hook.
+class RecordingDDP(DistributedDataParallel):
+    """The trainer's DDP wrapper with a `NormRecorder` as its one comm hook.
 
-    `build_training` runs with clip mode `none` for the hook modes (it would register their
-    hook itself, and DDP takes one hook only); their optimizer clips nothing in either case.
+    DDP takes one hook only: the recorder is registered at once around PyTorch's averaging
+    all-reduce, and the hook a clip mode registers (`apply_clip_mode`) runs inside it instead.
     """
-    device = torch.device("cpu")
-    trainer.seed_everything(cfg.run.seed, denv.rank)
-    model = trainer.build_model(cfg, device)
-    clip = ClipConfig(cfg.optim.clip_mode, cfg.optim.max_grad_norm)
-    build_mode = ClipMode.AFTER_ALLREDUCE if clip.mode is ClipMode.AFTER_ALLREDUCE else ClipMode.NONE
-    build_cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_mode=build_mode.value))
-    rt = trainer.Runtime(build_cfg, denv, device, model, MLPerfLogger(None, denv.rank))
-    trainer.build_training(rt)
-    slot = _HookSlot(rt.ddp.process_group)
-    rt.clip = apply_clip_mode(slot, clip)
-    recorder = NormRecorder(slot.state, slot.hook)
-    rt.ddp.register_comm_hook(recorder, NormRecorder.communicate)
-    return rt, recorder
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        super().__init__(model)
+        self.recorder = NormRecorder(self.process_group, default_hooks.allreduce_hook)
+        super().register_comm_hook(self.recorder, NormRecorder.communicate)
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:  # type: ignore[override]
+        self.recorder.inner_state, self.recorder.inner_hook = state, hook
 
 
 def record_mode(flags: list[str], denv: DistEnv, steps: int) -> list[StepNorms]:
-    """Trains `steps` steps of one mode; every rank returns its own records."""
+    """Trains `steps` steps of one mode with the trainer's own run and step; this rank's records."""
     cfg = parse_config(flags, denv.world_size)
-    rt, recorder = build_recorded(cfg, denv)
-    torch.manual_seed(cfg.run.seed + denv.rank)  # as trainer.run: dropout differs per rank
-    data = open_batch_source(cfg, denv, trainer.data_limits(cfg, rt.model.config))
-    state = trainer.TrainState()
-    try:
-        feed = trainer.device_input(rt, data)
-        for _ in range(steps):
-            trainer.train_step(rt, feed, state)
-    finally:
-        data.close()
-    return recorder.steps
+    wrapped: list[RecordingDDP] = []
+
+    def recording_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+        wrapped.append(RecordingDDP(model, device))
+        return wrapped[-1]
+
+    with StopRequest() as stop:
+        run = build_run(cfg, denv, torch.device("cpu"), stop, supplied=Supplied(ddp=recording_ddp))
+        try:
+            for _ in range(steps):
+                trainer.train_step(run, until=run.state.samples + cfg.global_batch_size)
+        finally:
+            run.close()
+    return wrapped[0].recorder.steps
 
 
 def worker(rank: int, port: int, runs: dict[str, list[str]], steps: int, result: str) -> None:
