@@ -51,7 +51,7 @@ check "a whole number (0, 1, 2, ...)" "$int_re" DGXNGPU DGXNNODES BATCHSIZE GRAD
 check "an integer" "$signed_int_re" START_WARMUP_STEP
 check "a number" "$number_re" LR OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 WEIGHT_DECAY_RATE TARGET_MLM_ACCURACY \
   WARMUP_PROPORTION END_LEARNING_RATE OPT_EPSILON MAX_GRAD_NORM CHECKPOINT_EVERY_MINUTES COLLECTIVE_TIMEOUT_S
-check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END
+check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG
 for name in DGXNGPU DGXNNODES; do
   (( 10#${!name} >= 1 )) || die "$name=${!name} must be at least 1"
 done
@@ -128,6 +128,9 @@ optional COLLECTIVE_TIMEOUT_S --collective_timeout_s
 optional MAX_CONSECUTIVE_SKIPPED_STEPS --max_consecutive_skipped_steps
 if [[ "${CUDA_GRAPHS:-0}" == 1 ]]; then flags+=(--cuda_graphs); fi
 if [[ "${DECAY_FROM_WARMUP_END:-0}" == 1 ]]; then flags+=(--decay_from_warmup_end); fi
+# This script's stdout is the run's log (run_with_docker.sh and run.sub tee it into LOGDIR and
+# check it), so the MLPerf lines go there too; ECHO_MLLOG=0 where only the log file is read.
+if [[ "${ECHO_MLLOG:-1}" == 1 ]]; then flags+=(--echo_mllog); fi
 if [[ "$INIT_CHECKPOINT" != none && -e "$INIT_CHECKPOINT" ]]; then
   flags+=(--init_checkpoint "$INIT_CHECKPOINT")
 elif [[ "$INIT_CHECKPOINT" != none && -n "${CHECKPOINTDIR_PHASE1:-}" ]]; then

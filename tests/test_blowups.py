@@ -68,7 +68,7 @@ def test_overflow_steps_are_skipped_counted_and_stop_the_run_after_too_many(fp16
     for _ in range(3):  # 2, 3 skipped; 4 applied (the count of skips in a row starts again)
         trainer.train_step(run, FAR)
     assert (state.step, state.skipped_steps, scaler.get_scale()) == (2, 2, 2.0**8)
-    trainer.run_eval(run.eval, state)
+    trainer.run_eval(run.eval, state, run.hooks)
     logged = [e for e in mllog_events(tmp_path / "mlperf.log") if e["key"] == "skipped_steps"]
     assert [(e["value"], e["metadata"]["epoch_num"]) for e in logged] == [(2, 32)]
     weights = state_of(model)

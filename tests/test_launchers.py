@@ -184,6 +184,7 @@ def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
     ("DGXNGPU", "0", "must be at least 1"),
     ("CUDA_GRAPHS", "yes", "is not 0 or 1"),
     ("DECAY_FROM_WARMUP_END", "true", "is not 0 or 1"),
+    ("ECHO_MLLOG", "yes", "is not 0 or 1"),
     ("LR", "fast", "is not a number"),
     ("START_WARMUP_STEP", "-2.5", "is not an integer"),
     ("MAX_STEPS", "1_000", "is not a whole number"),
@@ -237,6 +238,10 @@ def test_a_preempted_run_under_torchrun_exits_75_through_run_and_time(demo_data,
     stderr = (tmp_path / "stderr.txt").read_text()
     assert code == 75, stderr[-3000:]
     assert "stopped (preempted)" in stderr and "RESULT" not in (tmp_path / "stdout.txt").read_text()
+    # Its stdout is the run's log for run_with_docker.sh and run.sub: the MLPerf lines are echoed there.
+    echoed = [line for line in (tmp_path / "stdout.txt").read_text().splitlines() if line.startswith(":::MLLOG ")]
+    assert echoed == (tmp_path / "out" / "mlperf.log").read_text().splitlines()
+    assert ":::MLLOG" not in stderr
     assert sorted((tmp_path / "out" / "checkpoints").glob("ckpt-*.pt"))
     assert '"status": "aborted"' in (tmp_path / "out" / "mlperf.log").read_text()
 

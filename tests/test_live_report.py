@@ -101,6 +101,25 @@ def test_train_log_has_one_line_per_interval_and_per_eval(tmp_path):
     assert "run_stop status success" in (tmp_path / "train.log").read_text()
 
 
+def test_progress_line_carries_skipped_steps_and_the_callers_fields_at_that_step(tmp_path):
+    asked = []
+
+    def load() -> str:
+        asked.append(len(asked) + 1)
+        return f"rank_tokens max {300 + len(asked)} min 200"
+
+    view, clock, stream = _view(tmp_path, fields=load)
+    for step in (1, 2, 3):
+        clock.now += 1.0
+        view.step_end(StepEnd(step=step, samples=8 * step, loss=torch.tensor(2.0), learning_rate=1e-3, tokens=100,
+                              skipped_steps=step - 1, next_eval_samples=24))
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("step ")]
+    assert asked == [1, 2]  # asked only when a line is written: step 2, and step 3 (the eval step)
+    assert "skipped 1 " in lines[0] and "rank_tokens max 301 min 200" in lines[0]
+    assert "skipped 2 " in lines[1] and "rank_tokens max 302 min 200" in lines[1]
+    view.close()
+
+
 def test_a_terminal_gets_a_bar_not_lines(tmp_path):
     clock, stream = Clock(), io.StringIO()
     view = LiveView(log_every=1, stream=stream, interactive=True, clock=clock)

@@ -55,9 +55,13 @@ def _train(args: list[str], limit: int | None = None) -> subprocess.CompletedPro
                           timeout=300, preexec_fn=_limited(limit) if limit else None)
 
 
-def _error_lines(stderr: str) -> list[str]:
-    """What the run said besides its progress lines (`step N ...`, `eval ...`)."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(("step ", "eval "))]
+def _error_lines(stderr: str, out: Path | None = None) -> list[str]:
+    """What the run said besides its progress view (`run ...`, `step N ...`, `eval ...`, `run_stop ...`)
+    and the summary it printed (OUTPUT_DIR/summary.txt, when `out` is given)."""
+    summary = out / "summary.txt" if out is not None else None
+    printed = set(summary.read_text().splitlines()) if summary is not None and summary.exists() else set()
+    return [line for line in stderr.splitlines() if line.strip() and line not in printed
+            and not line.startswith(("run ", "step ", "eval ", "run_stop "))]
 
 
 # --- write failures -------------------------------------------------------------------------
@@ -247,8 +251,9 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_logs_run_stop_aborted(demo_dat
     proc.send_signal(signal.SIGINT)
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == EXIT_PREEMPTED, stderr[-2000:]
-    lines = _error_lines(stderr)
+    lines = _error_lines(stderr, out)
     assert len(lines) == 1 and lines[0].startswith("stopped (preempted): SIGINT arrived"), lines
+    assert (out / "summary.txt").read_text().startswith("status: aborted (preempted)\n")
     stop = [e for e in mllog_events(log) if e["key"] == "run_stop"]
     assert len(stop) == 1 and stop[0]["metadata"]["status"] == "aborted"
     saved = list((out / "checkpoints").glob("ckpt-*.pt"))

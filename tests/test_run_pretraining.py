@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from PIL import Image
 
 from conftest import TRAINER, run_cli, trainer_args
 
@@ -136,6 +137,62 @@ def test_demo_log_passes_both_rulesets(demo_data, tmp_path):
     evals = [e for e in lines if e["key"] == "eval_accuracy"]
     assert [e["metadata"]["epoch_num"] for e in evals] == [32, 48]  # 6 steps x 8 = 48 samples
     assert "step 2 samples 16" in result.stderr  # the readable progress line
+
+
+def _without_time(line: str) -> str:
+    return line.split(" ", 1)[1]  # train.log lines start with a timestamp
+
+
+def _check_picture(path: Path) -> None:
+    assert path.stat().st_size > 20_000
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 500 and image.height > 300
+        colours = np.unique(np.asarray(image.convert("RGB")).reshape(-1, 3), axis=0)
+    assert len(colours) > 50  # curves, labels, target line: not a blank canvas
+
+
+def test_a_run_shows_its_progress_and_leaves_a_summary_and_curves(demo_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli([sys.executable, str(TRAINER), *trainer_args(demo_data, out, "--do_train")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ":::MLLOG" not in result.stdout + result.stderr  # the log goes to its file only
+    logged = mllog_lines(out / "mlperf.log")
+    evals = [(e["metadata"]["epoch_num"], e["value"]) for e in logged if e["key"] == "eval_accuracy"]
+    assert [s for s, _ in evals] == [32, 48]
+
+    lines = [_without_time(line) for line in (out / "train.log").read_text().splitlines()]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["2", "4", "6"]  # --log_freq 2; 6 is also an eval step
+    for line in steps:
+        assert all(f" {field} " in line for field in ("samples/s", "tokens/s", "loss", "lr", "skipped")), line
+        assert "rank_tokens max" in line, line
+    eval_lines = [line for line in lines if line.startswith("eval ")]
+    assert len(eval_lines) == len(evals)
+    for i, (line, (samples, accuracy)) in enumerate(zip(eval_lines, evals), 1):  # as the MLPerf log has them
+        assert line.startswith(f"eval {i} step {samples // 8} samples {samples} mlm_accuracy {accuracy:.4f} "
+                               f"({100 * accuracy / 0.72:.1f}% of target 0.720) mlm_loss "), line
+    assert lines[-1].startswith("run_stop status aborted step 6 samples 48 ")
+    shown = [line for line in result.stderr.splitlines() if line.startswith(("run ", "run_stop ", "step ", "eval "))]
+    assert shown == lines  # the console (not a terminal here) shows train.log's lines, each once
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["samples"]) == ("aborted", 6, 48)
+    assert [tuple(e) for e in summary["evals"]] == [(s, pytest.approx(a)) for s, a in evals]
+    assert summary["files"]["curves"] == str(out / "curves.png")
+    text = (out / "summary.txt").read_text()
+    assert text.startswith("status: aborted\n") and text in result.stderr
+    assert f"2: samples 48 mlm_accuracy {evals[1][1]:.4f}" in text
+    _check_picture(out / "curves.png")
+
+
+def test_mllog_lines_reach_stdout_only_with_echo_mllog(demo_data, tmp_path):
+    out = tmp_path / "out"
+    args = trainer_args(demo_data, out, "--do_train", "--max_steps", "2", "--echo_mllog")
+    result = run_cli([sys.executable, str(TRAINER), *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == (out / "mlperf.log").read_text().splitlines()
+    assert any('"key": "run_stop"' in line for line in result.stdout.splitlines())
+    assert ":::MLLOG" not in result.stderr and "step 2 samples 16/16" in result.stderr
 
 
 def test_bert_large_shaped_closed_log_fails_only_the_accuracy_target(demo_data, tmp_path):

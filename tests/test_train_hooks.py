@@ -11,10 +11,10 @@ import torch
 
 from _fault_launch import mllog_events
 from mlperf_bert.faults import NumericBlowUp, Position, Preempted, StepFacts, StepGuard, StopRequest, Verdict
-from mlperf_bert.hooks import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
+from mlperf_bert.hooks import BlockEnd, EvalEnd, RunEnd, StepEnd
 from mlperf_bert.mllog import MLPerfLogger
 from mlperf_bert.sources import TokenImbalance
-from mlperf_bert.train_hooks import EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, Progress
+from mlperf_bert.train_hooks import EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
 
 
 def step_end(step: int, samples: int, verdict: Verdict = Verdict(), loss: float = 1.0) -> StepEnd:
@@ -69,27 +69,36 @@ def test_mlperf_log_writes_eval_results_and_the_run_end(tmp_path):
 
 
 class Loads:
-    """Stands in for DeviceInput: its device and two micro-batches' loads per gather."""
+    """Stands in for DeviceInput: each gather, the loads of the micro-batches since the last one."""
 
     device = torch.device("cpu")
 
+    def __init__(self) -> None:
+        self.gathers = 0
+        self.pending = [TokenImbalance(np.array([10, 30]), np.array([5, 15])),
+                        TokenImbalance(np.array([40]), np.array([20]))]
+
     def token_imbalance(self) -> TokenImbalance:
-        return TokenImbalance(np.array([10, 30]), np.array([5, 15]))
+        self.gathers += 1
+        return self.pending.pop(0) if self.pending else TokenImbalance.empty()
 
 
-def test_progress_prints_the_mean_loss_and_logs_the_interval_load(tmp_path, capsys):
+def test_rank_load_gathers_at_progress_lines_and_logs_each_interval(tmp_path):
     logger = MLPerfLogger(str(tmp_path / "mlperf.log"), 0)
-    hook = Progress(Loads(), logger, log_freq=2, is_main=True)
-    hook.run_start(RunStart(0, 0, 48, 8, tmp_path))
-    hook.step_end(step_end(1, 8, loss=1.0))
-    hook.step_end(step_end(2, 16, loss=3.0))
-    line = capsys.readouterr().err
-    assert "step 2 samples 16" in line and "loss 2.0000" in line and "rank_tokens max 20 min 10" in line
-    hook.block_end(BlockEnd(step=2, samples=16))
+    loads = Loads()
+    hook = RankLoad(loads, logger, log_freq=2)
+    hook.step_end(step_end(1, 8))
+    assert loads.gathers == 0  # a collective: only at the steps where rank 0 writes a line
+    hook.step_end(step_end(2, 16))
+    assert loads.gathers == 1 and hook.progress_fields() == "rank_tokens max 20 min 10"
+    hook.step_end(StepEnd(3, 24, torch.tensor(1.0), 1e-3, 100, 0, next_eval_samples=24))  # the eval step
+    assert loads.gathers == 2 and hook.progress_fields() == "rank_tokens max 40 min 20"
+    hook.block_end(BlockEnd(step=3, samples=24))
     logger.close()
     stats = [e for e in mllog_events(tmp_path / "mlperf.log") if e["key"] == "tracked_stats"]
-    assert [(s["value"], s["metadata"]["step"]) for s in stats] == [({"max_rank_tokens": 20.0,
-                                                                      "min_rank_tokens": 10.0}, 2)]
+    # The interval's three micro-batches (max 10, 30, 40; min 5, 15, 20), whatever the lines saw.
+    assert [(s["value"], s["metadata"]["step"]) for s in stats] == [({"max_rank_tokens": 80 / 3,
+                                                                      "min_rank_tokens": 40 / 3}, 3)]
 
 
 def test_eval_line_prints_on_rank_0_only(capsys):

@@ -43,7 +43,9 @@ from .static_batch import StaticShape, packed_shape
 from .step import EagerStep, GraphedStep, Step
 from .sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 from .train_checkpoint import Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore
-from .train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, Progress
+from .live import LiveView
+from .report import RunReport
+from .train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
 from .train_state import TrainState
 
 
@@ -57,7 +59,7 @@ class Evaluation:
     model: BertForPreTraining
     logger: MLPerfLogger
     batches: list[FlatBatch]  # this rank's share of the eval set, on the device
-    hooks: Hooks
+    hooks: Hooks  # a run without --do_train's: its MLPerf log and eval line (a training run has its own)
 
 
 DDPFactory = Callable[[torch.nn.Module, torch.device], DistributedDataParallel]
@@ -183,7 +185,7 @@ def open_logger(cfg: TrainConfig, denv: DistEnv) -> MLPerfLogger:
     path = cfg.run.mlperf_log_path if denv.is_main else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=True)
+    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=cfg.run.echo_mllog)
 
 
 def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraining) -> None:
@@ -338,11 +340,26 @@ def device_input(cfg: TrainConfig, device: torch.device, source: BatchSource, sh
 
 
 def build_hooks(ev: Evaluation, writer: CheckpointWriter, data: DeviceInput, extra: Sequence[Hook]) -> Hooks:
-    """The caller's hooks first (they see a step before a checkpoint or a stop), then the trainer's."""
+    """The caller's hooks first (they see a step before a checkpoint or a stop), then the trainer's.
+
+    The MLPerf log ends the run before rank 0's view and report, so a failing plot still
+    leaves a complete log.
+    """
     cfg = ev.cfg
-    progress = Progress(data, ev.logger, cfg.run.log_freq, ev.denv.is_main)
-    return Hooks([*extra, progress, *ev.hooks.hooks, PeriodicCheckpoints(writer, cfg.global_batch_size),
-                  Preemption()])
+    load = RankLoad(data, ev.logger, cfg.run.log_freq)
+    return Hooks([*extra, load, MLPerfLog(ev.logger, cfg.eval.num_eval_examples), *rank0_views(cfg, ev.denv, load),
+                  PeriodicCheckpoints(writer, cfg.global_batch_size), Preemption()])
+
+
+def rank0_views(cfg: TrainConfig, denv: DistEnv, load: RankLoad) -> list[Hook]:
+    """The live view (console and OUTPUT_DIR/train.log) and the end-of-run report, on rank 0."""
+    if not denv.is_main:
+        return []
+    # curves.png beside the summary in the run's own folder: --mlperf_log_file may name a folder
+    # that many runs share (the demo's), where one run's picture would replace another's.
+    return [LiveView(log_every=cfg.run.log_freq, world_size=denv.world_size, fields=load.progress_fields),
+            RunReport(loss_every=cfg.run.log_freq, log_dir=Path(cfg.run.output_dir),
+                      mlperf_log=cfg.run.mlperf_log_path)]
 
 
 def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,

@@ -322,6 +322,8 @@ class RunSettings:
     init_loss_scale: float = flag("fp16 initial loss scale", "precision and fast path", 2.0**16)
     cuda_graphs: bool = flag("capture the packed training step as a CUDA graph", "precision and fast path", False)
     mlperf_log_file: str | None = flag("MLPerf log path (default: OUTPUT_DIR/mlperf.log)", "run and logging", None)
+    echo_mllog: bool = flag("also print the MLPerf log's lines to stdout, for launchers that collect the log "
+                            "from there (run_and_time.sh)", "run and logging", False)
     submission_division: str = flag("logged as submission_division; closed requires --optimizer lamb",
                                     "run and logging", "closed", choices=DIVISIONS)
     submission_org: str = flag("logged as submission_org", "run and logging", "reference")

@@ -33,6 +33,12 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+def progress_line_due(event: StepEnd, log_every: int) -> bool:
+    """A progress line after this step: every `log_every` steps and at the last step before an
+    eval. The same on every rank (the trainer's per-rank load gather follows it)."""
+    return event.step % log_every == 0 or event.samples >= event.next_eval_samples
+
+
 class RateWindow:
     """Samples and tokens per second since the window's start (restarted at run start and evals)."""
 
@@ -61,11 +67,14 @@ class LiveView(Hook):
     world_size: ranks training; tokens/s counts rank 0's real tokens times this (ranks get
     equal shares of the batch). stream: where the bar or the plain lines go. interactive: bar
     redraws (True) or plain lines (False); None decides by whether `stream` is a terminal.
+    fields: more `name value` text for each progress line, asked for when the line is written
+    (the trainer's per-rank token load).
     """
 
     def __init__(self, log_every: int = 10, world_size: int = 1, stream: TextIO | None = None,
                  interactive: bool | None = None, target: float = TARGET_ACCURACY,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 fields: Callable[[], str] | None = None) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
         self.log_every = log_every
@@ -73,6 +82,7 @@ class LiveView(Hook):
         self.stream = stream if stream is not None else sys.stderr
         self.interactive = self.stream.isatty() if interactive is None else interactive
         self.target = target
+        self.fields = fields
         self.window = RateWindow(clock)
         self.evals: list[tuple[int, float]] = []
         self.stop_samples = 0
@@ -96,8 +106,7 @@ class LiveView(Hook):
 
     def step_end(self, event: StepEnd) -> None:
         self.window.tokens += event.tokens * self.world_size
-        at_eval = event.samples >= event.next_eval_samples
-        if event.step % self.log_every and not at_eval:
+        if not progress_line_due(event, self.log_every):
             return
         line = self.progress_line(event)
         self._write_log(line)
@@ -133,10 +142,11 @@ class LiveView(Hook):
         """One plain progress line (what train.log and non-terminal streams get)."""
         samples_s, tokens_s = self.window.rates(event.samples)
         eta = (event.next_eval_samples - event.samples) / samples_s
+        extra = f" {self.fields()}" if self.fields else ""
         return (f"step {event.step} samples {event.samples}/{self.stop_samples} "
                 f"samples/s {samples_s:.1f} tokens/s {tokens_s:.0f} loss {event.loss.item():.4f} "
-                f"lr {event.learning_rate:.3e} next_eval {event.next_eval_samples} "
-                f"eta_eval {_duration(eta)} {self.history()}")
+                f"lr {event.learning_rate:.3e} skipped {event.skipped_steps} next_eval {event.next_eval_samples} "
+                f"eta_eval {_duration(eta)}{extra} {self.history()}")
 
     def eval_line(self, event: EvalEnd) -> str:
         return (f"eval {len(self.evals)} step {event.step} samples {event.samples} mlm_accuracy "
@@ -156,8 +166,9 @@ class LiveView(Hook):
     def _postfix(self, event: StepEnd) -> str:
         samples_s, tokens_s = self.window.rates(event.samples)
         eta = (event.next_eval_samples - event.samples) / samples_s
+        skipped = f" skipped {event.skipped_steps}" if event.skipped_steps else ""  # fp16 overflows, when any
         return (f"{samples_s:.1f} seq/s {tokens_s:.0f} tok/s loss {event.loss.item():.3f} "
-                f"lr {event.learning_rate:.2e} eval in {_duration(eta)} {self.history()}")
+                f"lr {event.learning_rate:.2e}{skipped} eval in {_duration(eta)} {self.history()}")
 
     def _line(self, line: str) -> None:
         """A line for the console and train.log (bar-safe on a terminal)."""

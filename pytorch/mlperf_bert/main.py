@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -
     finally:
         if not group_broken:
             shutdown()
-    if denv.is_main:
+    if denv.is_main and not cfg.run.do_train:  # a training run's view and summary have said it
         print(f"run_stop status={result.status} samples={result.samples} "
               f"mlm_accuracy={result.accuracy:.4f} seconds={result.seconds:.1f}", file=sys.stderr)
     return 0

@@ -1,22 +1,21 @@
-"""The trainer's hooks (`hooks.Hook`): progress, the MLPerf log, periodic checkpoints, preemption.
+"""The trainer's hooks (`hooks.Hook`): the per-rank load, the MLPerf log, periodic checkpoints, preemption.
 
 Each is a small class with its own state, called by the loop at fixed events; the loop itself
 neither prints, nor logs results, nor decides on checkpoints. `CheckpointWriter` is what the
 checkpoint hook and the loop's stop path share: one collective that writes the run's state.
+Rank 0's progress view and end-of-run report are `live.LiveView` and `report.RunReport`.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 from .device_input import DeviceInput
 from .faults import Preempted
-from .hooks import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
+from .hooks import BlockEnd, EvalEnd, Hook, RunEnd, StepEnd
+from .live import progress_line_due
 from .mllog import MLPerfLogger
 from .sources import TokenImbalance
 from .train_checkpoint import Checkpointer, TrainingParts, checkpoint_path
@@ -84,36 +83,30 @@ class MLPerfLog(Hook):
         self.logger.eval_samples(self.eval_samples)
 
 
-class Progress(Hook):
-    """A readable progress line on stderr every `log_freq` steps (rank 0), and the load per rank.
+class RankLoad(Hook):
+    """The real tokens of the most and the least loaded rank in each micro-batch (every rank).
 
-    The load is the real tokens of the most and the least loaded rank in each micro-batch
-    (`DeviceInput.token_imbalance`: a collective, so every rank gathers at the same steps),
-    averaged over the progress line's window and, for the MLPerf log, over each eval interval
-    (`tracked_stats` {max_rank_tokens, min_rank_tokens} at the interval's last step).
+    `DeviceInput.token_imbalance` is a collective, so every rank gathers at the same steps:
+    where rank 0's live view writes a progress line (`live.progress_line_due`) and at each
+    block's end. The means since the previous progress line are `progress_fields`, for that
+    line; the means over each eval interval go to the MLPerf log (`tracked_stats`
+    {max_rank_tokens, min_rank_tokens} at the interval's last step).
     """
 
-    def __init__(self, data: DeviceInput, logger: MLPerfLogger, log_freq: int, is_main: bool) -> None:
-        self.data, self.logger, self.log_freq, self.is_main = data, logger, log_freq, is_main
-        self.t0, self.samples0 = time.perf_counter(), 0
-        self.loss_sum = torch.zeros((), device=data.device)
-        self.steps = 0
+    def __init__(self, data: DeviceInput, logger: MLPerfLogger, log_freq: int) -> None:
+        self.data, self.logger, self.log_freq = data, logger, log_freq
         self.window = TokenImbalance.empty()  # micro-batches since the last progress line
         self.interval = TokenImbalance.empty()  # micro-batches since the last eval
+        self.last_window = TokenImbalance.empty()  # the window that ended at the last progress line
 
     def _gather_loads(self) -> None:
         loads = self.data.token_imbalance()
         self.window, self.interval = self.window + loads, self.interval + loads
 
-    def run_start(self, event: RunStart) -> None:
-        self.t0, self.samples0 = time.perf_counter(), event.samples
-
     def step_end(self, event: StepEnd) -> None:
-        self.loss_sum += event.loss
-        self.steps += 1
-        if event.step % self.log_freq == 0:
+        if progress_line_due(event, self.log_freq):
             self._gather_loads()
-            self._print(event)
+            self.last_window, self.window = self.window, TokenImbalance.empty()
 
     def block_end(self, event: BlockEnd) -> None:
         """Collective, every rank after the last step before an eval: logs the interval's load."""
@@ -123,22 +116,13 @@ class Progress(Hook):
                                        "min_rank_tokens": self.interval.mean_min()}, step=event.step)
         self.interval = TokenImbalance.empty()
 
-    def _print(self, event: StepEnd) -> None:
-        now = time.perf_counter()
-        if self.is_main:
-            rate = (event.samples - self.samples0) / max(now - self.t0, 1e-9)
-            print(f"step {event.step} samples {event.samples} samples/s {rate:.1f} "
-                  f"loss {self.loss_sum.item() / self.steps:.4f} lr {event.learning_rate:.3e} "
-                  f"skipped {event.skipped_steps} "
-                  f"rank_tokens max {self.window.mean_max():.0f} min {self.window.mean_min():.0f}",
-                  file=sys.stderr, flush=True)
-        self.t0, self.samples0, self.steps = now, event.samples, 0
-        self.loss_sum.zero_()
-        self.window = TokenImbalance.empty()
+    def progress_fields(self) -> str:
+        """The load for the progress line written at this step."""
+        return f"rank_tokens max {self.last_window.mean_max():.0f} min {self.last_window.mean_min():.0f}"
 
 
 class EvalLine(Hook):
-    """The eval result as one line on stderr (rank 0)."""
+    """The eval result as one line on stderr (rank 0): the output of a run without --do_train."""
 
     def __init__(self, is_main: bool) -> None:
         self.is_main = is_main

@@ -59,7 +59,7 @@ def train_loop(run: Run) -> str:
         if not eval_pending(cfg, evals, state):
             point = min(evals.next_point(state.samples) or stop_samples(cfg), stop_samples(cfg))
             train_block(run, point)
-        if run_eval(run.eval, state) >= cfg.eval.target_mlm_accuracy:
+        if run_eval(run.eval, state, run.hooks) >= cfg.eval.target_mlm_accuracy:
             return "success"
         if limit_reached(cfg, state):
             return "aborted"
@@ -134,13 +134,13 @@ def evaluate(ev: Evaluation) -> tuple[float, float]:
     return correct / count, loss / count
 
 
-def run_eval(ev: Evaluation, state: TrainState) -> float:
+def run_eval(ev: Evaluation, state: TrainState, hooks: Hook) -> float:
     ev.logger.eval_start(epoch_num=state.samples)
     start = time.time()
     accuracy, loss = evaluate(ev)
     ev.logger.eval_stop(epoch_num=state.samples)
     state.evals.append((state.samples, accuracy))
-    ev.hooks.eval_end(EvalEnd(state.step, state.samples, accuracy, loss, time.time() - start, state.skipped_steps))
+    hooks.eval_end(EvalEnd(state.step, state.samples, accuracy, loss, time.time() - start, state.skipped_steps))
     return accuracy
 
 
@@ -219,7 +219,7 @@ def evaluate_only(ev: Evaluation) -> RunResult:
     ev.logger.init_stop()
     ev.logger.run_start()
     start = time.time()
-    accuracy = run_eval(ev, TrainState())
+    accuracy = run_eval(ev, TrainState(), ev.hooks)
     status = "success" if accuracy >= ev.cfg.eval.target_mlm_accuracy else "aborted"
     ev.hooks.run_end(RunEnd(status, 0, 0, time.time() - start, ((0, accuracy),)))
     return RunResult(status, 0, accuracy, time.time() - start)
