@@ -181,7 +181,7 @@ def run_steps(run: Run, recorder: Recorder, steps: int) -> None:
         recorder.phase = f"step {i + 1}"
         trainer.train_step(run, until)
     recorder.phase = "eval"
-    trainer.run_eval(run.eval, run.state)
+    trainer.run_eval(run.eval, run.state, run.hooks)
 
 
 @contextlib.contextmanager
