@@ -26,16 +26,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from data_prep.formats import MANIFEST_NAME, DataPrepError
+from mlperf_bert.shards import TEMP_MARK, temp_name
 
 log = logging.getLogger("data_prep")
 
-_TEMP_MARK = ".tmp-"
 _HASH_BLOCK = 1 << 22  # bytes read per sha256 update
-
-
-def temp_name(path: Path) -> Path:
-    """Hidden sibling of `path` that no shard glob (*.hdf5) matches."""
-    return path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}")
 
 
 def _remove(path: Path) -> None:
@@ -66,7 +61,7 @@ def remove_stale_temps(directory: Path) -> int:
     """Deletes what interrupted runs left under temporary names; returns how many."""
     if not directory.is_dir():
         return 0
-    stale = [p for p in directory.rglob(f".*{_TEMP_MARK}*")]
+    stale = [p for p in directory.rglob(f".*{TEMP_MARK}*")]
     for path in stale:
         _remove(path)
     return len(stale)

@@ -10,11 +10,10 @@ allows: [PAD] first, then up to 99 [unusedN] tokens, [UNK] [CLS] [SEP] [MASK], t
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from data_prep.fileio import atomic_output
 from data_prep.formats import MAX_VOCAB_SIZE, DataPrepError
 from data_prep.vocab import MAX_CHARS_PER_WORD, load_vocab
 
@@ -37,20 +36,6 @@ def special_tokens(unused: int) -> list[str]:
     before = min(unused, UNUSED_BEFORE_UNK)
     return (["[PAD]"] + [f"[unused{i}]" for i in range(before)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
             + [f"[unused{i}]" for i in range(before, unused)])
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) into a temporary file beside `path`, then rename it to `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _check_vocab_args(files: list[Path], size: int, unused: int) -> None:
@@ -78,11 +63,9 @@ def train_vocab(files: list[Path], out: Path, size: int, lower_case: bool = True
     tokens = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     text = "".join(f"{token}\n" for token, _ in tokens)
 
-    def write(tmp: Path) -> None:
+    with atomic_output(out) as tmp:
         tmp.write_text(text, encoding="utf-8")
         load_vocab(tmp)  # the same checks `prepare.py samples` makes, before the name exists
-
-    write_atomic(out, write)
     return len(tokens)
 
 
@@ -107,5 +90,5 @@ def model_config(size: str, vocab_size: int = MLPERF_VOCAB_SIZE, max_position_em
 
 
 def write_model_config(out: Path, config: dict[str, Any]) -> None:
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    write_atomic(out, lambda tmp: None if tmp.write_text(text) else None)
+    with atomic_output(out) as tmp:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
