@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mlperf_bert.faults import Verdict
 from mlperf_bert.hooks import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
 from mlperf_bert.live import LiveView
 from mlperf_bert.report import RunReport, plot_curves
@@ -27,7 +28,7 @@ class Clock:
 
 def _step(step: int, samples: int, next_eval: int, loss: float = 2.5, tokens: int = 100) -> StepEnd:
     return StepEnd(step=step, samples=samples, loss=torch.tensor(loss), learning_rate=1e-3,
-                   tokens=tokens, skipped_steps=0, next_eval_samples=next_eval)
+                   tokens=tokens, skipped_steps=0, next_eval_samples=next_eval, verdict=Verdict(loss=loss))
 
 
 def _view(tmp_path: Path, samples: int = 0, resumed: bool = False, **kwargs):
@@ -112,7 +113,7 @@ def test_progress_line_carries_skipped_steps_and_the_callers_fields_at_that_step
     for step in (1, 2, 3):
         clock.now += 1.0
         view.step_end(StepEnd(step=step, samples=8 * step, loss=torch.tensor(2.0), learning_rate=1e-3, tokens=100,
-                              skipped_steps=step - 1, next_eval_samples=24))
+                              skipped_steps=step - 1, next_eval_samples=24, verdict=Verdict(loss=2.0)))
     lines = [line for line in stream.getvalue().splitlines() if line.startswith("step ")]
     assert asked == [1, 2]  # asked only when a line is written: step 2, and step 3 (the eval step)
     assert "skipped 1 " in lines[0] and "rank_tokens max 301 min 200" in lines[0]

@@ -117,10 +117,11 @@ def test_step_guard_returns_its_verdict_and_stops_after_too_many_skips():
     stop = StopRequest()
     guard = StepGuard(torch.device("cpu"), loss_checked=True, max_consecutive_skips=2, stop=stop,
                       checkpoint_due=lambda: True)
-    assert guard.check_loss(torch.tensor(1.0)) == Verdict(checkpoint_due=True)
+    assert guard.check_loss(torch.tensor(1.0)) == Verdict(checkpoint_due=True, loss=1.0)  # read with the flags
     stop.signal_number = int(signal.SIGUSR1)
     verdict = guard.check_loss(torch.tensor(float("inf")))
-    assert verdict == Verdict(nonfinite_loss=True, stop_signal=int(signal.SIGUSR1), checkpoint_due=True)
+    assert verdict == Verdict(nonfinite_loss=True, stop_signal=int(signal.SIGUSR1), checkpoint_due=True,
+                              loss=float("inf"))
     assert guard.after_step(facts(verdict, True, 1)) is verdict  # per step: the verdict from before the update
     guard.after_step(facts(Verdict(), False, 1))
     with pytest.raises(NumericBlowUp, match="2 optimizer steps in a row were skipped"):

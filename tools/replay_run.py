@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import torch
 from compare import read_run
 
+from mlperf_bert.faults import Verdict
 from mlperf_bert.hooks import EvalEnd, Hook, RunEnd, RunStart, StepEnd
 from mlperf_bert.report import RunReport
 
@@ -34,9 +35,10 @@ def events(lines: Sequence[str]) -> Iterator[StepEnd | EvalEnd]:
     for line in lines:
         if found := STEP.search(line):
             step = int(found.group(1))
-            yield StepEnd(step=step, samples=int(found.group(2)), loss=torch.tensor(float(found.group(3))),
+            loss = float(found.group(3))
+            yield StepEnd(step=step, samples=int(found.group(2)), loss=torch.tensor(loss),
                           learning_rate=float(found.group(4)), tokens=0, skipped_steps=0,
-                          next_eval_samples=sys.maxsize)
+                          next_eval_samples=sys.maxsize, verdict=Verdict(loss=loss))
         elif found := EVAL.search(line):
             yield EvalEnd(step=step, samples=int(found.group(1)), accuracy=float(found.group(2)),
                           loss=float(found.group(3) or "nan"), seconds=0.0)

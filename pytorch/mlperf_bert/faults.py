@@ -134,6 +134,7 @@ class Verdict:
     stop_signal: int = 0  # a stop signal some rank got (the highest number): finish the step, checkpoint, exit 75
     checkpoint_due: bool = False  # rank 0's clock says a time-based checkpoint is due
     rolled_back_to: Position | None = None  # a sync window undid its steps back to this point
+    loss: float | None = None  # this rank's loss at the agreed step, read with the agreement (no read of its own)
 
     @property
     def stop(self) -> bool:
@@ -187,10 +188,14 @@ class StepGuard:
         self.stop = stop if stop is not None else StopRequest()
         self.checkpoint_due = checkpoint_due
         self.consecutive_skips = 0
+        # The latest step's loss (a device scalar): read together with the next agreement, so
+        # progress lines cost no device read of their own.
+        self.last_loss: torch.Tensor | None = None
 
     def check_loss(self, loss: torch.Tensor) -> Verdict:
         """Collective (every rank, every step, before the update): the agreed verdict."""
-        nonfinite = ~torch.isfinite(loss.detach().float()) if self.loss_checked else None
+        self.last_loss = loss.detach()
+        nonfinite = ~torch.isfinite(self.last_loss.float()) if self.loss_checked else None
         return self.agree(nonfinite)
 
     def agree(self, nonfinite: torch.Tensor | None) -> Verdict:
@@ -205,8 +210,9 @@ class StepGuard:
             flags[2] = 1.0
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad, signum, due = flags.tolist()  # signal numbers are small: exact in floating point
-        return Verdict(bad > 0, int(signum), due > 0)
+        loss = [] if self.last_loss is None else [self.last_loss.float().reshape(1)]
+        bad, signum, due, *read = torch.cat([flags, *loss]).tolist()  # one read; signal numbers are exact
+        return Verdict(bad > 0, int(signum), due > 0, loss=read[0] if read else None)
 
     def after_step(self, facts: StepFacts) -> Verdict:
         """The verdict taken before the update; raises NumericBlowUp after too many fp16 skips in a row."""

@@ -3,10 +3,10 @@
 The loop owns the order of events; a hook owns what happens at one of them (the MLPerf log,
 the progress view, periodic checkpoints, preemption, the end-of-run summary). A hook keeps its
 own state and sees the run only through the events below, so each is tested alone by feeding
-it events. Events carry plain numbers; the step's loss stays a device tensor, and a hook that
-prints it reads it only when it prints (a read waits for the device). `StepEnd.verdict` is
-what every rank agreed on after the step (`faults.Guard`): the one input on which a hook may
-stop the run. `RunStart.model` lets a hook instrument the model (the fault tests make one
+it events. Events carry plain numbers; the step's loss stays a device tensor that hooks do
+not read (a read waits for the device): `StepEnd.verdict.loss` is the loss the guard read
+together with its agreement, on the steps it agreed. `StepEnd.verdict` is what every rank
+agreed on after the step (`faults.Guard`): the one input on which a hook may stop the run. `RunStart.model` lets a hook instrument the model (the fault tests make one
 forward's logits NaN that way).
 
 Order within one run:

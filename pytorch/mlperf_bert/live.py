@@ -63,7 +63,8 @@ class RateWindow:
 class LiveView(Hook):
     """Progress bar / progress lines of rank 0, mirrored to OUTPUT_DIR/train.log.
 
-    log_every: steps between progress lines (and loss reads, each of which waits for the device).
+    log_every: steps between progress lines. The loss shown is the one the guard read with its
+        latest agreement (every step, or once per --sync_every window): the view never reads the device.
     world_size: ranks training; tokens/s counts rank 0's real tokens times this (ranks get
     equal shares of the batch). stream: where the bar or the plain lines go. interactive: bar
     redraws (True) or plain lines (False); None decides by whether `stream` is a terminal.
@@ -85,6 +86,7 @@ class LiveView(Hook):
         self.fields = fields
         self.window = RateWindow(clock)
         self.evals: list[tuple[int, float]] = []
+        self.loss: float | None = None  # the latest loss the guard read with its agreement
         self.stop_samples = 0
         self.log_path: Path | None = None
         self._log: TextIO | None = None
@@ -106,6 +108,8 @@ class LiveView(Hook):
 
     def step_end(self, event: StepEnd) -> None:
         self.window.tokens += event.tokens * self.world_size
+        if event.verdict.loss is not None:
+            self.loss = event.verdict.loss
         if not progress_line_due(event, self.log_every):
             return
         line = self.progress_line(event)
@@ -144,7 +148,7 @@ class LiveView(Hook):
         eta = (event.next_eval_samples - event.samples) / samples_s
         extra = f" {self.fields()}" if self.fields else ""
         return (f"step {event.step} samples {event.samples}/{self.stop_samples} "
-                f"samples/s {samples_s:.1f} tokens/s {tokens_s:.0f} loss {event.loss.item():.4f} "
+                f"samples/s {samples_s:.1f} tokens/s {tokens_s:.0f} loss {self._loss(4)} "
                 f"lr {event.learning_rate:.3e} skipped {event.skipped_steps} next_eval {event.next_eval_samples} "
                 f"eta_eval {_duration(eta)}{extra} {self.history()}")
 
@@ -167,8 +171,12 @@ class LiveView(Hook):
         samples_s, tokens_s = self.window.rates(event.samples)
         eta = (event.next_eval_samples - event.samples) / samples_s
         skipped = f" skipped {event.skipped_steps}" if event.skipped_steps else ""  # fp16 overflows, when any
-        return (f"{samples_s:.1f} seq/s {tokens_s:.0f} tok/s loss {event.loss.item():.3f} "
+        return (f"{samples_s:.1f} seq/s {tokens_s:.0f} tok/s loss {self._loss(3)} "
                 f"lr {event.learning_rate:.2e}{skipped} eval in {_duration(eta)} {self.history()}")
+
+    def _loss(self, digits: int) -> str:
+        """The latest loss read with the guard's agreement (none yet: `-`); never a read of its own."""
+        return "-" if self.loss is None else f"{self.loss:.{digits}f}"
 
     def _line(self, line: str) -> None:
         """A line for the console and train.log (bar-safe on a terminal)."""

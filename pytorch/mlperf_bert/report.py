@@ -134,6 +134,7 @@ class RunReport(Hook):
         self.stream = stream if stream is not None else sys.stderr
         self.target = target
         self.losses: list[tuple[int, float]] = []
+        self.latest: tuple[int, float] | None = None  # (samples, loss) of the guard's latest read
         self.evals: list[tuple[int, float]] = []
         self.output_dir = Path(".")
         self.start_samples = 0
@@ -145,8 +146,12 @@ class RunReport(Hook):
         self.log_dir = self.log_dir or (self.mlperf_log.parent if self.mlperf_log else event.output_dir)
 
     def step_end(self, event: StepEnd) -> None:
-        if event.step % self.loss_every == 0 or event.samples >= event.next_eval_samples:
-            self.losses.append((event.samples, float(event.loss.item())))
+        # Losses the guard read with its agreement, kept at the progress lines' steps: no read here.
+        if event.verdict.loss is not None:
+            self.latest = (event.samples, event.verdict.loss)
+        due = event.step % self.loss_every == 0 or event.samples >= event.next_eval_samples
+        if due and self.latest is not None and (not self.losses or self.losses[-1] != self.latest):
+            self.losses.append(self.latest)
 
     def eval_end(self, event: EvalEnd) -> None:
         self.evals.append((event.samples, event.accuracy))

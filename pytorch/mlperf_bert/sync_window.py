@@ -112,6 +112,7 @@ class SyncWindow:
 
     def check_loss(self, loss: torch.Tensor) -> Verdict:
         """Folds this step's loss into the flag (a queued kernel, no read); the update goes ahead."""
+        self.guard.last_loss = loss.detach()  # read with the window's agreement
         self._bad |= ~torch.isfinite(loss.detach().float())
         return Verdict()
 
