@@ -61,7 +61,8 @@ class ModeRunner:
         self.optimizer.zero_grad(set_to_none=True)
         logits = self.ddp(tokens)
         nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-        if not self.clip.found_nonfinite():
+        flag = self.clip.nonfinite_flag()
+        if flag is None or not bool(flag > 0):
             if self.optimizer_clip is not None:
                 nn.utils.clip_grad_norm_(self.ddp.parameters(), self.optimizer_clip)
             self.optimizer.step()

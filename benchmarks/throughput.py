@@ -257,13 +257,13 @@ def packed_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
     graphed = ctx.graphs and ctx.device.type == "cuda" and ctx.precision != "fp16"
     train: Step
     if graphed:
-        train = GraphedStep(model, capturable(optimizer), host[0], ctx.precision)
+        train = GraphedStep(model, capturable(optimizer), [host[0]], ctx.precision)
     else:
         train = EagerStep(model, optimizer, ctx.precision, scaler=scaler_for(ctx))
 
     def step(batch: FlatBatch) -> None:
         # A graph reads its own static copy of the batch: the metrics read the same copy.
-        metrics.update(train([batch], LR).last, train.static if isinstance(train, GraphedStep) else batch)
+        metrics.update(train([batch], LR).last, train.static[0] if isinstance(train, GraphedStep) else batch)
 
     notes += ", CUDA graph" if graphed else ", eager"
     return Runner(step, host, lambda: metrics.read().loss, prefetch=not graphed, notes=notes)

@@ -113,11 +113,17 @@ def run_scenario(group: dist.ProcessGroup | None, mode: ClipMode, steps: int, mi
             "reduced": flat_grad(model) / loss_scale,
             "first_layer_ns": first_layer_ns,
             "launches": [] if hook is None else [(l.index, l.numel, l.time_ns) for l in hook.launches],
-            "local_nonfinite": None if hook is None else hook.local_nonfinite,
-            "skip": handle.found_nonfinite(),
+            "local_nonfinite": None if hook is None else bool(hook.local_flag()),
+            "skip": _agreed_skip(handle),
         })
     record.update(ddp_layout(ddp, handle))
     return record
+
+
+def _agreed_skip(handle) -> bool:
+    """What every rank decides from the hooks' flags (False without a hook), read on the host."""
+    flag = handle.nonfinite_flag()
+    return flag is not None and bool(flag > 0)
 
 
 def ddp_layout(ddp: DistributedDataParallel, handle) -> dict:

@@ -273,48 +273,43 @@ def test_compile_model_rejects_unknown_modes():
         compile_model(tiny_model(), mode="reduce-overhead")
 
 
-def test_graphed_step_of_a_cpu_model_says_it_needs_cuda():
-    model = tiny_model()
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        GraphedStep(model, capturable(lamb(model)), static_batches(10, 1)[0])
-
-
-# ---------------------------------------------------------------- GPU only
-
-
 def static_batches(seed: int, count: int, rows: int = 4) -> list[FlatBatch]:
     rng = np.random.default_rng(seed)
     return [static_packed_batch(make_rows(rng, ROWS), rows, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
             for _ in range(count)]
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_graphed_step_refuses_fp16_and_plain_optimizers():
-    model = tiny_model().cuda()
+def test_graphed_step_refuses_fp16_without_a_device_scaler_and_plain_optimizers():
+    model = tiny_model()
     example = static_batches(10, 1)[0]
-    with pytest.raises(ValueError, match="bf16 or fp32"):
-        GraphedStep(model, capturable(lamb(model)), example, precision="fp16")
+    with pytest.raises(ValueError, match="DeviceLossScaler"):
+        GraphedStep(model, capturable(lamb(model)), [example], precision="fp16")
     with pytest.raises(ValueError, match="capturable"):
-        GraphedStep(model, lamb(model), example)
+        GraphedStep(model, lamb(model), [example])
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_graphed_step_matches_the_eager_step():
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphed_step_matches_the_eager_step(device):
+    """On a GPU the captured graph replayed; on the CPU the same step run uncaptured (cuda_graphs.Replay)."""
     batches = static_batches(11, 4)
-    eager_model, graph_model = tiny_model().cuda(), tiny_model().cuda()
+    eager_model, graph_model = tiny_model().to(device), tiny_model().to(device)
     eager_opt = capturable(lamb(eager_model))
     example = example_static_batch(4, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)  # captured, then undone
-    graphed = GraphedStep(graph_model, capturable(lamb(graph_model)), example, precision="fp32")
+    graphed = GraphedStep(graph_model, capturable(lamb(graph_model)), [example], precision="fp32")
     eager = EagerStep(eager_model, eager_opt, "fp32")
     for step, batch in enumerate(batches):
         lr = 1e-3 * (step + 1)
-        expected = eager([batch.to("cuda")], lr)
-        replayed = graphed([batch.pin_memory()], lr)
+        expected = eager([batch.to(device)], lr)
+        replayed = graphed([batch.pin_memory() if device == "cuda" else batch], lr)
         torch.testing.assert_close(replayed.loss, expected.loss, rtol=1e-5, atol=1e-6)
     for p, q in zip(eager_model.parameters(), graph_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- GPU only
 
 
 @pytest.mark.gpu
@@ -359,7 +354,7 @@ def test_graphed_bf16_loss_curve_stays_within_one_percent_of_fp32_eager():
     batches = [static_packed_batch(make_rows(rng, lengths), 8, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
                for _ in range(50)]
     ref_step = EagerStep(reference, lamb(reference), "fp32")
-    graphed = GraphedStep(fast, capturable(lamb(fast)), batches[0], precision="bf16")
+    graphed = GraphedStep(fast, capturable(lamb(fast)), [batches[0]], precision="bf16")
     ref_curve, fast_curve = [], []
     for batch in batches:
         ref_curve.append(ref_step([batch.to("cuda")], LR).loss.item())

@@ -195,13 +195,11 @@ def test_static_packed_step_trains_like_the_flat_packed_step(demo_data, packed_d
 
 @pytest.mark.parametrize("extra, message", [
     (["--cuda_graphs", "--device", "cuda", "--input_layout", "unpadded"], "static shapes: use it with --input_layout packed"),
-    (["--cuda_graphs", "--device", "cuda", "--input_layout", "packed", "--precision", "fp16"], "bf16 or fp32"),
-    (["--cuda_graphs", "--device", "cuda", "--input_layout", "packed", "--gradient_accumulation_steps", "2"],
-     "--gradient_accumulation_steps 1"),
     (["--cuda_graphs", "--device", "cuda", "--input_layout", "packed", "--optimizer_impl", "reference"],
-     "--optimizer_impl foreach"),
+     "--cuda_graphs needs --optimizer_impl foreach"),
     (["--sync_every", "0"], "--sync_every"),
-    (["--sync_every", "5", "--precision", "fp16", "--device", "cuda"], "--sync_every > 1 needs --precision bf16"),
+    (["--sync_every", "5", "--precision", "fp16", "--device", "cuda", "--optimizer_impl", "apex"],
+     "--precision fp16 with --sync_every > 1 needs --optimizer_impl foreach"),
     (["--compile_mode", "reduce-overhead"], "compile_mode"),
 ])
 def test_fast_path_flags_are_checked(demo_data, tmp_path, extra, message):
@@ -211,11 +209,19 @@ def test_fast_path_flags_are_checked(demo_data, tmp_path, extra, message):
         assert message in str(caught.value)
 
 
-def test_cuda_graphs_need_one_process(demo_data, tmp_path):
-    flags = trainer_args(demo_data, tmp_path, "--do_train", "--cuda_graphs", "--device", "cuda",
-                         "--input_layout", "packed")
-    with pytest.raises(ConfigError, match="captures one process's step; this run has 8 processes"):
-        parse_config(flags, 8)
+GRAPHS = ["--cuda_graphs", "--device", "cuda", "--input_layout", "packed"]
+
+
+@pytest.mark.parametrize("extra, world_size, device_scaled", [
+    ([*GRAPHS, "--precision", "fp16"], 1, True),
+    ([*GRAPHS, "--gradient_accumulation_steps", "2"], 1, False),
+    (GRAPHS, 8, False),
+    (["--sync_every", "5", "--precision", "fp16", "--device", "cuda"], 8, True),
+    (["--precision", "fp16", "--device", "cuda"], 8, False),  # per-step reads: GradScaler
+])
+def test_graphs_take_many_ranks_accumulation_and_fp16(demo_data, tmp_path, extra, world_size, device_scaled):
+    cfg = parse_config(trainer_args(demo_data, tmp_path, "--do_train", *extra), world_size)
+    assert (cfg.device_loss_scaling, cfg.device_steps) == (device_scaled, device_scaled or "--cuda_graphs" in extra)
 
 
 # ---------------------------------------------------------------- read-ahead input

@@ -28,6 +28,7 @@ from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimiz
 from .compiling import compile_model
 from .config import TrainConfig
 from .cuda_graphs import capturable
+from .loss_scale import DeviceLossScaler, LossScaler
 from .data import DataLimits, load_eval_set
 from .device_input import DeviceInput, HostBuilder
 from .distributed import DistEnv
@@ -258,10 +259,18 @@ def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model:
     optimizer = build_optimizer(
         parameter_groups(model, cfg.optim.weight_decay_rate), cfg.optim.optimizer, cfg.optim.learning_rate,
         (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.epsilon, cfg.optim.weight_decay_rate, optimizer_clip,
-        cfg.optim.implementation, cuda_graphs=cfg.run.cuda_graphs,
+        cfg.optim.implementation, cuda_graphs=cfg.device_steps,
     )
-    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.run.init_loss_scale) if cfg.run.precision == "fp16" else None
-    return Training(module, TrainingParts(model, optimizer, scaler), clip, lr_schedule(cfg))
+    return Training(module, TrainingParts(model, optimizer, loss_scaler(cfg, device)), clip, lr_schedule(cfg))
+
+
+def loss_scaler(cfg: TrainConfig, device: torch.device) -> LossScaler | None:
+    """fp16's scaler: on the device under a graph or a sync window (no host read), else GradScaler."""
+    if cfg.run.precision != "fp16":
+        return None
+    if cfg.device_loss_scaling:
+        return DeviceLossScaler(device, init_scale=cfg.run.init_loss_scale)
+    return torch.amp.GradScaler(device.type, init_scale=cfg.run.init_loss_scale)
 
 
 def resume(cfg: TrainConfig, denv: DistEnv, device: torch.device, parts: TrainingParts, source: BatchSource,
@@ -297,22 +306,33 @@ def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Po
     """The fast path, after any resume: the step and the guard it reports to.
 
     --cuda_graphs (`shape` given): the static packed step captured as a CUDA graph, inside
-    the untimed init phase; its optimizer is the capturable twin of the trainer's. With a
-    graph or --sync_every > 1 the guard is a sync window, which snapshots the optimizer's
-    current state tensors (hence after the resume).
+    the untimed init phase. With a graph or a device loss scaler the optimizer is the
+    capturable twin of the trainer's, its lr following its device step count. With a graph
+    or --sync_every > 1 the guard is a sync window, which snapshots the optimizer's current
+    state tensors (hence after the resume).
     """
     parts = training.parts
-    if shape is not None:
-        parts.optimizer = capturable(parts.optimizer)
+    if cfg.device_steps:
+        parts.optimizer = capturable(parts.optimizer, training.schedule)
     if shape is None and cfg.run.sync_every == 1:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          guard, parts.scaler, training.clip), guard
-    snapshot = (InPlaceSnapshot if shape is not None else StateDictSnapshot)(parts.model, parts.optimizer)
-    window = SyncWindow(cfg.run.sync_every, guard, snapshot, start)
+    device_scaler = parts.scaler if isinstance(parts.scaler, DeviceLossScaler) else None
+    window = SyncWindow(cfg.run.sync_every, guard, window_snapshot(parts, cfg.device_steps), start, device_scaler)
     if shape is None:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          window, parts.scaler, training.clip), window
-    return GraphedStep(parts.model, parts.optimizer, shape.example(), cfg.run.precision, window), window
+    examples = [shape.example() for _ in range(cfg.gradient_accumulation_steps)]
+    return GraphedStep(training.module, parts.optimizer, examples, cfg.run.precision, window, device_scaler,
+                       training.clip), window
+
+
+def window_snapshot(parts: TrainingParts, in_place: bool) -> InPlaceSnapshot | StateDictSnapshot:
+    """What a sync window rolls back: in place for a device-stepped optimizer (a graph keeps the addresses)."""
+    if not in_place:
+        return StateDictSnapshot(parts.model, parts.optimizer)
+    scaler = parts.scaler.tensors() if isinstance(parts.scaler, DeviceLossScaler) else ()
+    return InPlaceSnapshot(parts.model, parts.optimizer, scaler)
 
 
 def host_builder(cfg: TrainConfig, shape: StaticShape | None) -> HostBuilder:

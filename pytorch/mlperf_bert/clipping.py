@@ -38,16 +38,22 @@ bucket immediately and checks each one against the learned layout (index, size, 
 raising instead of silently clipping with a wrong B should DDP ever change the buckets again.
 
 Loss scaling (fp16): gradients arrive multiplied by the loss scale s, and clipping is in
-unscaled units, so the hooks clip the scaled gradient at threshold t * s (`ClipHandle.set_loss_scale`,
-updated whenever the scaler changes s). bf16 and fp32 need nothing: s stays 1.
+unscaled units, so the hooks clip the scaled gradient at threshold t * s (`ClipHandle.set_loss_scale`).
+s is a float updated whenever the host scaler changes it, or the device scaler's live scale
+tensor, set once and read by the hooks' kernels (no host read, graph-safe). bf16 and fp32
+need nothing: s stays 1.
 
 Non-finite gradients (fp16 overflow): a rank whose local bucket norm is inf/nan must make every
-rank skip the step, although the other ranks' local gradients were finite. Each hook keeps a
-rank-local flag for the current synchronized backward; `ClipHandle.found_nonfinite()` all-reduces
-it (max) and returns the same answer on every rank. It is a collective: every rank calls it after
-every synchronized backward, before the optimizer step. In `none` / `after_allreduce` no hook
-runs and it returns False without communicating; there every rank holds the same averaged
-gradient, so the optimizer's / loss scaler's own overflow check already agrees across ranks.
+rank skip the step, although the other ranks' local gradients were finite (a norm can overflow
+fp32 while every element is finite: its clip coefficient is then 0 and the rank's gradient
+would silently drop out of the mean). Each hook keeps a rank-local device flag for the current
+synchronized backward, and nothing here reads it on the host:
+- `ClipHandle.local_nonfinite()` hands the rank's own flag to the guard, whose agreement
+  all-reduces it with its other flags in the read it makes anyway (`faults.Guard.check_loss`);
+- `ClipHandle.nonfinite_flag()` all-reduces it (max) on the device for a step that decides on
+  the device (`loss_scale.DeviceLossScaler.step(also_skip=...)`, e.g. inside a CUDA graph).
+Both return None in `none` / `after_allreduce`, where no hook runs; there every rank holds the
+same averaged gradient, so the optimizer's / loss scaler's own overflow check already agrees.
 
 Gradient accumulation: clipping applies to the accumulated gradient of the whole step, not per
 micro-batch. The trainer runs all but the last micro-batch under `ddp.no_sync()`, so DDP calls the
@@ -60,7 +66,8 @@ Usage, once after wrapping the model in DDP:
     clip = apply_clip_mode(ddp_model, config)
     optimizer = make_optimizer(..., max_grad_norm=optimizer_clip_norm(config))
     # per step: clip.set_loss_scale(s) when fp16; backward(s) as usual; then
-    if not clip.found_nonfinite():
+    verdict = guard.check_loss(loss, clip.local_nonfinite())  # agreed with the guard's flags
+    if not verdict.nonfinite_gradient:
         optimizer.step()
 """
 
@@ -137,7 +144,7 @@ def _bucket_norm(buffer: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(buffer, dtype=torch.float32)
 
 
-def _clip_coefficient(norm: torch.Tensor, threshold: float) -> torch.Tensor:
+def _clip_coefficient(norm: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """threshold / max(norm, threshold): 1 within the threshold, 0 for an infinite norm."""
     return threshold / norm.clamp(min=threshold)
 
@@ -174,7 +181,7 @@ class _ClipHook:
 
     max_norm: float  # c, unscaled
     process_group: dist.ProcessGroup | None = None  # None = the default group
-    loss_scale: float = 1.0  # s, the fp16 loss scale the gradients carry
+    loss_scale: float | torch.Tensor = 1.0  # s, the fp16 loss scale the gradients carry (module docstring)
     backward_count: int = field(default=0, init=False)
     launches: list[BucketLaunch] = field(default_factory=list, init=False)
     _held: list[_HeldBucket] = field(default_factory=list, init=False, repr=False)
@@ -201,21 +208,19 @@ class _ClipHook:
     def _on_bucket(self, index: int, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
         raise NotImplementedError
 
-    @property
-    def local_nonfinite(self) -> bool:
-        """This rank's own vote: an inf/nan bucket norm in its last synchronized backward (syncs)."""
-        return self._nonfinite is not None and bool(self._nonfinite)
-
-    def found_nonfinite(self) -> bool:
-        """True on every rank when any rank's last synchronized backward had an inf/nan norm.
-
-        A collective over `process_group`; one device-to-host sync.
-        """
+    def local_flag(self) -> torch.Tensor:
+        """This rank's own vote as a 0-dim float32 device tensor (1: an inf/nan bucket norm in its last
+        synchronized backward). Not read here."""
         if self._nonfinite is None:
-            raise RuntimeError("found_nonfinite() needs a synchronized backward through the DDP model first")
-        flag = self._nonfinite.to(torch.float32)
+            raise RuntimeError("the non-finite flag needs a synchronized backward through the DDP model first")
+        return self._nonfinite.to(torch.float32)
+
+    def agreed_flag(self) -> torch.Tensor:
+        """`local_flag` all-reduced (max) over `process_group`: the same on every rank. A collective
+        (every rank, every synchronized backward); not read here."""
+        flag = self.local_flag()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(flag.item() > 0)
+        return flag
 
     def _note_norms(self, norms: torch.Tensor) -> None:
         bad = ~torch.isfinite(norms).all()
@@ -280,7 +285,7 @@ class BucketwiseClipHook(_ClipHook):
         """Whether the next backward launches each bucket's all-reduce as soon as it is ready."""
         return self.backward_count >= _LEARNING_BACKWARDS
 
-    def _bucket_threshold(self, num_buckets: int) -> float:
+    def _bucket_threshold(self, num_buckets: int) -> float | torch.Tensor:
         return self.max_norm * self.loss_scale / math.sqrt(num_buckets)
 
     def _on_bucket(self, index: int, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
@@ -319,16 +324,24 @@ class ClipHandle:
     config: ClipConfig
     hook: _ClipHook | None  # None for `none` and `after_allreduce`
 
-    def set_loss_scale(self, scale: float) -> None:
-        """Tells the hook the current fp16 loss scale s, so it clips in unscaled units."""
-        if not (0 < scale < math.inf):
+    def set_loss_scale(self, scale: float | torch.Tensor) -> None:
+        """Tells the hook the fp16 loss scale s, so it clips in unscaled units.
+
+        A float is checked and taken as is; a device tensor (`DeviceLossScaler.scale_tensor`) is
+        kept and read by the hooks' kernels every step, so it is set once and never read here.
+        """
+        if not isinstance(scale, torch.Tensor) and not (0 < scale < math.inf):
             raise ValueError(f"the loss scale must be a positive finite number; got {scale!r}")
         if self.hook is not None:
-            self.hook.loss_scale = float(scale)
+            self.hook.loss_scale = scale if isinstance(scale, torch.Tensor) else float(scale)
 
-    def found_nonfinite(self) -> bool:
-        """Whether every rank must skip this step (see the module docstring's protocol)."""
-        return False if self.hook is None else self.hook.found_nonfinite()
+    def local_nonfinite(self) -> torch.Tensor | None:
+        """This rank's non-finite-norm flag for the guard to agree on; None without a hook."""
+        return None if self.hook is None else self.hook.local_flag()
+
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        """The flag agreed by every rank on the device (a collective); None without a hook."""
+        return None if self.hook is None else self.hook.agreed_flag()
 
 
 def apply_clip_mode(ddp_model: DistributedDataParallel, config: ClipConfig) -> ClipHandle:

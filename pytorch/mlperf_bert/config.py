@@ -465,23 +465,30 @@ class TrainConfig:
     def _check_fast_path(self) -> None:
         """--cuda_graphs and --sync_every: what a step without host reads can take."""
         run = self.run
-        _require(run.precision != "fp16" or run.sync_every == 1,
-                 "--sync_every > 1 needs --precision bf16 or fp32: fp16's loss scaler reads the device every step")
+        _require(not self.device_steps or self.optim.implementation in ("auto", "foreach"),
+                 f"{self._device_steps_reason} needs --optimizer_impl foreach (or auto): its step count, "
+                 "learning rate and fp16 overflow skip stay on the device")
         if not run.cuda_graphs:
             return
         for ok, message in (
             (run.device != "cpu", "--cuda_graphs needs a GPU; drop it on the CPU"),
             (self.data.input_layout == "packed", "--cuda_graphs needs static shapes: use it with --input_layout packed"),
-            (run.precision != "fp16", "--cuda_graphs takes --precision bf16 or fp32: fp16's loss scaler skips "
-                                      "steps from the host"),
-            (self.world_size == 1, f"--cuda_graphs captures one process's step; this run has {self.world_size} "
-                                   "processes: run multi-GPU jobs without --cuda_graphs"),
-            (self.gradient_accumulation_steps == 1, "--cuda_graphs captures one micro-batch per step: use "
-                                                    "--gradient_accumulation_steps 1"),
-            (self.optim.implementation in ("auto", "foreach"), "--cuda_graphs needs --optimizer_impl foreach "
-                                                               "(or auto): its step runs inside the graph"),
         ):
             _require(ok, message)
+
+    @property
+    def device_loss_scaling(self) -> bool:
+        """fp16 with the loss scaler on the device (`loss_scale.DeviceLossScaler`): under a graph or a window."""
+        return self.run.precision == "fp16" and (self.run.cuda_graphs or self.run.sync_every > 1)
+
+    @property
+    def device_steps(self) -> bool:
+        """The optimizer counts its steps on the device (`cuda_graphs.capturable`)."""
+        return self.run.cuda_graphs or self.device_loss_scaling
+
+    @property
+    def _device_steps_reason(self) -> str:
+        return "--cuda_graphs" if self.run.cuda_graphs else "--precision fp16 with --sync_every > 1"
 
     def _check_checkpoints(self) -> None:
         _require(

@@ -19,11 +19,14 @@ may appear in one rank's micro-batch only, and only rank 0's clock decides when 
 due. A `Guard` takes that agreement and returns it as a `Verdict`; there are two:
 
 - `StepGuard` (the default, `--sync_every 1`): once per step, after the backward and before
-  the optimizer step, every rank contributes its local flags and one all-reduce (max) of a
-  3-element tensor gives all of them the same verdict, so a NaN update never happens.
+  the optimizer step, every rank contributes its local flags (non-finite loss, stop signal,
+  checkpoint due, a clipping hook's non-finite gradient norm) and one all-reduce (max) of a
+  small tensor gives all of them the same verdict, so a NaN update never happens.
 - `sync_window.SyncWindow` (`--sync_every N > 1`, and every CUDA-graphed step, whose update is
   inside the graph): the update comes first, the loss only sets a device flag, and every N
   steps the ranks agree once; a non-finite loss rolls the run back to the last good read.
+  Under fp16 the device loss scaler skips overflowing steps itself, and the window's read
+  brings its counts (`Verdict.loss_scale`) so the trainer can uncount the skipped steps.
 
 Cost of the per-step check. On the CPU (gloo) the all-reduce is a few microseconds. On GPUs it
 is one tiny NCCL all-reduce plus one device-to-host read per step: the host waits for the
@@ -44,6 +47,8 @@ from typing import Any, Callable, Protocol, Union
 
 import torch
 import torch.distributed as dist
+
+from .loss_scale import LossScaleReading
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -131,10 +136,12 @@ class Verdict:
     """What every rank does after this step (the same on all of them)."""
 
     nonfinite_loss: bool = False  # some rank's loss is NaN/inf: do not apply the update
+    nonfinite_gradient: bool = False  # some rank's clipping hook saw an inf/nan norm: skip the update
     stop_signal: int = 0  # a stop signal some rank got (the highest number): finish the step, checkpoint, exit 75
     checkpoint_due: bool = False  # rank 0's clock says a time-based checkpoint is due
     rolled_back_to: Position | None = None  # a sync window undid its steps back to this point
     loss: float | None = None  # this rank's loss at the agreed step, read with the agreement (no read of its own)
+    loss_scale: LossScaleReading | None = None  # the device loss scaler's counts since the last read (a window's)
 
     @property
     def stop(self) -> bool:
@@ -151,19 +158,23 @@ class StepFacts:
     samples: int
     read_now: bool  # an eval or a checkpoint follows: a sync window must agree now
     position: Callable[[], Position]  # where the run is (taken only when a window keeps it)
+    uncount: Callable[[int], None] = lambda skipped: None  # turns n applied steps into skipped ones
+    # (a window, when its read finds steps the device loss scaler skipped)
 
 
 class Guard(Protocol):
     """The agreement of every rank on what follows a step (module docstring).
 
-    `check_loss` comes inside the step, right after the backward: it returns the verdict that
-    decides whether the update is applied (a `StepGuard`), or folds the loss into a device flag
-    and returns an empty verdict (a window; the update is not held back). `after_step` comes
+    `check_loss` comes inside the step, right after the backward, with the loss and the rank's
+    non-finite-gradient flag from the clipping hooks (`clipping.ClipHandle.local_nonfinite`,
+    None without hooks): it returns the verdict that decides whether the update is applied (a
+    `StepGuard`), or folds both into a device flag and returns an empty verdict (a window; the
+    update is not held back). `after_step` comes
     after the step: the verdict the run acts on (stop, checkpoint, roll-back). Both are
     collectives: every rank calls them at every step.
     """
 
-    def check_loss(self, loss: torch.Tensor) -> Verdict: ...
+    def check_loss(self, loss: torch.Tensor, nonfinite_gradient: torch.Tensor | None = None) -> Verdict: ...
 
     def after_step(self, facts: StepFacts) -> Verdict: ...
 
@@ -192,38 +203,52 @@ class StepGuard:
         # progress lines cost no device read of their own.
         self.last_loss: torch.Tensor | None = None
 
-    def check_loss(self, loss: torch.Tensor) -> Verdict:
+    def check_loss(self, loss: torch.Tensor, nonfinite_gradient: torch.Tensor | None = None) -> Verdict:
         """Collective (every rank, every step, before the update): the agreed verdict."""
         self.last_loss = loss.detach()
         nonfinite = ~torch.isfinite(self.last_loss.float()) if self.loss_checked else None
-        return self.agree(nonfinite)
+        return self.agree(nonfinite, nonfinite_gradient)
 
-    def agree(self, nonfinite: torch.Tensor | None) -> Verdict:
-        """Collective: the verdict from this rank's device flag "a loss was not finite" (None: unchecked)."""
+    def agree(self, nonfinite: torch.Tensor | None, nonfinite_gradient: torch.Tensor | None = None,
+              counters: torch.Tensor | None = None) -> Verdict:
+        """Collective: the verdict from this rank's device flags, in one host read.
+
+        nonfinite: "a loss was not finite" (None: unchecked); nonfinite_gradient: a clipping
+        hook's flag (None: no hook); counters: `DeviceLossScaler.counters()`, read in the same
+        transfer (None: no device scaler).
+        """
         # Filled in place (no host-to-device copy, which would wait for the backward a second time).
-        flags = torch.zeros(3, device=self.device)  # nonfinite loss, stop signal, checkpoint due
-        if nonfinite is not None:
-            flags[0] = nonfinite.float()
+        flags = torch.zeros(4, device=self.device)  # nonfinite loss, nonfinite gradient, stop signal, checkpoint due
+        for index, flag in ((0, nonfinite), (1, nonfinite_gradient)):
+            if flag is not None:
+                flags[index] = flag.float()
         if self.stop.signal_number:
-            flags[1] = float(self.stop.signal_number)
+            flags[2] = float(self.stop.signal_number)
         if self.checkpoint_due():
-            flags[2] = 1.0
+            flags[3] = 1.0
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         loss = [] if self.last_loss is None else [self.last_loss.float().reshape(1)]
-        bad, signum, due, *read = torch.cat([flags, *loss]).tolist()  # one read; signal numbers are exact
-        return Verdict(bad > 0, int(signum), due > 0, loss=read[0] if read else None)
+        scaler = [] if counters is None else [counters.float()]
+        values = torch.cat([flags, *loss, *scaler]).tolist()  # one read; signal numbers are exact
+        bad, bad_gradient, signum, due = values[:4]
+        read_loss = values[4] if loss else None
+        reading = LossScaleReading.from_values(values[-4:]) if scaler else None
+        return Verdict(bad > 0, bad_gradient > 0, int(signum), due > 0, loss=read_loss, loss_scale=reading)
 
     def after_step(self, facts: StepFacts) -> Verdict:
         """The verdict taken before the update; raises NumericBlowUp after too many fp16 skips in a row."""
         self.consecutive_skips = 0 if facts.applied else self.consecutive_skips + 1
         if self.consecutive_skips >= self.max_consecutive_skips:
-            raise NumericBlowUp(
-                f"{self.consecutive_skips} optimizer steps in a row were skipped for fp16 overflow "
-                f"(after step {facts.step}, {facts.samples} samples): the loss scale cannot recover. "
-                "Lower the learning rate, check the data, or train in bf16"
-            )
+            raise too_many_skips(self.consecutive_skips, facts.step, facts.samples)
         return facts.verdict
+
+
+def too_many_skips(skips: int, step: int, samples: int) -> NumericBlowUp:
+    return NumericBlowUp(
+        f"{skips} optimizer steps in a row were skipped for fp16 overflow (after step {step}, {samples} "
+        "samples): the loss scale cannot recover. Lower the learning rate, check the data, or train in bf16"
+    )
 
 
 def nonfinite_loss_error(step: int, samples: int) -> NumericBlowUp:

@@ -11,11 +11,13 @@ steps instead of three times per step:
    before the step and written back with `torch.where(found_inf, before, after)`. The cost is
    one copy of parameters and optimizer state per step (memory traffic, no launch per tensor
    beyond a few multi-tensor kernels); the gain is a step with no branch on the host.
-   The optimizer must keep its step count on the device (`fast_path.capturable`): a Python
-   int count would advance on a skipped step and change every later bias correction.
+   The optimizer must keep its step count on the device (`cuda_graphs.capturable`): a Python
+   int count would advance on a skipped step and change every later bias correction (and,
+   with a device schedule, the learning rate follows that count, so a skip does not advance it).
 2. Counting. A skipped step does not count as a step (the MLPerf rules; `TrainState.step`).
-   `applied_steps` and `skipped_steps` are device tensors advanced by the found-inf flag; the
-   trainer adds them to its host counters when it reads the window (`read()`).
+   Applied and skipped steps, and the longest run of skips in a row, are device tensors
+   advanced by the found-inf flag; a sync window reads them with its agreement (`counters()`,
+   one transfer) and the trainer corrects its host counts then (`sync_window.SyncWindow`).
 3. No `get_scale()` per step. `scale_tensor` is the live device value; clipping thresholds in
    scaled units must take it as a tensor.
 
@@ -33,11 +35,18 @@ import torch
 
 @dataclass(frozen=True)
 class LossScaleReading:
-    """The scaler's counters, read on the host at a window's read."""
+    """The scaler's counters since the last read, read on the host with a window's agreement."""
 
     scale: float
-    applied_steps: int  # optimizer steps that changed the weights since the last read
-    skipped_steps: int  # steps undone for a non-finite gradient since the last read
+    applied_steps: int  # optimizer steps that changed the weights
+    skipped_steps: int  # steps undone for a non-finite gradient
+    most_skips_in_a_row: int  # the longest run of skipped steps (runs may start before the last read)
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> "LossScaleReading":
+        """From the `counters()` tensor's values, as read on the host."""
+        scale, applied, skipped, in_a_row = values
+        return cls(scale, int(applied), int(skipped), int(in_a_row))
 
 
 def _device_step_counts(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -45,7 +54,7 @@ def _device_step_counts(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     tensors = [c for c in counts if isinstance(c, torch.Tensor)]
     if len(tensors) != len(counts):
         raise ValueError(f"{type(optimizer).__name__} counts steps on the host: a skipped step would still "
-                         "advance its bias corrections; wrap it with fast_path.capturable() first")
+                         "advance its bias corrections; wrap it with cuda_graphs.capturable() first")
     return tensors
 
 
@@ -71,6 +80,8 @@ class DeviceLossScaler:
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self.applied_steps = torch.zeros((), dtype=torch.int64, device=device)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._skips_in_a_row = torch.zeros((), dtype=torch.int64, device=device)
+        self._most_in_a_row = torch.zeros((), dtype=torch.int64, device=device)
         self._saved: list[torch.Tensor] | None = None
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -88,9 +99,15 @@ class DeviceLossScaler:
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscales, steps, and undoes the step on the device when a gradient was not finite."""
+    def step(self, optimizer: torch.optim.Optimizer, also_skip: torch.Tensor | None = None) -> None:
+        """Unscales, steps, and undoes the step on the device when a gradient was not finite.
+
+        also_skip: a device flag (> 0: skip) agreed by every rank, e.g. a clipping hook's
+        non-finite norm (`clipping.ClipHandle.nonfinite_flag`); it also backs the scale off.
+        """
         self.unscale_(optimizer)
+        if also_skip is not None:
+            torch.maximum(self.found_inf, also_skip.to(self.found_inf.dtype), out=self.found_inf)
         before = _step_tensors(optimizer)
         saved = self._buffers(before)
         with torch.no_grad():
@@ -103,8 +120,13 @@ class DeviceLossScaler:
         with torch.no_grad():
             for now, old in zip(after, saved):
                 now.copy_(torch.where(skip, old, now))
+        self._count(skip)
+
+    def _count(self, skip: torch.Tensor) -> None:
         self.skipped_steps += skip.to(torch.int64)
         self.applied_steps += (~skip).to(torch.int64)
+        self._skips_in_a_row.copy_(torch.where(skip, self._skips_in_a_row + 1, 0))
+        torch.maximum(self._most_in_a_row, self._skips_in_a_row, out=self._most_in_a_row)
 
     def _buffers(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of the step's tensors, allocated once (stable addresses for a graph)."""
@@ -117,13 +139,32 @@ class DeviceLossScaler:
         torch._amp_update_scale_(self.scale_tensor, self._growth_tracker, self.found_inf, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
 
+    def counters(self) -> torch.Tensor:
+        """[scale, applied, skipped, most skips in a row] since the last reset, float32 on the device
+        (exact: the scale is a power of two, the counts stay far below 2**24).
+
+        Not read here: a window reads it in the same transfer as its agreement
+        (`LossScaleReading.from_values`), then calls `reset_counters`.
+        """
+        return torch.stack([self.scale_tensor.float(), self.applied_steps.float(), self.skipped_steps.float(),
+                            self._most_in_a_row.float()])
+
+    def reset_counters(self) -> None:
+        """After a read: counting starts again (a run of skips in a row goes on counting)."""
+        for counter in (self.applied_steps, self.skipped_steps):
+            counter.zero_()
+        self._most_in_a_row.copy_(self._skips_in_a_row)
+
     def read(self) -> LossScaleReading:
-        """The one host read of a window: scale and step counts since the last read (then reset)."""
-        scale, applied, skipped = torch.stack([self.scale_tensor.double(), self.applied_steps.double(),
-                                               self.skipped_steps.double()]).tolist()
-        self.applied_steps.zero_()
-        self.skipped_steps.zero_()
-        return LossScaleReading(scale, int(applied), int(skipped))
+        """Counters since the last read, read on the host now, then reset (one transfer)."""
+        reading = LossScaleReading.from_values(self.counters().tolist())
+        self.reset_counters()
+        return reading
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the scaler changes in a step: what a snapshot of the training state keeps."""
+        return [self.scale_tensor, self._growth_tracker, self.found_inf, self.applied_steps, self.skipped_steps,
+                self._skips_in_a_row, self._most_in_a_row]
 
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's keys, so a checkpoint reads the same either way."""
@@ -136,3 +177,6 @@ class DeviceLossScaler:
         self._growth_tracker.fill_(state["_growth_tracker"])
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
         self.growth_interval = state["growth_interval"]
+
+
+LossScaler = torch.amp.GradScaler | DeviceLossScaler  # fp16's scaler: on the host, or on the device

@@ -5,20 +5,24 @@ rate, and returns a `StepResult`. Every caller (the trainer, the tests, the thro
 benchmark) runs one of these two classes, so what they measure is what the trainer runs:
 
 - `EagerStep`: forward + backward per micro-batch (DDP's all-reduce on the last one only),
-  the guard's verdict before the update, then the optimizer step (through the fp16 loss
-  scaler and the clipping hooks' overflow agreement when there are any).
-- `GraphedStep`: forward + backward + optimizer step of one static packed micro-batch,
-  captured once as a CUDA graph (`cuda_graphs.capture`) and replayed.
+  the guard's verdict, then the update, op by op.
+- `GraphedStep`: the same for static packed micro-batches, captured once as a CUDA graph
+  (`cuda_graphs.capture`) and replayed; one rank or many, any accumulation, any precision.
+
+The update (`apply_update`) is shared. It decides on the host only where the guard is a
+per-step `faults.StepGuard` (its verdict may skip the update) or fp16 runs on
+`torch.amp.GradScaler`; with a device loss scaler (`loss_scale.DeviceLossScaler`: fp16 under
+a sync window or a graph) every decision stays on the device.
 
 What a Step must do, and must not:
 - It owns the optimizer it steps (`step.optimizer`; `GraphedStep` steps a capturable twin)
-  and writes the learning rate itself, so a graph can read it from a device tensor.
-- It applies at most one update and leaves gradients cleared (None) for the next call.
+  and writes the learning rate itself, so a graph can read it from a device tensor (a
+  capturable optimizer given the schedule computes it from its own device step count).
+- It applies at most one update and leaves gradients cleared for the next call.
 - It does not count steps or samples, read data, log, or checkpoint: the trainer does.
-- A graphed step reads nothing from the device on the host (no `.item()`, no `bool(tensor)`,
-  no host-side loss-scaler decisions): its update runs inside the graph, and its loss goes
-  to the guard's device-side flag (`faults.Guard.check_loss`), agreed on later by the
-  sync window. A step that must decide on the host (fp16's overflow skip) is eager.
+- Under a sync window nothing is read on the host (no `.item()`, no `bool(tensor)`): the loss
+  and the clipping hooks' non-finite flag go to the window's device flag, and a device-scaled
+  fp16 step reports `applied=True` until the window's read uncounts the skipped ones.
 - The returned tensors may be static buffers that the next call overwrites: fold them into
   running sums (`metrics.StepMetrics`) before calling again.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -37,6 +41,7 @@ from .clipping import ClipHandle
 from .cuda_graphs import capture, copy_batch, require_graphable
 from .device_input import map_tensors
 from .faults import Guard, Verdict
+from .loss_scale import DeviceLossScaler, LossScaler
 from .model import PretrainingLoss, PretrainingOutput, pretraining_loss
 from .precision import autocast
 from .schedule import set_lr
@@ -53,7 +58,8 @@ class StepOutput:
 @dataclass(frozen=True)
 class StepResult:
     loss: torch.Tensor  # mean total loss over the step's micro-batches: a detached device scalar, not read
-    applied: bool  # False when the update was skipped (fp16 overflow, or a non-finite loss caught before it)
+    applied: bool  # False when the update was skipped (fp16 overflow, or a non-finite loss caught before it);
+    # True for a device-scaled step, whose skips a sync window's read uncounts later
     verdict: Verdict  # the guard's verdict taken before the update (empty when the guard only folds a flag)
     last: StepOutput  # the last micro-batch's output, for on-device metrics
 
@@ -67,7 +73,7 @@ class Step(Protocol):
 
 
 def forward_backward(module: torch.nn.Module, batch: FlatBatch, precision: str, accumulation: int = 1,
-                     cache_enabled: bool = True, scaler: torch.amp.GradScaler | None = None) -> StepOutput:
+                     cache_enabled: bool = True, scaler: LossScaler | None = None) -> StepOutput:
     """Forward, loss and backward of one micro-batch: the gradient of loss.total / accumulation."""
     with autocast(batch.input_ids.device, precision, cache_enabled):
         output = module(batch)
@@ -77,6 +83,59 @@ def forward_backward(module: torch.nn.Module, batch: FlatBatch, precision: str, 
     return StepOutput(loss, output)
 
 
+def accumulate(module: torch.nn.Module, micro_batches: Iterable[FlatBatch], precision: str, accumulation: int,
+               scaler: LossScaler | None = None, cache_enabled: bool = True) -> tuple[torch.Tensor, StepOutput]:
+    """Forward + backward of a step's micro-batches: their mean loss (a device scalar) and the last output.
+
+    module: the model, or its DDP wrapper, which all-reduces in the last backward only (the
+    earlier ones accumulate locally under `no_sync`, so clipping sees the step's whole gradient).
+    """
+    loss_sum: torch.Tensor | None = None
+    last: StepOutput | None = None
+    count = 0
+    for count, batch in enumerate(micro_batches, start=1):
+        ddp = module if isinstance(module, DistributedDataParallel) else None
+        with nullcontext() if count == accumulation or ddp is None else ddp.no_sync():
+            last = forward_backward(module, batch, precision, accumulation, cache_enabled, scaler)
+        share = last.loss.total.detach() / accumulation
+        loss_sum = share if loss_sum is None else loss_sum + share
+    if count != accumulation or loss_sum is None or last is None:
+        raise ValueError(f"a step takes {accumulation} micro-batches (gradient accumulation), got {count}")
+    return loss_sum, last
+
+
+def nonfinite_gradient(clip: ClipHandle | None, scaler: LossScaler | None) -> torch.Tensor | None:
+    """The clipping hooks' flag for the guard to agree on; None where nobody else must (no hook, or
+    a device scaler, which agrees on it on the device and skips the step itself)."""
+    if clip is None or isinstance(scaler, DeviceLossScaler):
+        return None
+    return clip.local_nonfinite()
+
+
+def apply_update(optimizer: torch.optim.Optimizer, verdict: Verdict, scaler: LossScaler | None,
+                 clip: ClipHandle | None) -> bool:
+    """The update after the guard's verdict; False when the host knows it was skipped.
+
+    A device scaler skips on the device (found-inf, or the hooks' flag agreed on the device)
+    and returns True: the skip is counted at the next sync window read.
+    """
+    if isinstance(scaler, DeviceLossScaler):
+        scaler.step(optimizer, also_skip=None if clip is None else clip.nonfinite_flag())
+        scaler.update()
+        return True
+    if verdict.nonfinite_loss or verdict.nonfinite_gradient:
+        if scaler is not None and verdict.nonfinite_gradient:
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        return False
+    if scaler is None:
+        optimizer.step()
+        return True
+    scale_before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() >= scale_before
+
+
 class EagerStep:
     """The step run op by op: any precision, any number of micro-batches, one or many ranks.
 
@@ -84,82 +143,91 @@ class EagerStep:
     accumulation: micro-batches per step (each call takes exactly this many, read one at a
     time, so the next one is built on the host while the device runs the current one).
     guard: decides before the update (None: every update is applied, e.g. in a benchmark).
-    scaler: fp16's loss scaler. clip: the clipping hooks of `clipping.apply_clip_mode`.
+    scaler: fp16's loss scaler (a `DeviceLossScaler` needs a capturable optimizer).
+    clip: the clipping hooks of `clipping.apply_clip_mode`.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str,
-                 accumulation: int = 1, guard: Guard | None = None, scaler: torch.amp.GradScaler | None = None,
+                 accumulation: int = 1, guard: Guard | None = None, scaler: LossScaler | None = None,
                  clip: ClipHandle | None = None) -> None:
         self.module, self.optimizer, self.precision = module, optimizer, precision
         self.accumulation, self.guard, self.scaler, self.clip = accumulation, guard, scaler, clip
-        self.device = next(module.parameters()).device
+        if clip is not None and isinstance(scaler, DeviceLossScaler):
+            clip.set_loss_scale(scaler.scale_tensor)  # the live device value, read by the hooks' kernels
 
     def __call__(self, micro_batches: Iterable[FlatBatch], lr: float) -> StepResult:
-        loss_sum = torch.zeros((), device=self.device)
-        if self.clip is not None and self.scaler is not None:
+        if self.clip is not None and isinstance(self.scaler, torch.amp.GradScaler):
             self.clip.set_loss_scale(self.scaler.get_scale())
-        count = 0
-        for count, batch in enumerate(micro_batches, start=1):
-            last = self._micro_step(batch, sync=count == self.accumulation)
-            loss_sum += last.loss.total.detach() / self.accumulation
-        if count != self.accumulation:
-            raise ValueError(f"a step takes {self.accumulation} micro-batches (gradient accumulation), got {count}")
+        loss, last = accumulate(self.module, micro_batches, self.precision, self.accumulation, self.scaler)
         # Before the update, so a non-finite loss never reaches the weights (faults.StepGuard).
-        verdict = self.guard.check_loss(loss_sum) if self.guard is not None else Verdict()
+        flag = nonfinite_gradient(self.clip, self.scaler)
+        verdict = self.guard.check_loss(loss, flag) if self.guard is not None else Verdict()
         set_lr(self.optimizer, lr)
-        applied = not verdict.nonfinite_loss and self._update()
+        applied = apply_update(self.optimizer, verdict, self.scaler, self.clip)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, applied, verdict, last)
+        return StepResult(loss, applied, verdict, last)
 
-    def _micro_step(self, batch: FlatBatch, sync: bool) -> StepOutput:
-        # DDP all-reduces on the last micro-batch only; earlier ones accumulate locally.
-        ddp = self.module if isinstance(self.module, DistributedDataParallel) else None
-        with nullcontext() if sync or ddp is None else ddp.no_sync():
-            return forward_backward(self.module, batch, self.precision, self.accumulation, scaler=self.scaler)
 
-    def _update(self) -> bool:
-        """Applies the update; False when a non-finite gradient (fp16 overflow) skips it on every rank."""
-        if self.clip is not None and self.clip.found_nonfinite():
-            if self.scaler is not None:
-                self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
-            return False
-        if self.scaler is None:
-            self.optimizer.step()
-            return True
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= scale_before
+@dataclass(frozen=True)
+class _Captured:
+    """What the captured step returns: static tensors every replay overwrites."""
+
+    loss: torch.Tensor
+    last: StepOutput
+    nonfinite_gradient: torch.Tensor | None
 
 
 class GraphedStep:
-    """Forward + backward + optimizer step of one static packed micro-batch, as one CUDA graph.
+    """Forward + backward (+ all-reduce and clipping) + update of static micro-batches, as one CUDA graph.
 
-    optimizer: a `cuda_graphs.capturable` optimizer, its learning rate a device tensor. The
-    example batch fixes the shapes (`static_batch.example_static_batch`); its content never
-    reaches the weights (the capture undoes its warm-up). Build it after any checkpoint is
-    loaded. Dropout draws new numbers on every replay. The update is always applied; the
-    guard only folds the loss into its device flag, read later by the sync window.
+    Many ranks: the graph holds the DDP-wrapped model's whole step, the gradient all-reduce
+    included, as in PyTorch's documented whole-network capture with DDP (NCCL >= 2.9.6,
+    `TORCH_NCCL_ASYNC_ERROR_HANDLING=0` before the process group starts, 11 eager warm-up
+    iterations; `cuda_graphs.capture`). Chosen over a distributed optimizer that reduce-scatters
+    inside its step (NVIDIA's DistributedFusedLAMB) because the gradient exchange, the
+    clipping comm hooks of every `--clip_mode` (bucket-wise too) and the LAMB arithmetic are
+    then the eager step's own, so the graphed step is the eager one replayed, not a second
+    implementation; the hooks run their Python once, at capture, and only their kernels and
+    all-reduces are replayed. Their non-finite flag stays on the device: agreed in the graph
+    for a device scaler, or folded into the sync window's flag.
+
+    module: the model, or its DDP wrapper. optimizer: a `cuda_graphs.capturable` one. examples:
+    one static batch per micro-batch (`static_batch.example_static_batch`), which fix the
+    shapes; their content never reaches the weights (the capture undoes its warm-up). Build
+    it after any checkpoint is loaded. Dropout draws new numbers on every replay. The update
+    always runs (a device scaler may undo it on the device); the guard only folds the loss.
+    scaler: a `DeviceLossScaler`, required for fp16. Off a GPU the same step runs uncaptured
+    (`cuda_graphs.Replay`), which is how its arithmetic is tested on the CPU.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example: FlatBatch,
-                 precision: str = "bf16", guard: Guard | None = None, warmup_steps: int = 3) -> None:
-        device = next(model.parameters()).device
-        require_graphable(device, precision, optimizer)
-        self.model, self.optimizer, self.precision, self.guard = model, optimizer, precision, guard
-        self.static = map_tensors(example, lambda t: t.to(device).clone())
-        self.graph, self.result = capture(self._captured, model, optimizer, warmup_steps)
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, examples: Sequence[FlatBatch],
+                 precision: str = "bf16", guard: Guard | None = None, scaler: DeviceLossScaler | None = None,
+                 clip: ClipHandle | None = None, warmup_steps: int | None = None) -> None:
+        device = next(module.parameters()).device
+        require_graphable(precision, optimizer, scaler is not None)
+        self.module, self.optimizer, self.precision = module, optimizer, precision
+        self.guard, self.scaler, self.clip = guard, scaler, clip
+        self.static = [map_tensors(example, lambda t: t.to(device).clone()) for example in examples]
+        if clip is not None and scaler is not None:
+            clip.set_loss_scale(scaler.scale_tensor)
+        extra = () if scaler is None else scaler.tensors()
+        self.replay = capture(self._captured, module, optimizer, extra, warmup_steps)
 
-    def _captured(self) -> StepOutput:
-        result = forward_backward(self.model, self.static, self.precision, cache_enabled=False)
-        self.optimizer.step()
-        return result
+    def _captured(self) -> _Captured:
+        loss, last = accumulate(self.module, self.static, self.precision, len(self.static), self.scaler,
+                                cache_enabled=False)
+        flag = nonfinite_gradient(self.clip, self.scaler)
+        apply_update(self.optimizer, Verdict(), self.scaler, self.clip)
+        return _Captured(loss, last, flag)
 
     def __call__(self, micro_batches: Iterable[FlatBatch], lr: float) -> StepResult:
-        (batch,) = micro_batches  # --cuda_graphs steps take one micro-batch (config.TrainConfig)
+        batches = list(micro_batches)
+        if len(batches) != len(self.static):
+            raise ValueError(f"a step takes {len(self.static)} micro-batches (gradient accumulation), got "
+                             f"{len(batches)}")
         set_lr(self.optimizer, lr)
-        copy_batch(self.static, batch)
-        self.graph.replay()
-        loss = self.result.loss.total.detach()
-        verdict = self.guard.check_loss(loss) if self.guard is not None else Verdict()
-        return StepResult(loss, True, verdict, self.result)
+        for static, batch in zip(self.static, batches):
+            copy_batch(static, batch)
+        out = self.replay()
+        verdict = self.guard.check_loss(out.loss, out.nonfinite_gradient) if self.guard is not None else Verdict()
+        return StepResult(out.loss, True, verdict, out.last)

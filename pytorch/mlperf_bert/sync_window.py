@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .faults import Position, StepFacts, StepGuard, Verdict
+from .faults import Position, StepFacts, StepGuard, Verdict, too_many_skips
+from .loss_scale import DeviceLossScaler, LossScaleReading
 
 
 class Snapshot(Protocol):
@@ -70,12 +71,14 @@ class StateDictSnapshot:
 class InPlaceSnapshot:
     """Every tensor a step changes, copied back in place (the addresses a CUDA graph keeps).
 
-    Weights, buffers, optimizer moments, device step counts and lr tensors. The optimizer's
-    state must exist when it is built (`cuda_graphs.capturable` creates it).
+    Weights, buffers, optimizer moments, device step counts and lr tensors, plus `extra`
+    (the fp16 loss scaler's tensors). The optimizer's state must exist when it is built
+    (`cuda_graphs.capturable` creates it).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._live = self._tensors(model, optimizer)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 extra: Sequence[torch.Tensor] = ()) -> None:
+        self._live = self._tensors(model, optimizer) + list(extra)
         self._saved = [t.clone() for t in self._live]
 
     @staticmethod
@@ -101,19 +104,26 @@ class SyncWindow:
 
     guard: the per-step guard whose agreement (`StepGuard.agree`) the window's reads use.
     start: the run's position when the window opens (after any resume).
+    scaler: fp16's device loss scaler, whose counts each read brings along (`Verdict.loss_scale`):
+    it skips overflowing steps on the device, so a non-finite fp16 loss is not a blow-up here;
+    skips in a row beyond the guard's limit end the run at the read that sees them.
     """
 
-    def __init__(self, every: int, guard: StepGuard, snapshot: Snapshot, start: Position) -> None:
+    def __init__(self, every: int, guard: StepGuard, snapshot: Snapshot, start: Position,
+                 scaler: DeviceLossScaler | None = None) -> None:
         if every < 1:
             raise ValueError(f"--sync_every must be >= 1, got {every}")
-        self.every, self.guard, self.snapshot = every, guard, snapshot
+        self.every, self.guard, self.snapshot, self.scaler = every, guard, snapshot, scaler
         self._bad = torch.zeros((), dtype=torch.bool, device=guard.device)
         self.good = copy.deepcopy(start)
 
-    def check_loss(self, loss: torch.Tensor) -> Verdict:
-        """Folds this step's loss into the flag (a queued kernel, no read); the update goes ahead."""
+    def check_loss(self, loss: torch.Tensor, nonfinite_gradient: torch.Tensor | None = None) -> Verdict:
+        """Folds this step's loss and gradient flag into the window's flag (queued kernels, no read)."""
         self.guard.last_loss = loss.detach()  # read with the window's agreement
-        self._bad |= ~torch.isfinite(loss.detach().float())
+        if self.guard.loss_checked:
+            self._bad |= ~torch.isfinite(loss.detach().float())
+        if nonfinite_gradient is not None:
+            self._bad |= nonfinite_gradient > 0
         return Verdict()
 
     def after_step(self, facts: StepFacts) -> Verdict:
@@ -121,11 +131,18 @@ class SyncWindow:
 
         A verdict with a non-finite loss has `rolled_back_to`: weights and optimizer are
         back at that point already; the caller restores progress and data position from it.
+        Steps the device loss scaler skipped are uncounted here (`facts.uncount`), before the
+        position is kept, so the run's step count is exact at every read.
         """
         self.guard.after_step(replace(facts, verdict=Verdict()))  # counts skipped updates in a row
         if not (facts.read_now or facts.step % self.every == 0):
             return Verdict()
-        verdict = self.guard.agree(self._bad)
+        verdict = self.guard.agree(self._bad, counters=None if self.scaler is None else self.scaler.counters())
+        if verdict.loss_scale is not None:
+            assert self.scaler is not None  # counters are read only with a scaler
+            self.scaler.reset_counters()
+            facts.uncount(verdict.loss_scale.skipped_steps)
+            self._check_skips(verdict.loss_scale, facts)
         if not verdict.nonfinite_loss:
             self.snapshot.capture()
             self.good = copy.deepcopy(facts.position())
@@ -133,3 +150,7 @@ class SyncWindow:
         self.snapshot.restore()
         self._bad.zero_()
         return replace(verdict, rolled_back_to=self.good)
+
+    def _check_skips(self, reading: LossScaleReading, facts: StepFacts) -> None:
+        if reading.most_skips_in_a_row >= self.guard.max_consecutive_skips:
+            raise too_many_skips(reading.most_skips_in_a_row, facts.step - reading.skipped_steps, facts.samples)

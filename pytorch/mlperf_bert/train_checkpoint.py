@@ -49,6 +49,7 @@ import torch.distributed as dist
 from .checkpoint import CheckpointError
 from .config import RESUME_AUTO
 from .distributed import DistEnv
+from .loss_scale import LossScaler
 
 FORMAT = "mlperf_bert.run_checkpoint"
 VERSION = 1
@@ -66,7 +67,7 @@ class TrainingParts:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None = None
+    scaler: LossScaler | None = None
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -22,6 +22,13 @@ class TrainState:
         else:
             self.skipped_steps += 1
 
+    def uncount(self, skipped: int) -> None:
+        """`skipped` steps counted as applied were skipped on the device (fp16 overflow, found at a read)."""
+        if not 0 <= skipped <= self.step:
+            raise ValueError(f"cannot uncount {skipped} of {self.step} applied steps")
+        self.step -= skipped
+        self.skipped_steps += skipped
+
     def state_dict(self) -> dict:
         return {"step": self.step, "samples": self.samples, "skipped_steps": self.skipped_steps,
                 "evals": list(self.evals)}

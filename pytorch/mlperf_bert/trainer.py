@@ -91,7 +91,8 @@ def train_step(run: Run, until: int) -> torch.Tensor:
     read_now = state.samples >= until or limit_reached(cfg, state) or \
         run.checkpoints.samples_due(state.samples - cfg.global_batch_size, state.samples)
     verdict = run.guard.after_step(StepFacts(result.verdict, result.applied, state.step, state.samples, read_now,
-                                             lambda: Position(state.state_dict(), run.data.state_dict())))
+                                             lambda: Position(state.state_dict(), run.data.state_dict()),
+                                             state.uncount))
     if verdict.rolled_back_to is not None:
         roll_back(state, verdict.rolled_back_to)
     run.hooks.step_end(StepEnd(state.step, state.samples, result.loss, lr, run.data.tokens - tokens,
