@@ -189,7 +189,9 @@ class GraphedStep:
     then the eager step's own, so the graphed step is the eager one replayed, not a second
     implementation; the hooks run their Python once, at capture, and only their kernels and
     all-reduces are replayed. Their non-finite flag stays on the device: agreed in the graph
-    for a device scaler, or folded into the sync window's flag.
+    for a device scaler, or folded into the sync window's flag. Bucket-wise clipping divides
+    by DDP's settled bucket count from the first real step on (the warm-up settles it), where
+    an eager run's first two steps still see the layout DDP built at construction.
 
     module: the model, or its DDP wrapper. optimizer: a `cuda_graphs.capturable` one. examples:
     one static batch per micro-batch (`static_batch.example_static_batch`), which fix the
