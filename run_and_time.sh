@@ -62,80 +62,96 @@ done
 SEED=${SEED:-$RANDOM}
 OUTPUT_DIR=${OUTPUT_DIR:-${LOGDIR:-$here/results}/run_${SEED}}
 BERT_CONFIG=${BERT_CONFIG:-${CHECKPOINTDIR_PHASE1:-}/bert_config.json}
-INIT_CHECKPOINT=${INIT_CHECKPOINT:-${CHECKPOINTDIR_PHASE1:-}/model.ckpt-28252.pt}
+# Without a phase-1 folder or a named checkpoint the weights start random.
+INIT_CHECKPOINT=${INIT_CHECKPOINT:-${CHECKPOINTDIR_PHASE1:+$CHECKPOINTDIR_PHASE1/model.ckpt-28252.pt}}
 [[ -f "$BERT_CONFIG" ]] || die "BERT_CONFIG=$BERT_CONFIG not found (set BERT_CONFIG or CHECKPOINTDIR_PHASE1)"
 
-flags=(
-  --input_dir "$DATADIR_PHASE2"
-  --eval_dir "$EVALDIR"
-  --bert_config_path "$BERT_CONFIG"
-  --output_dir "$OUTPUT_DIR"
-  --seed "$SEED"
-  --do_train
-  --train_batch_size "$BATCHSIZE"
-  --gradient_accumulation_steps "$GRADIENT_STEPS"
-  --learning_rate "$LR"
-  --max_steps "$MAX_STEPS"
-  --opt_lamb_beta_1 "$OPT_LAMB_BETA_1"
-  --opt_lamb_beta_2 "$OPT_LAMB_BETA_2"
-  --weight_decay_rate "$WEIGHT_DECAY_RATE"
-  --max_samples_termination "$MAX_SAMPLES_TERMINATION"
-  --target_mlm_accuracy "$TARGET_MLM_ACCURACY"
-  --input_layout "$INPUT_LAYOUT"
-  --precision "$PRECISION"
+# Config variable -> trainer flag: the one table of the mapping. A variable that is set passes
+# its value; a switch variable (0 or 1, "switch" below) passes the bare flag when it is 1. The
+# trainer gets the table too (MLPERF_BERT_FLAG_VARIABLES), so an error line naming a flag also
+# names the variable that set it, with its value.
+flag_table=(
+  "DATADIR_PHASE2 --input_dir"
+  "EVALDIR --eval_dir"
+  "BERT_CONFIG --bert_config_path"
+  "INIT_CHECKPOINT --init_checkpoint"
+  "OUTPUT_DIR --output_dir"
+  "SEED --seed"
+  "BATCHSIZE --train_batch_size"
+  "GRADIENT_STEPS --gradient_accumulation_steps"
+  "LR --learning_rate"
+  "MAX_STEPS --max_steps"
+  "WARMUP_STEPS --warmup_steps"
+  "WARMUP_PROPORTION --warmup_proportion"
+  "START_WARMUP_STEP --start_warmup_step"
+  "DECAY_STEPS --decay_steps"
+  "END_LEARNING_RATE --end_learning_rate"
+  "DECAY_FROM_WARMUP_END --decay_from_warmup_end switch"
+  "OPTIMIZER --optimizer"
+  "OPTIMIZER_IMPL --optimizer_impl"
+  "OPT_LAMB_BETA_1 --opt_lamb_beta_1"
+  "OPT_LAMB_BETA_2 --opt_lamb_beta_2"
+  "OPT_EPSILON --opt_epsilon"
+  "WEIGHT_DECAY_RATE --weight_decay_rate"
+  "MAX_GRAD_NORM --max_grad_norm"
+  "CLIP_MODE --clip_mode"
+  "INPUT_LAYOUT --input_layout"
+  "BALANCE --balance"
+  "BALANCE_DEAL --balance_deal"
+  "MAX_SAMPLES_TERMINATION --max_samples_termination"
+  "TARGET_MLM_ACCURACY --target_mlm_accuracy"
+  "EVAL_ITER_START_SAMPLES --eval_iter_start_samples"
+  "EVAL_ITER_SAMPLES --eval_iter_samples"
+  "NUM_EVAL_EXAMPLES --num_eval_examples"
+  "EVAL_BATCH_SIZE --eval_batch_size"
+  "MAX_SEQ_LENGTH --max_seq_length"
+  "MAX_PREDICTIONS_PER_SEQ --max_predictions_per_seq"
+  "PRECISION --precision"
+  "CUDA_GRAPHS --cuda_graphs switch"
+  "ATTENTION_BACKEND --attention_backend"
+  "DEVICE --device"
+  "LOG_FREQ --log_freq"
+  "COMPILE_MODE --compile_mode"
+  "SYNC_EVERY --sync_every"
+  "INPUT_PIPELINE --input_pipeline"
+  "DIVISION --submission_division"
+  "SUBMISSION_ORG --submission_org"
+  "SUBMISSION_PLATFORM --submission_platform"
+  "SUBMISSION_STATUS --submission_status"
+  "MLPERF_LOG_FILE --mlperf_log_file"
+  "ECHO_MLLOG --echo_mllog switch"
+  # Long runs (docs/FAULTS.md); the MLPerf timing configs set none of these.
+  "CHECKPOINT_DIR --checkpoint_dir"
+  "CHECKPOINT_EVERY_SAMPLES --checkpoint_every_samples"
+  "CHECKPOINT_EVERY_MINUTES --checkpoint_every_minutes"
+  "KEEP_CHECKPOINTS --keep_checkpoints"
+  "RESUME_FROM_CHECKPOINT --resume_from_checkpoint"
+  "COLLECTIVE_TIMEOUT_S --collective_timeout_s"
+  "MAX_CONSECUTIVE_SKIPPED_STEPS --max_consecutive_skipped_steps"
 )
 
-# Optional variables: each maps to exactly one named flag when it is set.
-optional() {
-  local name=$1 flag=$2
-  if [[ -n "${!name:-}" ]]; then flags+=("$flag" "${!name}"); fi
-}
-optional WARMUP_STEPS --warmup_steps
-optional WARMUP_PROPORTION --warmup_proportion
-optional START_WARMUP_STEP --start_warmup_step
-optional DECAY_STEPS --decay_steps
-optional END_LEARNING_RATE --end_learning_rate
-optional OPTIMIZER --optimizer
-optional OPT_EPSILON --opt_epsilon
-optional MAX_GRAD_NORM --max_grad_norm
-optional CLIP_MODE --clip_mode
-optional BALANCE --balance
-optional BALANCE_DEAL --balance_deal
-optional EVAL_ITER_START_SAMPLES --eval_iter_start_samples
-optional EVAL_ITER_SAMPLES --eval_iter_samples
-optional NUM_EVAL_EXAMPLES --num_eval_examples
-optional EVAL_BATCH_SIZE --eval_batch_size
-optional MAX_SEQ_LENGTH --max_seq_length
-optional MAX_PREDICTIONS_PER_SEQ --max_predictions_per_seq
-optional ATTENTION_BACKEND --attention_backend
-optional DEVICE --device
-optional LOG_FREQ --log_freq
-optional COMPILE_MODE --compile_mode
-optional SYNC_EVERY --sync_every
-optional INPUT_PIPELINE --input_pipeline
-optional DIVISION --submission_division
-optional SUBMISSION_ORG --submission_org
-optional SUBMISSION_PLATFORM --submission_platform
-optional SUBMISSION_STATUS --submission_status
-optional MLPERF_LOG_FILE --mlperf_log_file
-# Long runs (docs/FAULTS.md); the MLPerf timing configs set none of these.
-optional CHECKPOINT_DIR --checkpoint_dir
-optional CHECKPOINT_EVERY_SAMPLES --checkpoint_every_samples
-optional CHECKPOINT_EVERY_MINUTES --checkpoint_every_minutes
-optional KEEP_CHECKPOINTS --keep_checkpoints
-optional RESUME_FROM_CHECKPOINT --resume_from_checkpoint
-optional COLLECTIVE_TIMEOUT_S --collective_timeout_s
-optional MAX_CONSECUTIVE_SKIPPED_STEPS --max_consecutive_skipped_steps
-if [[ "${CUDA_GRAPHS:-0}" == 1 ]]; then flags+=(--cuda_graphs); fi
-if [[ "${DECAY_FROM_WARMUP_END:-0}" == 1 ]]; then flags+=(--decay_from_warmup_end); fi
 # This script's stdout is the run's log (run_with_docker.sh and run.sub tee it into LOGDIR and
 # check it), so the MLPerf lines go there too; ECHO_MLLOG=0 where only the log file is read.
-if [[ "${ECHO_MLLOG:-1}" == 1 ]]; then flags+=(--echo_mllog); fi
-if [[ "$INIT_CHECKPOINT" != none && -e "$INIT_CHECKPOINT" ]]; then
-  flags+=(--init_checkpoint "$INIT_CHECKPOINT")
-elif [[ "$INIT_CHECKPOINT" != none && -n "${CHECKPOINTDIR_PHASE1:-}" ]]; then
+ECHO_MLLOG=${ECHO_MLLOG:-1}
+if [[ "${INIT_CHECKPOINT:-none}" == none ]]; then
+  INIT_CHECKPOINT=""  # random weights: no --init_checkpoint
+elif [[ ! -e "$INIT_CHECKPOINT" ]]; then
   die "INIT_CHECKPOINT=$INIT_CHECKPOINT not found (set INIT_CHECKPOINT=none to start from random weights)"
 fi
+
+flags=(--do_train)
+names=()
+for entry in "${flag_table[@]}"; do
+  read -r name flag kind <<<"$entry"
+  names+=("$name=$flag")
+  if [[ "$kind" == switch ]]; then
+    if [[ "${!name:-0}" == 1 ]]; then flags+=("$flag"); fi
+  elif [[ -n "${!name:-}" ]]; then
+    flags+=("$flag" "${!name}")
+  fi
+done
+MLPERF_BERT_FLAG_VARIABLES="${names[*]}"
+export MLPERF_BERT_FLAG_VARIABLES
 
 trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
 if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "$DGXNGPU" -gt 1 ]]; then

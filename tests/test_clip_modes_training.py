@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -155,18 +156,53 @@ def test_samsung_schedule_warms_up_from_minus_16_then_holds_the_end_lr(tmp_path)
     assert schedule.lr_at(179) == schedule.lr_at(298) == pytest.approx(end)
 
 
-@pytest.mark.parametrize("config, world, batch, mode, layout, balance, interval", [
-    ("config_DGXA100_1x8.sh", 8, 448, "before_allreduce", "unpadded", "global_presort", 150_000),
-    ("config_DGXA100_128x8.sh", 1024, 4096, "after_allreduce", "packed", "none", 175_000),
-])
-def test_nvidia_configs_clip_before_on_one_node_and_after_at_scale(tmp_path, config, world, batch, mode, layout,
-                                                                  balance, interval):
-    cfg = _config_from_launcher(config, world, tmp_path)
-    assert cfg.global_batch_size == batch
+@dataclass(frozen=True)
+class Published:
+    """One row of REFERENCE.md's "Published configurations" table (NVIDIA; LAMB, eps 1e-6, clip 1.0)."""
+
+    world: int
+    per_gpu: int  # sequences, or packs when packed
+    gbs: int
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    steps: int
+    warmup: tuple[int, int]  # (warm-up steps, start step)
+    interval: int
+    layout: str
+    balance: str
+    clip: str
+    cuda_graphs: bool
+
+
+# H100/H200: NVIDIA trained in FP8, which this trainer lacks; every NVIDIA config here runs bf16.
+PUBLISHED = {
+    "config_DGXA100_1x8.sh": Published(8, 56, 448, 0.000425, (0.9, 0.999), 0.01, 6700, (0, 0), 150_000,
+                                       "unpadded", "global_presort", "before_allreduce", False),
+    "config_DGXA100_128x8.sh": Published(1024, 2, 4096, 0.00255, (0.71, 0.88), 0.0166629, 820, (256, -76), 175_000,
+                                         "packed", "none", "after_allreduce", True),
+    "config_DGXH100_1x8.sh": Published(8, 48, 768, 0.00096, (0.60466, 0.85437), 0.1, 3680, (0, 0), 150_000,
+                                       "packed", "none", "before_allreduce", True),
+    "config_DGXH200_1x8.sh": Published(8, 48, 768, 0.00096, (0.60466, 0.85437), 0.1, 3680, (0, 0), 150_000,
+                                       "packed", "none", "before_allreduce", True),
+}
+
+
+@pytest.mark.parametrize("config", sorted(PUBLISHED))
+def test_nvidia_configs_give_the_published_hyperparameters(tmp_path, config):
+    want = PUBLISHED[config]
+    cfg = _config_from_launcher(config, want.world, tmp_path)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps, cfg.global_batch_size) == (want.per_gpu, 1, want.gbs)
     assert (cfg.optim.optimizer, cfg.optim.epsilon, cfg.run.submission_division) == ("lamb", 1e-6, "closed")
-    assert (cfg.optim.clip_mode, cfg.optim.max_grad_norm) == (mode, 1.0)
-    assert (cfg.data.input_layout, cfg.data.balance) == (layout, balance)
-    assert cfg.eval.eval_iter_samples == eval_interval_samples(batch) == interval
+    assert (cfg.optim.learning_rate, (cfg.optim.beta1, cfg.optim.beta2)) == (want.lr, want.betas)
+    assert cfg.optim.weight_decay_rate == want.weight_decay
+    sched = cfg.schedule
+    assert (sched.max_steps, (sched.warmup_steps, sched.start_warmup_step)) == (want.steps, want.warmup)
+    assert (cfg.optim.clip_mode, cfg.optim.max_grad_norm) == (want.clip, 1.0)
+    assert (cfg.data.input_layout, cfg.data.balance) == (want.layout, want.balance)
+    assert cfg.eval.eval_iter_samples == cfg.eval.eval_iter_start_samples == want.interval
+    assert eval_interval_samples(cfg.global_batch_size) == want.interval
+    assert (cfg.run.precision, cfg.run.cuda_graphs) == ("bf16", want.cuda_graphs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -199,6 +199,47 @@ def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
     assert "--" not in done.stderr and "RESULT" not in done.stdout and not (tmp_path / "out").exists()
 
 
+# Combinations the trainer refuses: the error line names each config variable with its value.
+# CUDA_VISIBLE_DEVICES="" keeps DEVICE unset (auto) on the CPU on any machine.
+@pytest.mark.parametrize("overrides, says", [
+    ({"CUDA_GRAPHS": "1", "INPUT_LAYOUT": "unpadded", "DEVICE": "cuda"},
+     "--cuda_graphs needs static shapes: use it with --input_layout packed "
+     "(config: --cuda_graphs is CUDA_GRAPHS=1, --input_layout is INPUT_LAYOUT=unpadded)"),
+    ({"CUDA_GRAPHS": "1", "INPUT_LAYOUT": "packed", "DEVICE": "", "CUDA_VISIBLE_DEVICES": ""},
+     "--cuda_graphs needs a GPU; --device auto runs this on cpu: drop --cuda_graphs or run on a GPU "
+     "(config: --cuda_graphs is CUDA_GRAPHS=1, --device is DEVICE unset)"),
+    ({"CUDA_GRAPHS": "1", "INPUT_LAYOUT": "packed", "DEVICE": "cuda", "OPTIMIZER_IMPL": "reference"},
+     "--cuda_graphs is CUDA_GRAPHS=1, --optimizer_impl is OPTIMIZER_IMPL=reference)"),
+    ({"INPUT_LAYOUT": "bogus"},  # argparse's own words, then the variable
+     "lists the flags) (config: --input_layout is INPUT_LAYOUT=bogus)"),
+    ({"INPUT_LAYOUT": "packed", "BALANCE": "global_presort"},
+     "(config: --balance is BALANCE=global_presort, --input_layout is INPUT_LAYOUT=packed)"),
+])
+def test_run_and_time_names_the_variables_of_a_refused_combination(tmp_path, overrides, says):
+    dirs = _data_dirs(tmp_path)
+    (tmp_path / "bert_config.json").write_text("{}")
+    env = _rat_env(tmp_path, tmp_path, **dirs, BERT_CONFIG=str(tmp_path / "bert_config.json"), INIT_CHECKPOINT="none",
+                   DGXNGPU="1", **overrides)
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and says in errors[0], done.stderr
+    assert "Traceback" not in done.stderr and "RESULT" not in done.stdout and not (tmp_path / "out").exists()
+
+
+def test_run_and_time_refuses_a_named_checkpoint_that_is_missing(tmp_path):
+    """A checkpoint named but not there is an error, not a silent start from random weights."""
+    dirs = _data_dirs(tmp_path)
+    del dirs["CHECKPOINTDIR_PHASE1"]
+    (tmp_path / "bert_config.json").write_text("{}")
+    env = _rat_env(tmp_path, tmp_path, **dirs, BERT_CONFIG=str(tmp_path / "bert_config.json"),
+                   INIT_CHECKPOINT=str(tmp_path / "model.pt"))
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"run_and_time.sh: INIT_CHECKPOINT={tmp_path / 'model.pt'} not found "
+                                   "(set INIT_CHECKPOINT=none to start from random weights)")
+
+
 def test_bad_input_under_torchrun_exits_2_through_run_and_time(demo_data, tmp_path):
     """torchrun turns every failed worker into its own exit 1; the launcher passes on the trainer's 2."""
     config = json.loads((demo_data / "bert_config.json").read_text())

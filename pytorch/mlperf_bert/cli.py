@@ -12,9 +12,10 @@ import argparse
 import types
 import typing
 from dataclasses import MISSING, Field, is_dataclass
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from .config import GROUPS, TrainConfig, flag_name, is_flag, settings_fields
+from .flag_variables import FlagVariables
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -30,10 +31,15 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error is one line: the flag and what is wrong, not the 50-line usage first."""
+    """A usage error is one line: the flag and what is wrong, not the 50-line usage first.
+
+    annotate: adds to that line (the config variables behind the flags it names).
+    """
+
+    annotate: Callable[[str], str] = staticmethod(lambda message: message)
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
+        self.exit(2, f"error: {self.annotate(f'{message} ({self.prog} --help lists the flags)')}\n")
 
 
 def _value_type(kind: Any) -> type:
@@ -71,12 +77,15 @@ def _flag_fields(cls: type = TrainConfig) -> list[tuple[Field, Any]]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(annotate: Callable[[str], str] | None = None) -> argparse.ArgumentParser:
+    """annotate: applied to a usage error's line (`FlagVariables.annotate`)."""
     p = _Parser(
         prog="run_pretraining.py",
         description="MLPerf BERT phase-2 pretraining to a masked-LM accuracy target.",
         formatter_class=_HelpFormatter,
     )
+    if annotate is not None:
+        p.annotate = annotate
     groups = {title: p.add_argument_group(title) for title in GROUPS}
     exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
     for f, kind in _flag_fields():
@@ -88,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
             group = exclusive[tag]
         _add_flag(group, f, kind)
     return p
+
+
+def launcher_flag_variables(environ: Mapping[str, str]) -> FlagVariables:
+    """The launcher's config-variable table (`flag_variables`), checked against the trainer's flags."""
+    flags = {f"--{flag_name(f)}": _value_type(kind) for f, kind in _flag_fields()}
+    switches = [flag for flag, value_type in flags.items() if value_type is bool]
+    return FlagVariables.from_environ(environ, flags, switches)
 
 
 def _build(cls: type, args: argparse.Namespace, world_size: int) -> Any:

@@ -11,10 +11,10 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .checkpoint import CheckpointError
-from .cli import build_parser, config_from_args
+from .cli import build_parser, config_from_args, launcher_flag_variables
 from .config import ConfigError
 from .data import DataError
 from .distributed import dist_env_from, init_distributed, shutdown
@@ -38,18 +38,30 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: 
 
     stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
     hooks: more hooks for the training loop (`trainer.run`).
+    An error line naming flags also names the config variables behind them when a launcher
+    passed its table (`mlperf_bert.flag_variables`).
     """
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        names = launcher_flag_variables(os.environ)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    def annotate(message: str) -> str:
+        return names.annotate(message, argv)
+
+    try:
+        args = build_parser(annotate).parse_args(argv)
     except SystemExit as done:  # --help (0), or a bad flag (2) whose one-line error is printed
         return done.code if isinstance(done.code, int) else EXIT_BAD_INPUT
     if stop is not None:
-        return _train(args, stop, hooks)
+        return _train(args, stop, hooks, annotate)
     with StopRequest() as own:
-        return _train(args, own, hooks)
+        return _train(args, own, hooks, annotate)
 
 
-def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -> int:
+def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], annotate: Callable[[str], str]) -> int:
     group_broken = False
     try:
         denv = dist_env_from(os.environ)
@@ -60,7 +72,7 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook]) -
         with own_output_dir(cfg, denv), watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop, hooks)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {annotate(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as err:  # the MLPerf log, a checkpoint, resolved_config.json: nothing is skipped silently
         print(f"error: {describe_write_error(err)}", file=sys.stderr)

@@ -26,6 +26,9 @@ GIB = 2**30
 
 def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torch.device) -> None:
     """Every machine-dependent check of `cfg`; raises ConfigError naming what to fix."""
+    _require(not cfg.run.cuda_graphs or device.type == "cuda",
+             f"--cuda_graphs needs a GPU; --device {cfg.run.device} runs this on {device.type}: drop --cuda_graphs "
+             "or run on a GPU")
     _check_output_paths(cfg)
     _check_resume_file(cfg.checkpoint.resume_from)
     if cfg.data.balance == "local_presort":
