@@ -43,3 +43,12 @@ def test_torchrun_wins_over_slurm():
 def test_bad_values_are_named(env, message):
     with pytest.raises(ValueError, match=message):
         dist_env_from(env)
+
+
+def test_graphed_steps_on_many_gpus_turn_nccl_async_error_handling_off():
+    from mlperf_bert.distributed import GRAPH_NCCL_VARIABLE, graph_nccl_settings
+
+    assert graph_nccl_settings({}) == {GRAPH_NCCL_VARIABLE: "0"}
+    assert graph_nccl_settings({GRAPH_NCCL_VARIABLE: "0"}) == {GRAPH_NCCL_VARIABLE: "0"}
+    with pytest.raises(ValueError, match=f"needs {GRAPH_NCCL_VARIABLE}=0; it is set to '1'"):
+        graph_nccl_settings({GRAPH_NCCL_VARIABLE: "1"})

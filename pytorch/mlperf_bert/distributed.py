@@ -74,11 +74,27 @@ def dist_env_from(env: Mapping[str, str]) -> DistEnv:
     return DistEnv(rank, world, local_rank, min(local_world, world), addr, _int(env, "MASTER_PORT", default=29500))
 
 
-def init_distributed(denv: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+# PyTorch's CUDA-graph notes: NCCL collectives captured in a graph (DDP inside a graphed step)
+# need NCCL's asynchronous error handling off, set before the process group starts.
+GRAPH_NCCL_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def graph_nccl_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL variables a graphed multi-GPU step needs, or a ValueError naming one set otherwise."""
+    value = env.get(GRAPH_NCCL_VARIABLE, "0")
+    if value != "0":
+        raise ValueError(f"--cuda_graphs on many GPUs captures NCCL all-reduces, which needs {GRAPH_NCCL_VARIABLE}=0; "
+                         f"it is set to {value!r}: unset it or set it to 0")
+    return {GRAPH_NCCL_VARIABLE: "0"}
+
+
+def init_distributed(denv: DistEnv, device: torch.device, timeout_s: float = 600.0, cuda_graphs: bool = False) -> None:
     """Starts the default process group (gloo on the CPU, NCCL on GPUs) when world > 1."""
     if not denv.is_distributed or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and cuda_graphs:
+        os.environ.update(graph_nccl_settings(os.environ))
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{denv.master_addr}:{denv.master_port}",

@@ -68,7 +68,7 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
         check_environment(cfg, os.environ, device)
-        init_distributed(denv, device, cfg.faults.collective_timeout_s)
+        init_distributed(denv, device, cfg.faults.collective_timeout_s, cfg.run.cuda_graphs)
         with own_output_dir(cfg, denv), watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop, hooks)
     except USER_ERRORS as err:
