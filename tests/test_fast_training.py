@@ -20,6 +20,8 @@ from _fault_launch import assert_same_tensors, load_checkpoint, run_ranks, worke
 from conftest import TRAINER, require_tool, run_cli, trainer_args
 from _runs import cpu_run
 from mlperf_bert import trainer
+from mlperf_bert.loss_scale import DeviceLossScaler, LossScaleReading
+from mlperf_bert.train_state import TrainState
 from mlperf_bert.build import device_input
 from mlperf_bert.cli import parse_config
 from mlperf_bert.config import ConfigError
@@ -27,7 +29,7 @@ from mlperf_bert.cuda_graphs import capturable
 from mlperf_bert.dali_input import dali_available
 from mlperf_bert.data_validate import DataError
 from mlperf_bert.device_input import DeviceInput
-from mlperf_bert.faults import EXIT_DIVERGED, Position, StepFacts, StepGuard, Verdict
+from mlperf_bert.faults import EXIT_DIVERGED, NumericBlowUp, Position, StepFacts, StepGuard, Verdict
 from mlperf_bert.static_batch import packed_shape
 from mlperf_bert.step import EagerStep
 from mlperf_bert.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
@@ -150,6 +152,37 @@ def test_window_reads_only_when_due_and_flags_a_nan_seen_between_reads(demo_data
     verdict = window.after_step(facts(5, read_now=True))  # before an eval or a checkpoint: read now
     assert verdict.nonfinite_loss and verdict.rolled_back_to == Position({"step": 3}, {})
     assert not window.after_step(facts(6)).nonfinite_loss  # the roll-back cleared the flag
+
+
+def test_window_uncounts_device_skipped_fp16_steps_and_stops_on_too_many_in_a_row(demo_data, tmp_path):
+    """Under fp16 the window's read brings the device scaler's counts: skipped steps are uncounted
+    before the position is kept, a non-finite loss is an overflow (no roll-back), and a run of
+    skips as long as the limit stops the run at the read."""
+    run = cpu_run(trainer_args(demo_data, tmp_path, "--do_train"))
+    run.close()
+    scaler = DeviceLossScaler("cpu")
+    guard = StepGuard(torch.device("cpu"), loss_checked=False, max_consecutive_skips=3)
+    window = SyncWindow(3, guard, StateDictSnapshot(run.eval.model, run.step.optimizer), Position({"step": 0}, {}),
+                        scaler)
+    state = TrainState()
+    skips = iter([False, True, True, False, True, True, True])
+
+    def step(read_now: bool = False) -> Verdict:
+        scaler._count(torch.tensor(next(skips)))  # what DeviceLossScaler.step records on the device
+        window.check_loss(torch.tensor(float("inf")))  # an fp16 overflow's loss: not a blow-up here
+        state.advance(True, 8)  # counted as applied until the read
+        return window.after_step(StepFacts(Verdict(), True, state.step, state.samples, read_now,
+                                           lambda: Position(state.state_dict(), {}), state.uncount))
+
+    assert [step(), step()] == [Verdict(), Verdict()]
+    verdict = step()
+    assert verdict.loss_scale == LossScaleReading(2.0**16, 1, 2, 2) and not verdict.nonfinite_loss
+    assert (state.step, state.skipped_steps, window.good.train_state["step"]) == (1, 2, 1)
+    step(read_now=True)  # applied: the run of skips ends at 2
+    assert (state.step, state.skipped_steps) == (2, 2)
+    step(), step()
+    with pytest.raises(NumericBlowUp, match="3 optimizer steps in a row were skipped"):
+        step(read_now=True)
 
 
 # ---------------------------------------------------------------- the static packed step (--cuda_graphs)

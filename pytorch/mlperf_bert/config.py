@@ -333,7 +333,8 @@ class RunSettings:
     compile_mode: str = flag("torch.compile each encoder layer (fuses bias+GELU and dropout+residual+LayerNorm)",
                              "precision and fast path", "none", choices=COMPILE_MODES)
     sync_every: int = flag("steps between host reads of the device (loss check, stop agreement); above 1 a "
-                           "non-finite loss rolls the run back to the last good read (docs/FAULTS.md)",
+                           "non-finite loss rolls the run back to the last good read, and fp16 skips overflows "
+                           "on the device (docs/FAULTS.md)",
                            "precision and fast path", 1)
     input_pipeline: str = flag("host-to-device input: torch (pinned memory, side-stream copies) or NVIDIA DALI",
                                "precision and fast path", "torch", choices=INPUT_PIPELINES)
@@ -407,7 +408,8 @@ class FaultSettings:
                                        "lost rank; must exceed the time to write a checkpoint",
                                        "checkpoints and faults", 600.0)
     max_consecutive_skipped_steps: int = flag("fp16: stop (with a checkpoint) after this many overflow-skipped "
-                                              "steps in a row", "checkpoints and faults", 50)
+                                              "steps in a row (seen at the next read under --sync_every)",
+                                              "checkpoints and faults", 50)
 
     def __post_init__(self) -> None:
         _real("collective_timeout_s", self.collective_timeout_s, 1.0, 7 * 24 * 3600.0)
