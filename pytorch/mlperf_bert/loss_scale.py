@@ -108,17 +108,17 @@ class DeviceLossScaler:
         self.unscale_(optimizer)
         if also_skip is not None:
             torch.maximum(self.found_inf, also_skip.to(self.found_inf.dtype), out=self.found_inf)
-        before = _step_tensors(optimizer)
-        saved = self._buffers(before)
+        live = _step_tensors(optimizer)  # updated in place by the step: listed once
+        saved = self._buffers(live)
+        states = len(optimizer.state)
         with torch.no_grad():
-            torch._foreach_copy_(saved, before)
+            torch._foreach_copy_(saved, live)
         optimizer.step()
-        after = _step_tensors(optimizer)
-        if len(after) != len(before):
+        if len(optimizer.state) != states:
             raise RuntimeError("the optimizer created state inside step(): create it before the first scaled step")
         skip = self.found_inf > 0
         with torch.no_grad():
-            for now, old in zip(after, saved):
+            for now, old in zip(live, saved):
                 now.copy_(torch.where(skip, old, now))
         self._count(skip)
 
