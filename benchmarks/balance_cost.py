@@ -38,12 +38,12 @@ from typing import Sequence
 
 import numpy as np
 
-from mlperf_bert import balance
-from mlperf_bert.batch import Item, Sample, flatten_items
-from mlperf_bert.exchange import (
+from mlperf_bert.input import balance
+from mlperf_bert.data.batch import Item, Sample, flatten_items
+from mlperf_bert.input.exchange import (
     decode_body, encode_body, encode_header, exchange, incoming, outgoing,
 )
-from mlperf_bert.lengths import load_length_histogram
+from mlperf_bert.data.lengths import load_length_histogram
 
 RANKS = 8
 ORDERS = ("raster", "snake", "greedy")
@@ -182,9 +182,9 @@ def gloo_worker(local_batch: int, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from mlperf_bert.distributed import dist_env_from, init_distributed, shutdown
-    from mlperf_bert.exchange import TorchCollectives
-    from mlperf_bert.sources import TokenMeter
+    from mlperf_bert.runtime.distributed import dist_env_from, init_distributed, shutdown
+    from mlperf_bert.input.exchange import TorchCollectives
+    from mlperf_bert.input.sources import TokenMeter
 
     denv = dist_env_from(os.environ)
     init_distributed(denv, torch.device("cpu"))
@@ -206,8 +206,8 @@ def gloo_worker(local_batch: int, steps: int, out: Path) -> None:
 
 
 def mpi_worker(local_batch: int, steps: int, step_ms: float, out: Path) -> None:
-    from mlperf_bert.distributed import dist_env_from
-    from mlperf_bert.host_exchange import CpuExchangeSource, mpi_collectives
+    from mlperf_bert.runtime.distributed import dist_env_from
+    from mlperf_bert.input.host_exchange import CpuExchangeSource, mpi_collectives
 
     denv = dist_env_from(os.environ)
     comm = mpi_collectives(denv)

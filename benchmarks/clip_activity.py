@@ -40,10 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 from clip_study import REPO, RunSpec, StudySetup, trainer_flags, write_section
 from mlperf_bert import trainer
 from mlperf_bert.build import Supplied, build_run
-from mlperf_bert.cli import parse_config
-from mlperf_bert.config import CLIP_MODES
-from mlperf_bert.distributed import DistEnv, init_distributed
-from mlperf_bert.faults import StopRequest
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.settings import CLIP_MODES
+from mlperf_bert.runtime.distributed import DistEnv, init_distributed
+from mlperf_bert.train.faults import StopRequest
 
 WORLD = 2
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mlperf_bert.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
+from mlperf_bert.optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 
 
 class TinyEncoder(nn.Module):

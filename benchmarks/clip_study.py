@@ -34,7 +34,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from mlperf_bert.config import CLIP_MODES
+from mlperf_bert.config.settings import CLIP_MODES
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_AND_TIME = REPO / "run_and_time.sh"

@@ -38,7 +38,7 @@ import numpy as np
 from data_prep import reference_algorithm as ref
 from data_prep.corpus import installed_sentences, make_documents, train_vocab, write_documents
 from data_prep.fileio import Manifest
-from mlperf_bert.shards import open_shard as open_h5
+from mlperf_bert.data.shards import open_shard as open_h5
 from data_prep.pack import PackParams, pack_dataset, plan_packs
 from data_prep.reshard import ReshardParams, reshard
 from data_prep.samples import SampleJob, SampleParams, create_file_samples, create_samples

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.packing import pack_index_table
-from mlperf_bert.data_validate import DataLimits, check_dataset
-from mlperf_bert.lengths import load_length_histogram
-from mlperf_bert.shards import Samples, folder_shards, offsets, to_packed, write_arrays, write_samples
+from mlperf_bert.data.validate import DataLimits, check_dataset
+from mlperf_bert.data.lengths import load_length_histogram
+from mlperf_bert.data.shards import Samples, folder_shards, offsets, to_packed, write_arrays, write_samples
 
 L, P, VOCAB = 512, 76, 30522
 SHARDS = 4

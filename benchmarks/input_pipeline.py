@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from mlperf_bert.device_input import DevicePrefetcher
-from mlperf_bert.static_batch import static_packed_batch
-from mlperf_bert.batch import FlatBatch, Item
-from mlperf_bert.dali_input import INSTALL_HINT, DaliPrefetcher, dali_available
+from mlperf_bert.input.device_input import DevicePrefetcher
+from mlperf_bert.data.static_batch import static_packed_batch
+from mlperf_bert.data.batch import FlatBatch, Item
+from mlperf_bert.input.dali_input import INSTALL_HINT, DaliPrefetcher, dali_available
 from throughput import CONFIGS, SEQS_PER_ROW, BenchConfig, resolve_device, synthetic_steps
 
 PATHS = ("torch", "dali", "torch_prepare", "dali_prepare")

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from data_prep import packing
-from mlperf_bert.lengths import lengths_histogram, load_length_histogram
+from mlperf_bert.data.lengths import lengths_histogram, load_length_histogram
 
 # (algorithm, K): the packed-shard K = 3, the published K = 12, unlimited.
 CASES = tuple((a, k) for a in ("spfhp", "lpfhp") for k in (3, 12, None)) + (("nnlshp", 3),)

@@ -21,7 +21,7 @@ predictions per sequence at positions 1..n-2 other than the middle [SEP]. Host b
 built (and pinned on a GPU) before timing; the timed loop covers host-to-device copies and
 training steps.
 
-Reported per layout: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.flops:
+Reported per layout: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.model.flops:
 3 x forward matrix multiplies over real tokens only) and utilisation against the peak
 matrix-multiply rate measured in the same run (bf16 on a GPU, fp32 on a CPU).
 """
@@ -43,20 +43,21 @@ import numpy as np
 import torch
 
 from data_prep import packing
-from mlperf_bert import flops
-from mlperf_bert.lengths import load_length_histogram
-from mlperf_bert.compiling import compile_model
-from mlperf_bert.config import COMPILE_MODES
-from mlperf_bert.cuda_graphs import capturable, device_lr
-from mlperf_bert.device_input import DevicePrefetcher, map_tensors
-from mlperf_bert.metrics import StepMetrics
-from mlperf_bert.precision import autocast
-from mlperf_bert.static_batch import IGNORE_INDEX, static_packed_batch
-from mlperf_bert.step import EagerStep, GraphedStep, Step
-from mlperf_bert.attention import resolve_backend
-from mlperf_bert.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
-from mlperf_bert.model import BertConfig, BertForPreTraining
-from mlperf_bert.optim import ForeachLamb, parameter_groups
+from mlperf_bert.model import flops
+from mlperf_bert.data.lengths import load_length_histogram
+from mlperf_bert.model.compiling import compile_model
+from mlperf_bert.config.settings import COMPILE_MODES
+from mlperf_bert.optim.capturable import capturable, device_lr
+from mlperf_bert.input.device_input import DevicePrefetcher, map_tensors
+from mlperf_bert.train.metrics import StepMetrics
+from mlperf_bert.model.precision import autocast
+from mlperf_bert.data.batch import IGNORE_INDEX
+from mlperf_bert.data.static_batch import static_packed_batch
+from mlperf_bert.train.step import EagerStep, GraphedStep, Step
+from mlperf_bert.model.attention import resolve_backend
+from mlperf_bert.data.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining
+from mlperf_bert.optim.optimizers import ForeachLamb, parameter_groups
 
 LAYOUTS = ("padded", "unpadded", "packed", "hf_padded")
 CLS, SEP, MASK, FIRST_TOKEN = 1, 2, 3, 4  # synthetic vocabulary: three special ids, then words

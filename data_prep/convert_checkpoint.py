@@ -27,7 +27,7 @@ from types import ModuleType
 
 import numpy as np
 
-from data_prep.fileio import atomic_output
+from mlperf_bert.runtime.files import atomic_path
 from data_prep.formats import DataPrepError
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def write_pt(state: dict[str, np.ndarray], path: Path) -> None:
     import torch
 
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
-    with atomic_output(path) as temp:
+    with atomic_path(path) as temp:
         torch.save({"model": tensors}, temp)
 
 
@@ -215,7 +215,7 @@ def write_hf(state: dict[str, np.ndarray], config: dict, directory: Path) -> Non
     if missing or result.unexpected_keys:
         raise DataPrepError(
             f"{directory}: HuggingFace model mismatch: missing {missing}, unexpected {result.unexpected_keys}")
-    with atomic_output(directory) as temp:
+    with atomic_path(directory) as temp:
         model.save_pretrained(str(temp))
 
 

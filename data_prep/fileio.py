@@ -1,8 +1,8 @@
 """Atomic outputs, checksums and the per-directory MANIFEST.json that makes reruns resume.
 
 Every output is written under a hidden temporary name in its final directory and renamed
-into place only when complete, so an interrupted run never leaves a half-written shard under
-a real name. The manifest records each finished file's sha256 and sample count together
+into place only when complete (`mlperf_bert.runtime.files.atomic_path`), so an interrupted run
+never leaves a half-written shard under a real name. The manifest records each finished file's sha256 and sample count together
 with the parameters that made it; a rerun skips the files whose checksum still matches and
 refuses a directory that was made with other parameters.
 
@@ -20,41 +20,15 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from data_prep.formats import MANIFEST_NAME, DataPrepError
-from mlperf_bert.shards import TEMP_MARK, temp_name
+from mlperf_bert.runtime.files import TEMP_MARK, atomic_path, remove_path
 
 log = logging.getLogger("data_prep")
 
 _HASH_BLOCK = 1 << 22  # bytes read per sha256 update
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-@contextmanager
-def atomic_output(path: Path | str) -> Iterator[Path]:
-    """Yields a temporary path (file or directory) that becomes `path` only on success."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = temp_name(path)
-    _remove(temp)
-    try:
-        yield temp
-        if temp.is_dir() and path.exists():
-            _remove(path)  # os.replace cannot replace a non-empty directory
-        os.replace(temp, path)
-    finally:
-        if temp.exists():
-            _remove(temp)
 
 
 def remove_stale_temps(directory: Path) -> int:
@@ -63,12 +37,12 @@ def remove_stale_temps(directory: Path) -> int:
         return 0
     stale = [p for p in directory.rglob(f".*{TEMP_MARK}*")]
     for path in stale:
-        _remove(path)
+        remove_path(path)
     return len(stale)
 
 
 def write_json(path: Path | str, data: Any) -> None:
-    with atomic_output(Path(path)) as temp:
+    with atomic_path(path) as temp:
         temp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

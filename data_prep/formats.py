@@ -1,14 +1,14 @@
 """Names and benchmark sizes of the data preparation's outputs.
 
 The shard format itself (keys, storage dtypes, recognition, reading and writing) lives in
-`mlperf_bert.shards`, which the trainer reads with too.
+`mlperf_bert.data.shards`, which the trainer reads with too.
 """
 
 from __future__ import annotations
 
 import re
 
-from mlperf_bert.shards import MANIFEST_NAME, MAX_VOCAB_SIZE, PACKING_REPORT_NAME, STRATA_NAME, DataError
+from mlperf_bert.data.shards import MANIFEST_NAME, MAX_VOCAB_SIZE, PACKING_REPORT_NAME, STRATA_NAME, DataError
 
 MAX_SEQ_LENGTH = 512  # L: tokens per sequence, [CLS] and both [SEP] included
 MAX_PREDICTIONS = 76  # P: masked positions per sequence

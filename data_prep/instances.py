@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 from data_prep import mt19937 as mt
-from mlperf_bert.shards import STORAGE_DTYPES
+from mlperf_bert.data.shards import STORAGE_DTYPES
 from data_prep.text import TokenizedText
 
 # Columns of the [n, 5] span table.

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlperf_bert.shards import Samples, atomic_path, write_samples
+from mlperf_bert.data.shards import Samples, write_samples
+from mlperf_bert.runtime.files import atomic_path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HISTOGRAM = REPO / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from data_prep.fileio import atomic_output
+from mlperf_bert.runtime.files import atomic_path
 from data_prep.formats import MAX_VOCAB_SIZE, DataPrepError
 from data_prep.vocab import MAX_CHARS_PER_WORD, load_vocab
 
@@ -63,7 +63,7 @@ def train_vocab(files: list[Path], out: Path, size: int, lower_case: bool = True
     tokens = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     text = "".join(f"{token}\n" for token, _ in tokens)
 
-    with atomic_output(out) as tmp:
+    with atomic_path(out) as tmp:
         tmp.write_text(text, encoding="utf-8")
         load_vocab(tmp)  # the same checks `prepare.py samples` makes, before the name exists
     return len(tokens)
@@ -90,5 +90,5 @@ def model_config(size: str, vocab_size: int = MLPERF_VOCAB_SIZE, max_position_em
 
 
 def write_model_config(out: Path, config: dict[str, Any]) -> None:
-    with atomic_output(out) as tmp:
+    with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

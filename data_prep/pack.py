@@ -26,7 +26,7 @@ from data_prep.fileio import Manifest, read_json, write_json
 from data_prep.formats import PACKING_REPORT_NAME, DataPrepError, shard_name
 from data_prep.packing import assign_packs
 from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
-from mlperf_bert.shards import Samples, offsets, to_packed, write_arrays
+from mlperf_bert.data.shards import Samples, offsets, to_packed, write_arrays
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ greedy decreasing order does not plan for. NNLSHP reaches 0.9988 at K = 3.
 A plan lists strategies (the lengths that share one pack) with repeat counts; `assign_packs`
 then maps real sample indices onto a plan, for the data preparation that writes packed shards.
 
-Histograms follow `mlperf_bert.lengths`: counts[i] is the number of sequences of length i + 1
+Histograms follow `mlperf_bert.data.lengths`: counts[i] is the number of sequences of length i + 1
 tokens, for i in [0, max_sequence_length).
 """
 
@@ -36,7 +36,7 @@ from typing import Mapping
 
 import numpy as np
 
-from mlperf_bert.lengths import lengths_histogram, validate_counts
+from mlperf_bert.data.lengths import lengths_histogram, validate_counts
 
 ALGORITHMS = ("spfhp", "lpfhp", "nnlshp")
 

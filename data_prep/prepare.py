@@ -32,7 +32,7 @@ from data_prep.model_files import MLPERF_VOCAB_SIZE, MODEL_SIZES, model_config, 
 from data_prep.pack import PackParams, pack_dataset
 from data_prep.reshard import ReshardParams, reshard, shard_dir_name
 from data_prep.samples import SampleParams, create_samples
-from mlperf_bert.shards import list_shards
+from mlperf_bert.data.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.tfrecords import import_tfrecords
 from data_prep.vocab import load_vocab

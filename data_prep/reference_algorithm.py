@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlperf_bert.shards import Samples
+from mlperf_bert.data.shards import Samples
 from data_prep.vocab import MAX_CHARS_PER_WORD, Vocab
 
 

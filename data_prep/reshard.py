@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.fileio import Manifest, sha256_file, temp_name
+from data_prep.fileio import Manifest, sha256_file
+from mlperf_bert.runtime.files import temp_name
 from data_prep.formats import DataPrepError, shard_name
 from data_prep.parallel import run_jobs
 from data_prep.sources import SourceSet, balanced_bounds, inputs_record
-from mlperf_bert.shards import Samples, write_samples
+from mlperf_bert.data.shards import Samples, write_samples
 
 log = logging.getLogger(__name__)
 

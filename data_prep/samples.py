@@ -25,9 +25,10 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.fileio import Manifest, atomic_output, sha256_file
+from data_prep.fileio import Manifest, sha256_file
+from mlperf_bert.runtime.files import atomic_path
 from data_prep.formats import DataPrepError
-from mlperf_bert.shards import ArrayAppender
+from mlperf_bert.data.shards import ArrayAppender
 from data_prep.instances import IS_RANDOM, InstanceParams, fixed_rows, make_instances
 from data_prep.parallel import run_jobs
 from data_prep.text import TokenizedText, tokenize_file
@@ -113,7 +114,7 @@ def _exclude(text: TokenizedText, excluded: frozenset[bytes]) -> tuple[Tokenized
 def _write_samples(job: SampleJob, text: TokenizedText, vocab: Vocab, stats: FileStats) -> None:
     params = instance_params(vocab, job.params)
     instances = make_instances(text, params, random.Random(job.params.seed))
-    with atomic_output(job.output_path) as temp, h5py.File(temp, "w") as handle:
+    with atomic_path(job.output_path) as temp, h5py.File(temp, "w") as handle:
         appender = ArrayAppender(handle, job.params.compression)
         for start in range(0, len(instances), BLOCK_ROWS):
             appender.append(fixed_rows(text.tokens, instances, slice(start, start + BLOCK_ROWS), params))

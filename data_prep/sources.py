@@ -15,7 +15,7 @@ import numpy as np
 
 from data_prep.fileio import Manifest, content_key
 from data_prep.formats import DataPrepError
-from mlperf_bert.shards import (
+from mlperf_bert.data.shards import (
     MANIFEST_NAME, Samples, folder_shards, iter_blocks, offsets, read_manifest, read_samples, sequence_lengths,
     shard_info, shard_widths, write_samples,
 )

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from data_prep.fileio import Manifest, read_json, write_json
 from data_prep.formats import STRATA_NAME, DataPrepError, shard_name
 from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
-from mlperf_bert.shards import Samples, write_samples
+from mlperf_bert.data.shards import Samples, write_samples
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from data_prep.formats import DataPrepError
-from mlperf_bert.shards import concat_ranges, offsets
+from mlperf_bert.data.shards import concat_ranges, offsets
 from data_prep.vocab import LineEncoder
 
 BLOCK_BYTES = 1 << 20  # text bytes tokenised per encode_batch call

@@ -24,10 +24,11 @@ import crc32c
 import h5py
 import numpy as np
 
-from data_prep.fileio import Manifest, atomic_output, sha256_file
+from data_prep.fileio import Manifest, sha256_file
+from mlperf_bert.runtime.files import atomic_path
 from data_prep.formats import DataPrepError
-from mlperf_bert.shards import FIXED_KEYS, STORAGE_DTYPES
-from mlperf_bert.shards import ArrayAppender
+from mlperf_bert.data.shards import FIXED_KEYS, STORAGE_DTYPES
+from mlperf_bert.data.shards import ArrayAppender
 from data_prep.parallel import run_jobs
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def _block(rows: list[list[list[int]]], job: ImportJob, first_record: int) -> di
 def import_file(job: ImportJob) -> tuple[str, int, str]:
     """(output name, rows, sha256) of one converted TFRecord file (runs in a pool worker)."""
     count = 0
-    with atomic_output(job.output_path) as temp, h5py.File(temp, "w") as handle:
+    with atomic_path(job.output_path) as temp, h5py.File(temp, "w") as handle:
         appender, rows = ArrayAppender(handle, job.compression), []
         for record, data in enumerate(read_records(job.source)):
             rows.append(_row(data, job, record))

@@ -6,7 +6,7 @@ widths, the padding layout (input_mask a prefix of ones, zeros after it, masked 
 packed to the front), [CLS] A [SEP] B [SEP] structure and segment ids, token ids inside
 the vocabulary, lengths and prediction counts inside the limits, masked positions inside
 their sequence (never [CLS] or [SEP], ascending) and next-sentence labels. A half-written
-folder is refused (`mlperf_bert.shards.folder_problems`: temporary files, files the manifest
+folder is refused (`mlperf_bert.data.shards.folder_problems`: temporary files, files the manifest
 lists but are missing or of another size, gaps in part_i_of_N numbering). With a
 MANIFEST.json it compares sha256 and sample count of every file; with strata.json and
 packing_report.json it checks the strata bounds and counts and that no sequence was dropped.
@@ -31,7 +31,7 @@ from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NA
 from data_prep.parallel import run_jobs
 from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
-from mlperf_bert.shards import (
+from mlperf_bert.data.shards import (
     FORMAT_KEYS, MANIFEST_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
     from_varlength, layout_checks, offsets, open_shard,
 )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data_prep.formats import MAX_VOCAB_SIZE, DataPrepError
-from mlperf_bert.shards import concat_ranges, offsets
+from mlperf_bert.data.shards import concat_ranges, offsets
 
 if TYPE_CHECKING:  # imported where the tokenizer is built: `prep` extra only
     import tokenizers

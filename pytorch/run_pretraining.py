@@ -5,7 +5,7 @@ The work lives in the installed `mlperf_bert` package (`mlperf_bert.main`); this
 entry point the MLPerf layout and the launchers name.
 """
 
-from mlperf_bert.faults import StopRequest
+from mlperf_bert.train.faults import StopRequest
 from mlperf_bert.main import exit_now, main
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One rank of the multi-process load-balancing runs in test_balance_dist.py, and their data.
 
 Usage (the rank comes from RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_PORT, or from an MPI
-launcher's variables, read by mlperf_bert.distributed.dist_env_from as the trainer reads them):
+launcher's variables, read by mlperf_bert.runtime.distributed.dist_env_from as the trainer reads them):
 
     python tests/_balance_worker.py exchange DATA STRATIFIED OUT STEPS     # gloo policies
     python tests/_balance_worker.py mpi DATA STRATIFIED OUT STEPS [TRAIN_DATA TRAIN_STRATIFIED ARGS...]
@@ -25,12 +25,13 @@ import h5py
 import numpy as np
 import torch
 
-from mlperf_bert.cli import parse_config
-from mlperf_bert.data import DataLimits, PretrainingDataset, discover_shards
-from mlperf_bert.distributed import DistEnv, dist_env_from, init_distributed, shutdown
-from mlperf_bert.exchange import TorchCollectives
-from mlperf_bert.sources import ExchangeSource, LocalSource, TokenMeter, node_group, world_group
-from mlperf_bert.stratified import StratifiedDataset
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.data.dataset import DataLimits, PretrainingDataset, discover_shards
+from mlperf_bert.runtime.distributed import DistEnv, dist_env_from, init_distributed, shutdown
+from mlperf_bert.input.exchange import TorchCollectives
+from mlperf_bert.input.source_factory import node_group, world_group
+from mlperf_bert.input.sources import ExchangeSource, LocalSource, TokenMeter
+from mlperf_bert.data.stratified import StratifiedDataset
 
 ID_BASE = 10
 VOCAB = 5000
@@ -109,7 +110,7 @@ def open_case(case: tuple[bool, str, str], data: Path, stratified: Path, denv: D
     if policy == "none":
         return LocalSource(stream, meter)
     if policy == "cpu":
-        from mlperf_bert.host_exchange import CpuExchangeSource, mpi_collectives
+        from mlperf_bert.input.host_exchange import CpuExchangeSource, mpi_collectives
 
         return CpuExchangeSource(stream, mpi_collectives(denv), order, meter)
     group = node_group(denv) if policy == "local" else world

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mlperf_bert.clipping import ClipConfig, ClipMode, apply_clip_mode
+from mlperf_bert.optim.clipping import ClipConfig, ClipMode, apply_clip_mode
 
 MAX_NORM = 1.0
 LOSS_SCALE = 1024.0

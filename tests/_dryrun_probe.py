@@ -39,8 +39,8 @@ def built_optimizer() -> None:
     import pytest
 
     import fake_apex
-    from mlperf_bert.cli import parse_config
-    from mlperf_bert.distributed import DistEnv
+    from mlperf_bert.config.cli import parse_config
+    from mlperf_bert.runtime.distributed import DistEnv
 
     fake_apex.install(pytest.MonkeyPatch())
     cfg = parse_config(sys.argv[2:], 1)
@@ -50,9 +50,9 @@ def built_optimizer() -> None:
 
 def scaled_step() -> None:
     """An fp16 step with DeviceLossScaler, captured in a graph: forward, backward, step, update."""
-    from mlperf_bert.cuda_graphs import capturable
-    from mlperf_bert.loss_scale import DeviceLossScaler
-    from mlperf_bert.optim import build_optimizer, parameter_groups
+    from mlperf_bert.optim.capturable import capturable
+    from mlperf_bert.optim.loss_scale import DeviceLossScaler
+    from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 
     model = torch.nn.Linear(8, 4, device="cuda")
     optimizer = capturable(build_optimizer(parameter_groups(model, 0.01), "lamb", 1e-3, (0.9, 0.999), 1e-6,

@@ -8,7 +8,7 @@
 --step_sleep S sleeps S seconds after every step (an idle wait that leaves time to send a signal);
 --nan_at_step  makes the loss of that training step (1-based) NaN on rank --nan_rank (default 0).
 
-The instruments are hooks (`mlperf_bert.hooks.Hook`) handed to run_pretraining.main: a recorder
+The instruments are hooks (`mlperf_bert.hooks.events.Hook`) handed to run_pretraining.main: a recorder
 at every step's end, and a fault that makes the model's masked-LM logits NaN in one training
 forward. The trainer itself is unchanged. The exit code is run_pretraining.main's.
 """
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from mlperf_bert import main as run_pretraining
-from mlperf_bert.faults import StopRequest
-from mlperf_bert.hooks import Hook, RunStart, StepEnd
+from mlperf_bert.train.faults import StopRequest
+from mlperf_bert.hooks.events import Hook, RunStart, StepEnd
 
 
 def _rank() -> int:

@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from mlperf_bert.batch import FlatBatch
-from mlperf_bert.clipping import ClipConfig, ClipMode, apply_clip_mode, optimizer_clip_norm
-from mlperf_bert.cuda_graphs import capturable
-from mlperf_bert.loss_scale import DeviceLossScaler
-from mlperf_bert.model import BertForPreTraining
-from mlperf_bert.optim import ForeachLamb, parameter_groups
-from mlperf_bert.schedule import LRSchedule
-from mlperf_bert.static_batch import static_packed_batch
-from mlperf_bert.step import EagerStep, GraphedStep, Step
-from mlperf_bert.sync_window import StateDictSnapshot
+from mlperf_bert.data.batch import FlatBatch
+from mlperf_bert.optim.clipping import ClipConfig, ClipMode, apply_clip_mode, optimizer_clip_norm
+from mlperf_bert.optim.capturable import capturable
+from mlperf_bert.optim.loss_scale import DeviceLossScaler
+from mlperf_bert.model.bert import BertForPreTraining
+from mlperf_bert.optim.optimizers import ForeachLamb, parameter_groups
+from mlperf_bert.optim.schedule import LRSchedule
+from mlperf_bert.data.static_batch import static_packed_batch
+from mlperf_bert.train.step import EagerStep, GraphedStep, Step
+from mlperf_bert.train.sync_window import StateDictSnapshot
 from test_fast_path import MAX_PREDICTIONS, MAX_SEQS, ROW_LEN, TINY, make_rows
 
 STEPS = 6

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from mlperf_bert.build import Run, build_run
-from mlperf_bert.cli import parse_config
-from mlperf_bert.distributed import DistEnv
-from mlperf_bert.faults import StopRequest
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.runtime.distributed import DistEnv
+from mlperf_bert.train.faults import StopRequest
 
 ONE = DistEnv(0, 1, 0, 1, "127.0.0.1", 0)
 

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlperf_bert import balance
-from mlperf_bert.lengths import load_length_histogram
+from mlperf_bert.data import stratified
+from mlperf_bert.input import balance
+from mlperf_bert.data.lengths import load_length_histogram
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +45,12 @@ def python_deal(lengths: list[int], bins: int, order: str) -> list[list[int]]:
 
 
 def test_wikipedia_strata_give_6_3_2_5_at_local_batch_16(wikipedia: np.ndarray) -> None:
-    shares = balance.stratum_shares(wikipedia)
+    shares = stratified.stratum_shares(wikipedia)
     total = wikipedia.sum()
     independent = [wikipedia[lo:hi].sum() / total for lo, hi in ((0, 128), (128, 256), (256, 384), (384, 512))]
     assert shares == pytest.approx(independent)
     assert shares == pytest.approx([0.369, 0.197, 0.117, 0.316], abs=5e-4)  # REFERENCE.md
-    assert balance.stratum_counts(shares, 16) == [6, 3, 2, 5]
+    assert stratified.stratum_counts(shares, 16) == [6, 3, 2, 5]
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,7 +60,7 @@ def test_wikipedia_strata_give_6_3_2_5_at_local_batch_16(wikipedia: np.ndarray) 
 )
 def test_largest_remainder_rounding(weights: list[float], local_batch: int) -> None:
     shares = [w / sum(weights) for w in weights]
-    counts = balance.stratum_counts(shares, local_batch)
+    counts = stratified.stratum_counts(shares, local_batch)
     quotas = [s * local_batch for s in shares]
     assert sum(counts) == local_batch
     rounded_up = [q - int(q) for c, q in zip(counts, quotas) if c > int(q)]
@@ -145,6 +146,6 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="gpus_per_node=3"):
         balance.balance(np.ones((8, 2)), "local_snake", gpus_per_node=3)
     with pytest.raises(ValueError, match="summing to 1"):
-        balance.stratum_counts([0.5, 0.2], 16)
+        stratified.stratum_counts([0.5, 0.2], 16)
     with pytest.raises(ValueError, match="end at the histogram length"):
-        balance.stratum_shares(np.ones(512), bounds=(128, 256))
+        stratified.stratum_shares(np.ones(512), bounds=(128, 256))

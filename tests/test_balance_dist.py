@@ -3,7 +3,7 @@
 Each run is one launch of tests/_balance_worker.py per rank; the worker records, per policy
 and step, the uids of the samples each rank trained on. The checks here compare them with
 what the data holds (read independently with read_shard), with the unbalanced run of the
-same stream, and with the pure policy functions of mlperf_bert.balance.
+same stream, and with the pure policy functions of mlperf_bert.input.balance.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import pytest
 from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
 from conftest import REPO, require_tool, trainer_args
 
-from mlperf_bert.shards import list_shards
+from mlperf_bert.data.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
-from mlperf_bert import balance
-from mlperf_bert.data import discover_shards, read_shard
+from mlperf_bert.input import balance
+from mlperf_bert.data.dataset import discover_shards, read_shard
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 from conftest import TRAINER, run_cli, trainer_args
-from mlperf_bert.config import ConfigError
-from mlperf_bert.model import DEFAULTED_KEYS, REQUIRED_KEYS, BertConfig, BertForPreTraining
+from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.model.bert import DEFAULTED_KEYS, REQUIRED_KEYS, BertConfig, BertForPreTraining
 
 LARGE = {"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
          "intermediate_size": 4096}
@@ -106,7 +106,7 @@ def test_the_trainer_refuses_a_bad_bert_config_before_anything_runs(demo_data, t
 
 
 def test_the_memory_estimate_uses_the_device_it_is_given(tmp_path):
-    from mlperf_bert.cli import parse_config
+    from mlperf_bert.config.cli import parse_config
     from mlperf_bert.startup import _check_model_fits
 
     cfg = parse_config(["--eval_dir", "e", "--bert_config_path", str(tmp_path / "b.json"), "--output_dir",

@@ -12,8 +12,9 @@ from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_ev
 from _runs import cpu_run, poison_training_forwards, state_of
 from conftest import trainer_args
 from mlperf_bert import trainer
-from mlperf_bert.faults import EXIT_DIVERGED, NumericBlowUp, StepGuard
-from mlperf_bert.step import EagerStep
+from mlperf_bert.runtime.exits import EXIT_DIVERGED
+from mlperf_bert.train.faults import NumericBlowUp, StepGuard
+from mlperf_bert.train.step import EagerStep
 
 FAR = 10**9  # a block end no test step reaches
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from mlperf_bert.checkpoint import CheckpointError, load_init_checkpoint, read_state_dict
-from mlperf_bert.model import BertConfig, BertForPreTraining
+from mlperf_bert.model.init_checkpoint import CheckpointError, load_init_checkpoint, read_state_dict
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 
 CFG = BertConfig(vocab_size=101, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                  intermediate_size=32, max_position_embeddings=32)

@@ -29,9 +29,9 @@ from clip_study import (
     trainer_flags,
     write_section,
 )
-from mlperf_bert.cli import parse_config
-from mlperf_bert.config import CLIP_MODES, TrainConfig
-from mlperf_bert.evaluation_interval import eval_interval_samples
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.settings import CLIP_MODES, TrainConfig
+from mlperf_bert.train.evaluation_interval import eval_interval_samples
 from mlperf_bert.build import hyperparameters, lr_schedule
 
 DEMO_CONFIG = REPO / "config_CPU_1x2.sh"

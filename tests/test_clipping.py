@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from mlperf_bert.clipping import ClipConfig, ClipHandle, ClipMode, optimizer_clip_norm
+from mlperf_bert.optim.clipping import ClipConfig, ClipHandle, ClipMode, optimizer_clip_norm
 
 import _clipping_worker as worker  # shares the run's constants
 

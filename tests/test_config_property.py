@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlperf_bert.cli import build_parser, config_from_args, parse_config
-from mlperf_bert.config import ConfigError, TrainConfig
-from mlperf_bert.data import DataError, DataLimits, read_shard
+from mlperf_bert.config.cli import build_parser, config_from_args, parse_config
+from mlperf_bert.config.settings import ConfigError, TrainConfig
+from mlperf_bert.data.dataset import DataError, DataLimits, read_shard
 from mlperf_bert.startup import check_environment
 
 LIMITS = DataLimits(max_seq_length=8, max_predictions_per_seq=2, vocab_size=30)

@@ -148,7 +148,8 @@ def test_padded_pt_file_loads_into_the_trainer_model(tf_checkpoint, tmp_path):
                                   weights["bert/encoder/layer_1/intermediate/dense/kernel"].T)
     np.testing.assert_array_equal(state["cls.seq_relationship.weight"].numpy(),
                                   weights["cls/seq_relationship/output_weights"])
-    from mlperf_bert import batch as batch_module, checkpoint, model as model_module
+    from mlperf_bert.data import batch as batch_module
+    from mlperf_bert.model import bert as model_module, init_checkpoint as checkpoint
     model = model_module.BertForPreTraining(model_module.BertConfig.from_json(root / "bert_config.json")).eval()
     checkpoint.load_init_checkpoint(model, tmp_path / "phase1.pt")
     ids, segments = _inputs()

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import require_tool
-from mlperf_bert import dali_input
-from mlperf_bert.device_input import DevicePrefetcher
-from mlperf_bert.static_batch import static_packed_batch
-from mlperf_bert.batch import FlatBatch, Sample, flatten_items, pad_items
-from mlperf_bert.dali_input import DaliPrefetcher, dali_available
+from mlperf_bert.input import dali_input
+from mlperf_bert.input.device_input import DevicePrefetcher
+from mlperf_bert.data.static_batch import static_packed_batch
+from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items, pad_items
+from mlperf_bert.input.dali_input import DaliPrefetcher, dali_available
 
 import input_pipeline
 

@@ -16,11 +16,11 @@ import h5py
 import numpy as np
 import pytest
 
-from mlperf_bert.batch import Item, Sample
-from mlperf_bert.data import (
+from mlperf_bert.data.batch import Item, Sample
+from mlperf_bert.data.dataset import (
     DataError, DataLimits, PretrainingDataset, discover_shards, load_eval_set, read_shard,
 )
-from mlperf_bert.data_validate import check_dataset, check_shard
+from mlperf_bert.data.validate import check_dataset, check_shard
 
 VOCAB = 5000
 ID_BASE = 10
@@ -441,7 +441,7 @@ def test_same_batches_without_read_ahead(tmp_path: Path) -> None:
 
 
 def test_next_shard_is_read_ahead_on_a_background_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import mlperf_bert.data as data
+    import mlperf_bert.data.dataset as data
 
     reads: list[tuple[str, str]] = []
 

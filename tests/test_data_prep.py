@@ -23,8 +23,8 @@ from data_prep import reference_algorithm as ref
 from data_prep.corpus import EVAL_MARKER, installed_sentences, make_documents, write_corpus, write_documents
 from data_prep.fileio import Manifest
 from data_prep.formats import DataPrepError
-from mlperf_bert.shards import read_samples
-from mlperf_bert.shards import open_shard as open_h5
+from mlperf_bert.data.shards import read_samples
+from mlperf_bert.data.shards import open_shard as open_h5
 from data_prep.samples import SampleParams, create_samples
 from data_prep.text import tokenize_file
 from data_prep.verify_dataset import Limits, verify_directory
@@ -50,7 +50,7 @@ def made(corpus, tmp_path_factory):
 
 
 def all_samples(directory: Path):
-    from mlperf_bert.shards import Samples
+    from mlperf_bert.data.shards import Samples
 
     return Samples.concat([read_samples(p) for p in sorted(directory.glob("*.hdf5"))])
 

@@ -24,7 +24,7 @@ from data_prep.samples import SampleParams, create_samples
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import Limits, verify_directory
 from data_prep.vocab import load_vocab
-from mlperf_bert.shards import (
+from mlperf_bert.data.shards import (
     Samples, from_fixed, from_packed, from_varlength, list_shards, offsets, read_samples, to_fixed, to_packed,
     to_varlength,
 )
@@ -152,7 +152,7 @@ def test_stratified_shards_hold_their_lengths(dataset, tmp_path):
 
 
 def test_trainer_reads_every_format(dataset, tmp_path):
-    from mlperf_bert import data_validate
+    from mlperf_bert.data import validate as data_validate
     root, corpus, _ = dataset
     pack_dataset(sorted((root / "varlength").glob("*.hdf5")), tmp_path / "packed", PackParams(group_samples=800))
     stratify(sorted((root / "varlength").glob("*.hdf5")), tmp_path / "strata", StratifyParams(fmt="fixed"))

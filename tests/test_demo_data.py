@@ -13,8 +13,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mlperf_bert.batch import Sample
-from mlperf_bert.data import DataLimits, discover_shards, load_eval_set, read_shard
+from mlperf_bert.data.batch import Sample
+from mlperf_bert.data.dataset import DataLimits, discover_shards, load_eval_set, read_shard
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "data_prep" / "make_demo_data.py"

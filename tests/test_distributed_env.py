@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlperf_bert.distributed import dist_env_from
+from mlperf_bert.runtime.distributed import dist_env_from
 
 
 def test_single_process_defaults():
@@ -46,7 +46,7 @@ def test_bad_values_are_named(env, message):
 
 
 def test_graphed_steps_on_many_gpus_turn_nccl_async_error_handling_off():
-    from mlperf_bert.distributed import GRAPH_NCCL_VARIABLE, graph_nccl_settings
+    from mlperf_bert.runtime.distributed import GRAPH_NCCL_VARIABLE, graph_nccl_settings
 
     assert graph_nccl_settings({}) == {GRAPH_NCCL_VARIABLE: "0"}
     assert graph_nccl_settings({GRAPH_NCCL_VARIABLE: "0"}) == {GRAPH_NCCL_VARIABLE: "0"}

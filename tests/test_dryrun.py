@@ -81,7 +81,7 @@ def test_device_loss_scaler_captures_without_host_reads() -> None:
     assert not [e for e in seen["events"] if e["in_capture"]], seen
     reads = [e for e in seen["events"] if e["kind"] == "read"]
     assert len(reads) == 1 and reads[0]["values"] == 4, reads  # DeviceLossScaler.read(): one read, four values
-    assert reads[0]["where"].startswith("mlperf_bert/loss_scale.py:") and reads[0]["where"].endswith("(read)")
+    assert reads[0]["where"].startswith("mlperf_bert/optim/loss_scale.py:") and reads[0]["where"].endswith("(read)")
 
 
 def _base_flags(tmp_path: Path) -> list[str]:
@@ -176,4 +176,4 @@ def test_padded_layout_unpads_with_host_reads(tmp_path: Path) -> None:
     code, output = _dry_run(tmp_path, "--precision", "bf16", "--input_layout", "padded", "--sync_every", "10")
     assert code == 1, output
     step_1 = output.split("step 1:")[1].split("step 2:")[0]
-    assert step_1.startswith(" 6 host read(s)") and step_1.count("mlperf_bert/batch.py:") == 6, output
+    assert step_1.startswith(" 6 host read(s)") and step_1.count("mlperf_bert/data/batch.py:") == 6, output

@@ -13,19 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from mlperf_bert.attention import flat_layout, row_attention, sdpa_attention
-from mlperf_bert.batch import FlatBatch, Item, Sample, flatten_items, pad_items
-from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
-from mlperf_bert.optim import ForeachLamb, ReferenceLamb, parameter_groups
-from mlperf_bert.schedule import set_lr
-from mlperf_bert.compiling import compile_model
-from mlperf_bert.cuda_graphs import capturable, device_lr
-from mlperf_bert.device_input import DevicePrefetcher
-from mlperf_bert.metrics import StepMetrics
-from mlperf_bert.precision import autocast
-from mlperf_bert.static_batch import IGNORE_INDEX, example_static_batch, static_packed_batch
-from mlperf_bert.step import EagerStep, GraphedStep
-from mlperf_bert.sync_window import InPlaceSnapshot
+from mlperf_bert.model.attention import flat_layout, row_attention, sdpa_attention
+from mlperf_bert.data.batch import FlatBatch, Item, Sample, flatten_items, pad_items
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
+from mlperf_bert.optim.optimizers import ForeachLamb, ReferenceLamb, parameter_groups
+from mlperf_bert.optim.schedule import set_lr
+from mlperf_bert.model.compiling import compile_model
+from mlperf_bert.optim.capturable import capturable, device_lr
+from mlperf_bert.input.device_input import DevicePrefetcher
+from mlperf_bert.train.metrics import StepMetrics
+from mlperf_bert.model.precision import autocast
+from mlperf_bert.data.batch import IGNORE_INDEX
+from mlperf_bert.data.static_batch import example_static_batch, static_packed_batch
+from mlperf_bert.train.step import EagerStep, GraphedStep
+from mlperf_bert.train.sync_window import InPlaceSnapshot
 
 ROW_LEN, MAX_SEQS, MAX_PREDICTIONS = 24, 3, 9
 TINY = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
@@ -315,7 +316,7 @@ def test_graphed_step_matches_the_eager_step(device):
 @pytest.mark.gpu
 @needs_cuda
 def test_varlen_attention_handles_the_static_batch():
-    from mlperf_bert.attention import _flash_attn_varlen, _torch_varlen
+    from mlperf_bert.model.attention import _flash_attn_varlen, _torch_varlen
 
     batch = static_batches(12, 1)[0].to("cuda")
     sdpa = tiny_model().cuda()

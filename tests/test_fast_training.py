@@ -20,19 +20,20 @@ from _fault_launch import assert_same_tensors, load_checkpoint, run_ranks, worke
 from conftest import TRAINER, require_tool, run_cli, trainer_args
 from _runs import cpu_run
 from mlperf_bert import trainer
-from mlperf_bert.loss_scale import DeviceLossScaler, LossScaleReading
-from mlperf_bert.train_state import TrainState
+from mlperf_bert.optim.loss_scale import DeviceLossScaler, LossScaleReading
+from mlperf_bert.train.state import TrainState
 from mlperf_bert.build import device_input
-from mlperf_bert.cli import parse_config
-from mlperf_bert.config import ConfigError
-from mlperf_bert.cuda_graphs import capturable
-from mlperf_bert.dali_input import dali_available
-from mlperf_bert.data_validate import DataError
-from mlperf_bert.device_input import DeviceInput
-from mlperf_bert.faults import EXIT_DIVERGED, NumericBlowUp, Position, StepFacts, StepGuard, Verdict
-from mlperf_bert.static_batch import packed_shape
-from mlperf_bert.step import EagerStep
-from mlperf_bert.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.optim.capturable import capturable
+from mlperf_bert.input.dali_input import dali_available
+from mlperf_bert.data.validate import DataError
+from mlperf_bert.input.device_input import DeviceInput
+from mlperf_bert.runtime.exits import EXIT_DIVERGED
+from mlperf_bert.train.faults import NumericBlowUp, Position, StepFacts, StepGuard, Verdict
+from mlperf_bert.data.static_batch import packed_shape
+from mlperf_bert.train.step import EagerStep
+from mlperf_bert.train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 
 FAR = 10**9  # a block end no test step reaches
 

@@ -1,4 +1,4 @@
-"""Config variables named in the trainer's error lines (mlperf_bert.flag_variables, main, cli).
+"""Config variables named in the trainer's error lines (mlperf_bert.config.flag_variables, main, cli).
 
 The table comes from run_and_time.sh itself wherever the test is about the shipped launcher;
 the bad combinations through the launcher are in test_launchers.py.
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli
-from mlperf_bert.cli import launcher_flag_variables
-from mlperf_bert.config import ConfigError
-from mlperf_bert.flag_variables import ENV_VARIABLE, FlagVariables, given_value
+from mlperf_bert.config.cli import launcher_flag_variables
+from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.config.flag_variables import ENV_VARIABLE, FlagVariables, given_value
 from mlperf_bert.main import main
 
 TABLE = FlagVariables({"--cuda_graphs": "CUDA_GRAPHS", "--input_layout": "INPUT_LAYOUT", "--balance": "BALANCE",

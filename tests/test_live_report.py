@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mlperf_bert.faults import Verdict
-from mlperf_bert.hooks import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
-from mlperf_bert.live import LiveView
-from mlperf_bert.report import RunReport, plot_curves
+from mlperf_bert.train.faults import Verdict
+from mlperf_bert.hooks.events import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
+from mlperf_bert.hooks.live import LiveView
+from mlperf_bert.hooks.report import RunReport, plot_curves
 
 
 class Clock:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlperf_bert.cuda_graphs import capturable
-from mlperf_bert.loss_scale import DeviceLossScaler
-from mlperf_bert.optim import build_optimizer, parameter_groups
+from mlperf_bert.optim.capturable import capturable
+from mlperf_bert.optim.loss_scale import DeviceLossScaler
+from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 
 STEPS = 30
 OVERFLOW_STEPS = {2, 3, 9, 10, 11, 20}  # consecutive ones too: back-off twice in a row

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from _fault_launch import free_port, pid_of, start_ranks, start_torchrun, wait_all, wait_for_steps, worker_command
 from conftest import trainer_args
-from mlperf_bert.faults import EXIT_LOST_RANK
+from mlperf_bert.runtime.exits import EXIT_LOST_RANK
 from mlperf_bert.liveness import FINISHED, LostRank, RankWatch
 
 TIMEOUT_S = 10  # --collective_timeout_s of these runs

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 import mlperf_logging.compliance_checker as checker_package
-from mlperf_bert.mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
-from mlperf_bert.schedule import LRSchedule
+from mlperf_bert.hooks.mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
+from mlperf_bert.optim.schedule import LRSchedule
 
 CHECKER_DIR = Path(checker_package.__file__).parent
 RULESETS = ("5.0.0", "2.0.0")

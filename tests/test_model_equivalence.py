@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
-from mlperf_bert.batch import FlatBatch, Sample, flatten_items, pad_items, unpad
-from mlperf_bert.checkpoint import adapt_state_dict
-from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
+from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items, pad_items, unpad
+from mlperf_bert.model.init_checkpoint import adapt_state_dict
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 
 VOCAB = 101  # deliberately not a multiple of 8: exercises the padded embedding
 MAX_LEN = 24

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mlperf_bert.optim import (
+from mlperf_bert.optim.optimizers import (
     ForeachAdamW,
     ForeachLamb,
     ReferenceAdamW,

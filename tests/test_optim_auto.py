@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fake_apex
-from mlperf_bert.cuda_graphs import capturable
-from mlperf_bert.optim import ForeachAdamW, ForeachLamb, apex_available, build_optimizer
+from mlperf_bert.optim.capturable import capturable
+from mlperf_bert.optim.optimizers import ForeachAdamW, ForeachLamb, apex_available, build_optimizer
 
 ARGS = (1e-3, (0.9, 0.999), 1e-6, 0.01, 1.0)
 

@@ -24,10 +24,12 @@ import torch
 
 from _fault_launch import mllog_events, run_ranks, worker_command
 from conftest import REPO, TRAINER, trainer_args
-from mlperf_bert.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED, StopRequest
-from mlperf_bert.mllog import MLPerfLogger
-from mlperf_bert.outputs import EXIT_IO_ERROR, LOCK_NAME, write_text_atomic
-from mlperf_bert.train_checkpoint import write_atomic
+from mlperf_bert.runtime.exits import EXIT_BAD_INPUT, EXIT_IO_ERROR, EXIT_PREEMPTED
+from mlperf_bert.train.faults import StopRequest
+from mlperf_bert.hooks.mllog import MLPerfLogger
+from mlperf_bert.outputs import LOCK_NAME
+from mlperf_bert.runtime.files import write_text_atomic
+from mlperf_bert.train.checkpoint import write_atomic
 
 
 @contextlib.contextmanager

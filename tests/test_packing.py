@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from data_prep import packing
 from data_prep.packing import PackingPlan, assign_packs, pack_histogram, pack_index_table
-from mlperf_bert.lengths import lengths_histogram, load_length_histogram
+from mlperf_bert.data.lengths import lengths_histogram, load_length_histogram
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from data_prep.fileio import sha256_file
 from data_prep.formats import DataPrepError
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import main as verify_main
-from mlperf_bert import shards
+from mlperf_bert.data import shards
 
 MAX_LEN, MAX_PRED = 64, 10
 

@@ -26,7 +26,8 @@ from _fault_launch import (
     worker_command,
 )
 from conftest import REPO, trainer_args
-from mlperf_bert.faults import EXIT_PREEMPTED, StopRequest
+from mlperf_bert.runtime.exits import EXIT_PREEMPTED
+from mlperf_bert.train.faults import StopRequest
 
 FAKES = REPO / "tests" / "fakes"
 

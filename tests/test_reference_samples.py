@@ -24,7 +24,7 @@ from data_prep import mt19937 as mt
 from data_prep import prepare
 from data_prep import reference_algorithm as ref
 from data_prep.eval_set import EvalParams, pick_indices
-from mlperf_bert.shards import open_shard as open_h5
+from mlperf_bert.data.shards import open_shard as open_h5
 from data_prep.text import tokenize_file
 from data_prep.vocab import LineEncoder, load_vocab
 

@@ -12,8 +12,8 @@ import torch
 
 from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
 from conftest import trainer_args
-from mlperf_bert.distributed import DistEnv
-from mlperf_bert.train_checkpoint import (
+from mlperf_bert.runtime.distributed import DistEnv
+from mlperf_bert.train.checkpoint import (
     FORMAT,
     Checkpointer,
     ResumeError,

@@ -36,7 +36,7 @@ def compliance(log: Path, ruleset: str, tmp_path: Path) -> str:
 
 
 def test_help_documents_every_flag():
-    from mlperf_bert.cli import build_parser
+    from mlperf_bert.config.cli import build_parser
 
     result = run_cli([sys.executable, str(TRAINER), "--help"])
     assert result.returncode == 0

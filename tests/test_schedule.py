@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlperf_bert.evaluation_interval import EvalSchedule, eval_interval_samples
-from mlperf_bert.schedule import LRSchedule, set_lr
+from mlperf_bert.train.evaluation_interval import EvalSchedule, eval_interval_samples
+from mlperf_bert.optim.schedule import LRSchedule, set_lr
 
 # NVIDIA DGXA100 8x8 (v2.0): lr 0.0015, 1271 steps, warmup 100 starting at -25.
 NV_8X8 = LRSchedule(base_lr=0.0015, max_steps=1271, warmup_steps=100, start_warmup_step=-25)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from data_prep.packing import pack_histogram
-from mlperf_bert.lengths import load_length_histogram
+from mlperf_bert.data.lengths import load_length_histogram
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "simulate_balance.py"

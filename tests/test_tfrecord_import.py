@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from data_prep import prepare
 from data_prep.formats import DataPrepError
-from mlperf_bert.shards import open_shard as open_h5
+from mlperf_bert.data.shards import open_shard as open_h5
 from data_prep.tfrecords import import_tfrecords, read_records
 from test_reference_samples import KEYS, golden_arrays
 

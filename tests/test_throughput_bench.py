@@ -14,10 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import REPO, run_cli
-from mlperf_bert import flops
-from mlperf_bert.batch import flatten_items, pad_items
-from mlperf_bert.model import BertConfig, BertForPreTraining, pretraining_loss
-from mlperf_bert.lengths import load_length_histogram
+from mlperf_bert.model import flops
+from mlperf_bert.data.batch import flatten_items, pad_items
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
+from mlperf_bert.data.lengths import load_length_histogram
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 

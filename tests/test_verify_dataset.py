@@ -17,7 +17,7 @@ from data_prep.pack import PackParams, pack_dataset
 from data_prep.reshard import ReshardParams, reshard
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import main
-from mlperf_bert.shards import Samples, write_samples
+from mlperf_bert.data.shards import Samples, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 

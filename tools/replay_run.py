@@ -21,9 +21,9 @@ from typing import Iterator, Sequence
 import torch
 from compare import read_run
 
-from mlperf_bert.faults import Verdict
-from mlperf_bert.hooks import EvalEnd, Hook, RunEnd, RunStart, StepEnd
-from mlperf_bert.report import RunReport
+from mlperf_bert.train.faults import Verdict
+from mlperf_bert.hooks.events import EvalEnd, Hook, RunEnd, RunStart, StepEnd
+from mlperf_bert.hooks.report import RunReport
 
 STEP = re.compile(r"\bstep (\d+) samples (\d+)(?:/\d+)? .*?\bloss (\S+) lr (\S+)")
 EVAL = re.compile(r"\beval\b.*?\bsamples (\d+) mlm_accuracy (\S+)(?:.*?mlm_loss (\S+))?")

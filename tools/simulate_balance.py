@@ -3,7 +3,7 @@
     python tools/simulate_balance.py --gpus 1024 --gpus-per-node 8 --local-batch 16 --trials 100
 
 Every trial draws the sequence lengths of one global step (G GPUs x B samples) i.i.d. from
-the length histogram, applies each policy (mlperf_bert.balance) and records the smallest
+the length histogram, applies each policy (mlperf_bert.input.balance) and records the smallest
 and largest per-GPU token count (the sum of the real lengths of the sequences that GPU
 gets). The report is the trial average of both, per policy.
 
@@ -52,8 +52,9 @@ from typing import Sequence
 import numpy as np
 
 from data_prep import packing
-from mlperf_bert import balance
-from mlperf_bert.lengths import load_length_histogram
+from mlperf_bert.data import stratified
+from mlperf_bert.input import balance
+from mlperf_bert.data.lengths import load_length_histogram
 
 MAX_SEQUENCE_LENGTH = 512
 TRIAL_CHUNK = 50  # trials drawn and balanced at once: bounds memory at ~50 * G * B lengths
@@ -91,7 +92,7 @@ def draw_stratified(
     counts: np.ndarray, per_stratum: Sequence[int], shape: tuple[int, ...], rng: np.random.Generator
 ) -> np.ndarray:
     """[*shape, B] local batches: per_stratum[s] lengths from stratum s, B = sum(per_stratum)."""
-    edges = [0, *balance.STRATUM_BOUNDS]
+    edges = [0, *stratified.STRATUM_BOUNDS]
     parts = []
     for (lo, hi), n in zip(zip(edges[:-1], edges[1:]), per_stratum):
         parts.append(draw_iid(counts[lo:hi], (*shape, n), rng) + lo)
@@ -101,7 +102,7 @@ def draw_stratified(
 def draw_trials(counts: np.ndarray, setup: Setup, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """{"iid", "stratified"}: [trials, gpus, local_batch] lengths, drawn in that order."""
     shape = (setup.trials, setup.gpus)
-    per_stratum = balance.stratum_counts(balance.stratum_shares(counts), setup.local_batch)
+    per_stratum = stratified.stratum_counts(stratified.stratum_shares(counts), setup.local_batch)
     return {
         "iid": draw_iid(counts, (*shape, setup.local_batch), rng),
         "stratified": draw_stratified(counts, per_stratum, shape, rng),

@@ -21,33 +21,34 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .attention import resolve_backend
-from .batch import FlatBatch, Item, flatten_items, pad_items, unpad
-from .checkpoint import load_init_checkpoint
-from .clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
-from .compiling import compile_model
-from .config import TrainConfig
-from .cuda_graphs import capturable
-from .loss_scale import DeviceLossScaler, LossScaler
-from .data import DataLimits, load_eval_set
-from .device_input import DeviceInput, HostBuilder
-from .distributed import DistEnv
-from .faults import Guard, Position, StepGuard, StopRequest
-from .hooks import Hook, Hooks
-from .outputs import write_text_atomic
-from .mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
-from .model import BertConfig, BertForPreTraining
-from .optim import build_optimizer, parameter_groups
-from .schedule import LRSchedule
-from .sources import BatchSource, open_batch_source
-from .static_batch import StaticShape, packed_shape
-from .step import EagerStep, GraphedStep, Step
-from .sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
-from .train_checkpoint import Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore
-from .live import LiveView
-from .report import RunReport
-from .train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
-from .train_state import TrainState
+from .model.attention import resolve_backend
+from .data.batch import FlatBatch, Item, flatten_items, pad_items, unpad
+from .model.init_checkpoint import load_init_checkpoint
+from .optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
+from .model.compiling import compile_model
+from .config.settings import TrainConfig
+from .optim.capturable import capturable
+from .optim.loss_scale import DeviceLossScaler, LossScaler
+from .data.dataset import DataLimits, load_eval_set
+from .input.device_input import DeviceInput, HostBuilder
+from .runtime.distributed import DistEnv
+from .train.faults import Guard, Position, StepGuard, StopRequest
+from .hooks.events import Hook, Hooks
+from .runtime.files import write_text_atomic
+from .hooks.mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
+from .model.bert import BertConfig, BertForPreTraining
+from .optim.optimizers import build_optimizer, parameter_groups
+from .optim.schedule import LRSchedule
+from .input.source_factory import open_batch_source
+from .input.sources import BatchSource
+from .data.static_batch import StaticShape, packed_shape
+from .train.step import EagerStep, GraphedStep, Step
+from .train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
+from .train.checkpoint import Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore
+from .hooks.live import LiveView
+from .hooks.report import RunReport
+from .hooks.train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
+from .train.state import TrainState
 
 
 @dataclass

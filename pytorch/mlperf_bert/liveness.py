@@ -38,8 +38,9 @@ from typing import Callable, ContextManager
 
 import torch.distributed as dist
 
-from .distributed import DistEnv
-from .faults import EXIT_LOST_RANK, TrainingStopped
+from .runtime.distributed import DistEnv
+from .runtime.exits import EXIT_LOST_RANK
+from .train.faults import TrainingStopped
 
 FINISHED = "finished"
 LEFT_AFTER_LOSS = "left after a lost peer"  # a survivor's exit status: not a root cause

@@ -13,28 +13,27 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .checkpoint import CheckpointError
-from .cli import build_parser, config_from_args, launcher_flag_variables
-from .config import ConfigError
-from .data import DataError
-from .distributed import dist_env_from, init_distributed, shutdown
-from .faults import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED
-from .faults import StopRequest, TrainingStopped
+from .model.init_checkpoint import CheckpointError
+from .config.cli import build_parser, config_from_args, launcher_flag_variables
+from .config.settings import ConfigError
+from .data.dataset import DataError
+from .runtime.distributed import dist_env_from, init_distributed, shutdown
+from .runtime.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_IO_ERROR, EXIT_PREEMPTED
+from .train.faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
 from .build import resolve_device
-from .hooks import Hook
-from .outputs import EXIT_IO_ERROR, describe_write_error, own_output_dir
+from .hooks.events import Hook
+from .outputs import describe_write_error, own_output_dir
 from .startup import check_environment
 from .trainer import run
 
 EXIT_DIR_VARIABLE = "MLPERF_BERT_EXIT_DIR"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
-EXIT_INTERRUPTED = 130  # a second Ctrl-C: the shell's code for death by SIGINT
 
 
 def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: Sequence[Hook] = ()) -> int:
-    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 74 write failure (mlperf_bert.outputs),
-    75 preempted (SIGTERM, SIGUSR1, Ctrl-C), 76 lost rank (mlperf_bert.faults), 130 a second Ctrl-C.
+    """Exit codes: 0 done, 2 bad input, 3 numeric blow-up, 74 write failure, 75 preempted (SIGTERM,
+    SIGUSR1, Ctrl-C), 76 lost rank, 130 a second Ctrl-C (all in `runtime/exits.py`).
 
     stop: installed SIGTERM / SIGUSR1 handlers; None installs them for this call only.
     hooks: more hooks for the training loop (`trainer.run`).

@@ -14,8 +14,8 @@ such a folder, and its log.
 Every rank learns rank 0's verdict (one broadcast), so all refuse together with exit 2.
 
 Write failures (ENOSPC, EROFS, EACCES, EFBIG) of anything the run writes end it with
-`describe_write_error`'s one line and EXIT_IO_ERROR; `write_text_atomic` writes small files
-(resolved_config.json) so that such a line can name them.
+`describe_write_error`'s one line and EXIT_IO_ERROR; `runtime.files` writes every file so that
+such a line can name it.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from .config import RESUME_AUTO, TrainConfig
-from .distributed import DistEnv
-from .train_checkpoint import list_checkpoints
+from .config.settings import RESUME_AUTO, TrainConfig
+from .runtime.distributed import DistEnv
+from .train.checkpoint import list_checkpoints
 
 LOCK_NAME = ".run.lock"
-EXIT_IO_ERROR = 74  # sysexits EX_IOERR
 
 _WRITE_HINTS = {
     errno.ENOSPC: "the file system is full: free space or pick another --output_dir",
@@ -59,25 +58,6 @@ def describe_write_error(err: OSError) -> str:
     code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno else "I/O error"
     hint = _WRITE_HINTS.get(err.errno, "check that file system") if err.errno else "check that file system"
     return f"cannot write {where}: {err.strerror or err} ({code}); {hint}. Earlier checkpoints are intact"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """`text` into `path` through a temporary file, fsync and a rename; a failed write names `path`.
-
-    (`Path.write_text` reports a failure at close without the file name.)
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        with open(tmp, "x") as f:  # x: never follows a symlink planted under the temporary name
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _is_resume(cfg: TrainConfig) -> bool:

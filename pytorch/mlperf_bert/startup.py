@@ -16,10 +16,10 @@ from typing import Mapping
 
 import torch
 
-from .config import RESUME_AUTO, ConfigError, TrainConfig
-from .distributed import launched_by_mpi
-from .model import BertConfig
-from .stratified import STRATA_FILE
+from .config.settings import RESUME_AUTO, ConfigError, TrainConfig
+from .runtime.distributed import launched_by_mpi
+from .model.bert import BertConfig
+from .data.stratified import STRATA_FILE
 
 GIB = 2**30
 

@@ -18,15 +18,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .batch import FlatBatch
+from .data.batch import FlatBatch
 from .build import Evaluation, Run, build_evaluation, build_run
-from .config import TrainConfig
-from .distributed import DistEnv, all_reduce_sum
-from .evaluation_interval import EvalSchedule
-from .faults import Position, StepFacts, StopRequest, TrainingStopped, nonfinite_loss_error, rolled_back_error
-from .hooks import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
-from .precision import autocast
-from .train_state import TrainState
+from .config.settings import TrainConfig
+from .runtime.distributed import DistEnv, all_reduce_sum
+from .train.evaluation_interval import EvalSchedule
+from .train.faults import Position, StepFacts, StopRequest, TrainingStopped, nonfinite_loss_error, rolled_back_error
+from .hooks.events import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
+from .model.precision import autocast
+from .train.state import TrainState
 
 
 @dataclass(frozen=True)

@@ -9,4 +9,7 @@ same code runs on a real GPU (`make gpu-check`).
 
 Nothing in this package may import torch at import time: `__main__` loads the fake device
 first.
+
+May import: the spine, config/, data/, input/, model/, optim/, train/, hooks/, runtime/ (it
+drives a whole run)
 """

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         from .native import load
 
         load()
-    from ..config import ConfigError
+    from ..config.settings import ConfigError
     from .report import print_report
     from .run import dry_run
 

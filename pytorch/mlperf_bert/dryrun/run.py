@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 from .. import trainer
-from ..batch import Item, Sample, flatten_items
+from ..data.batch import Item, Sample, flatten_items
 from ..build import Run, Supplied, build_run, cpu_model
-from ..cli import parse_config
-from ..config import TrainConfig
-from ..distributed import DistEnv, dist_env_from
-from ..faults import StopRequest
-from ..sources import TokenImbalance
-from ..static_batch import StaticShape
+from ..config.cli import parse_config
+from ..config.settings import TrainConfig
+from ..runtime.distributed import DistEnv, dist_env_from
+from ..train.faults import StopRequest
+from ..input.sources import TokenImbalance
+from ..data.static_batch import StaticShape
 from . import cuda_standins
 from .bucketed import BucketedDataParallel
 from .record import Event, Recorder

@@ -1,0 +1,9 @@
+"""The run's settings: the typed config tree, its flags and the launcher's variable names.
+
+Owns: `settings.py` (one frozen dataclass per component, validation from the values alone,
+each flag's default, choices and help), `cli.py` (argparse generated from that tree, MLPerf
+flag names) and `flag_variables.py` (which config variable of `run_and_time.sh` set a flag,
+so error lines name it).
+
+May import: runtime/
+"""

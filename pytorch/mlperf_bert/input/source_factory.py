@@ -1,0 +1,102 @@
+"""Which `BatchSource` a run's --balance builds, over which stream, after which data check.
+
+`open_batch_source` is the one entry: it checks the training folder on every rank
+(`check_input_data`), opens the rank's stream (plain shards or a stratified folder) and wraps
+it in the source of the configured policy (`sources.py` says what each policy does). The
+MPI-backed `cpu_exchange` source is imported only when chosen: mpi4py starts MPI on import.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config.settings import TrainConfig
+from ..data.dataset import DataError, DataLimits, PretrainingDataset, discover_shards
+from ..data.stratified import StratifiedDataset, is_stratified
+from ..data.validate import check_dataset
+from ..runtime.distributed import DistEnv
+from .exchange import TorchCollectives
+from .sources import BatchSource, ExchangeSource, ItemStream, LocalSource, TokenMeter
+
+
+def check_input_data(input_dir: str, limits: DataLimits, denv: DistEnv) -> None:
+    """The whole training folder checked before the first step (`data_validate.check_dataset`).
+
+    Each rank reads the rows of every W-th shard; one all-reduce makes every rank stop with
+    exit 2 when any rank found a problem, instead of the others training on without it.
+    """
+    problem = None
+    try:
+        check_dataset(input_dir, limits, denv.rank, denv.world_size)
+    except DataError as err:
+        problem = err
+    if denv.is_distributed and dist.is_initialized():
+        failed = torch.tensor([problem is not None], dtype=torch.int64)
+        dist.all_reduce(failed, group=world_group())
+        if failed.item() and problem is None:
+            raise DataError(f"{input_dir}: another rank found a bad shard (its error line names it); "
+                            "run data_prep/verify_dataset.py on the folder")
+    if problem is not None:
+        raise problem
+
+
+def open_stream(input_dir: str, limits: DataLimits, denv: DistEnv, micro_batch: int, seed: int) -> ItemStream:
+    """The rank's stream: stratified when `input_dir` holds strata.json, else plain shards."""
+    if is_stratified(input_dir):
+        return StratifiedDataset(input_dir, limits, rank=denv.rank, world_size=denv.world_size,
+                                 items_per_rank_step=micro_batch, seed=seed)
+    return PretrainingDataset(discover_shards(input_dir), limits, rank=denv.rank, world_size=denv.world_size,
+                              items_per_rank_step=micro_batch, seed=seed)
+
+
+def world_group() -> dist.ProcessGroup:
+    """A gloo group of all ranks (the data path's host collectives); every rank calls it."""
+    if not dist.is_initialized():
+        raise RuntimeError("the data path of a multi-process run needs torch.distributed; call init_distributed first")
+    return dist.new_group(backend="gloo")
+
+
+def node_group(denv: DistEnv) -> dist.ProcessGroup:
+    """A gloo group of this rank's node: ranks [n N, (n + 1) N), N = local_world_size.
+
+    Every rank creates every node's group, in the same order (torch.distributed requires it).
+    """
+    per_node = denv.local_world_size
+    if denv.world_size % per_node:
+        raise ValueError(
+            f"{denv.world_size} ranks do not split into nodes of {per_node} (LOCAL_WORLD_SIZE / "
+            "SLURM_NTASKS_PER_NODE); launch the same number of ranks on every node"
+        )
+    groups = [dist.new_group(list(range(first, first + per_node)), backend="gloo")
+              for first in range(0, denv.world_size, per_node)]
+    return groups[denv.rank // per_node]
+
+
+def open_batch_source(cfg: TrainConfig, denv: DistEnv, limits: DataLimits) -> BatchSource:
+    """Builds the configured source; the caller closes it. Every rank calls it at the same point."""
+    assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
+    check_input_data(cfg.data.input_dir, limits, denv)
+    stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed)
+    try:
+        return _balanced(stream, cfg, denv)
+    except BaseException:
+        stream.close()
+        raise
+
+
+def _balanced(stream: ItemStream, cfg: TrainConfig, denv: DistEnv) -> BatchSource:
+    policy, order = cfg.data.balance, cfg.data.deal_order
+    if not denv.is_distributed:
+        return LocalSource(stream)  # one rank: nothing to balance
+    world = world_group()
+    meter = TokenMeter(world)
+    if policy == "none":
+        return LocalSource(stream, meter)
+    if policy == "cpu_exchange":
+        from .host_exchange import CpuExchangeSource, mpi_collectives  # mpi4py starts MPI on import
+
+        pin = cfg.run.device != "cpu" and torch.cuda.is_available()
+        return CpuExchangeSource(stream, mpi_collectives(denv), order, meter, pin=pin)
+    group = node_group(denv) if policy == "local_presort" else world
+    return ExchangeSource(stream, TorchCollectives(group), order, meter)

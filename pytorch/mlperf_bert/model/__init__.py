@@ -1,0 +1,9 @@
+"""BERT for pretraining on flat (unpadded) tokens, and what shapes its arithmetic.
+
+Owns: `bert.py` (the model; parameter names equal HuggingFace `BertForPreTraining`),
+`attention.py` (the attention back-ends over flat tokens and `cu_seqlens`),
+`init_checkpoint.py` (strict loading of the phase-1 checkpoint), `precision.py` (autocast),
+`compiling.py` (regional torch.compile) and `flops.py` (the useful-FLOP formula).
+
+May import: data/, config/, runtime/
+"""

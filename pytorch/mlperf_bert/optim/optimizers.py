@@ -1,0 +1,396 @@
+"""LAMB and ADAM(W) with the semantics of NVIDIA apex FusedLAMB / FusedAdam.
+
+Closed-division BERT must train with LAMB as apex FusedLAMB computes it; the open division
+(Samsung) used apex FusedAdam in AdamW mode. Each optimizer exists twice:
+
+* `ReferenceLamb` / `ReferenceAdamW`: one Python loop over tensors, written to be read and
+  to be the ground truth in tests;
+* `ForeachLamb` / `ForeachAdamW`: the same arithmetic as a handful of multi-tensor
+  (`torch._foreach_*`) launches, with no device-to-host synchronisation.
+
+`build_optimizer` picks one of them, or apex itself when it is installed.
+
+LAMB step, as apex `FusedLAMB` with its defaults (bias_correction=True, grad_averaging=True,
+adam_w_mode=True, use_nvlamb=False) computes it (`csrc/multi_tensor_lamb.cu`):
+
+1. `norm` = L2 norm of ALL gradients of ALL groups together; when `norm > max_grad_norm`
+   every gradient is divided by `norm / max_grad_norm` (global clipping, before the moments).
+2. Per group, `group["step"] += 1` (one counter per group, a Python int, as apex keeps it).
+3. `m = beta1*m + (1-beta1)*g`  (grad averaging: beta3 = 1-beta1);  `v = beta2*v + (1-beta2)*g*g`.
+4. `update = (m / (1-beta1**step)) / (sqrt(v / (1-beta2**step)) + eps) + weight_decay * p`.
+5. Trust ratio `r = ||p|| / ||update||` per tensor (p before this step), `r = 1` when either
+   norm is 0. With use_nvlamb=False apex applies r ONLY to tensors whose group has
+   weight_decay != 0; biases and LayerNorm parameters (weight_decay 0) take plain Adam steps.
+6. `p -= lr * r * update`.
+
+ADAM(W) (apex `FusedAdam`, adam_w_mode=True) is steps 1-4 and `p -= lr * update`, with the
+global clipping of step 1 only when `max_grad_norm` is set.
+
+Differences from apex, on purpose: gradients are left untouched (apex overwrites `p.grad`
+with the update); `lr` may be a 0-dim tensor on the parameters' device (device-resident lr,
+written in place by `schedule.set_lr`); bias corrections are computed in float64 on the host
+(apex: float32), a difference far below the fp32 rounding of the update itself.
+
+State layout (identical in every implementation, and equal to apex's): per parameter
+`exp_avg`, `exp_avg_sq`; per group an int `step`. A state dict saved by one implementation
+loads into any other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ClassVar, Iterable, Sequence, cast
+
+import torch
+
+LAMB_NAMES = ("lamb",)
+ADAM_NAMES = ("adam", "adamw")
+IMPLEMENTATIONS = ("auto", "reference", "foreach", "apex")
+
+# Substrings of parameter names that never take weight decay (MLPerf BERT / TF reference
+# `exclude_from_weight_decay`); any other 1-D parameter is excluded as well.
+NO_DECAY_NAME_PARTS = ("bias", "LayerNorm", "layer_norm")
+
+LearningRate = float | torch.Tensor
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Splits trainable parameters into a decayed group and a weight_decay=0 group.
+
+    Biases, LayerNorm parameters (by name) and any other 1-D parameter are not decayed,
+    as in MLPerf BERT. Groups keep model order; an empty group is dropped.
+    """
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        excluded = param.ndim <= 1 or any(part in name for part in NO_DECAY_NAME_PARTS)
+        (no_decay if excluded else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _check_hyperparameters(lr: LearningRate, betas: Sequence[float], eps: float, max_grad_norm: float | None) -> None:
+    if not isinstance(lr, torch.Tensor) and lr < 0:
+        raise ValueError(f"learning rate must be >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0, or None to switch clipping off; got {max_grad_norm}")
+
+
+def _clip_divisor(global_norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """0-dim tensor every gradient is divided by: norm/max when norm > max, else 1 (apex)."""
+    ratio = global_norm / max_grad_norm
+    return torch.where(global_norm > max_grad_norm, ratio, torch.ones_like(ratio))
+
+
+class _ApexSemantics(torch.optim.Optimizer):
+    """Shared construction, step counting, clipping and state handling.
+
+    LAMB is AdamW plus the per-tensor trust ratio, so one class attribute tells them apart.
+    """
+
+    trust_ratio: ClassVar[bool]
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: LearningRate,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        _check_hyperparameters(lr, betas, eps, max_grad_norm)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # Global, like apex (which reads it from self.defaults): clipping spans all groups.
+        self.max_grad_norm = max_grad_norm
+
+    def _with_grad(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("sparse gradients are not supported")
+            self._ensure_state(p)
+        return params
+
+    def _ensure_state(self, p: torch.Tensor) -> None:
+        """Zero moments for a parameter that has none yet (apex's layout: exp_avg, exp_avg_sq)."""
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _all_grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _uses_trust_ratio(self, group: dict[str, Any]) -> bool:
+        # apex use_nvlamb=False: the ratio only for tensors that are weight-decayed.
+        return self.trust_ratio and group["weight_decay"] != 0
+
+    @staticmethod
+    def _advance(group: dict[str, Any]) -> tuple[float, float]:
+        """Counts the step and returns the bias corrections (1-beta1^t, 1-beta2^t)."""
+        group["step"] = group.get("step", 0) + 1
+        beta1, beta2 = group["betas"]
+        return 1.0 - beta1 ** group["step"], 1.0 - beta2 ** group["step"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads as torch does, but keeps device-resident lr tensors (same object, new value).
+
+        A trainer (or a captured CUDA graph) holds on to those tensors; torch's default would
+        replace them with copies.
+        """
+        live_lrs = [g["lr"] for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, live in zip(self.param_groups, live_lrs):
+            if isinstance(live, torch.Tensor):
+                live.copy_(torch.as_tensor(group["lr"]))
+                group["lr"] = live
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+
+def _trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor) -> torch.Tensor:
+    """||p|| / ||update||, or 1 where either norm is 0 (apex LAMBStage2Functor)."""
+    usable = (param_norm != 0) & (update_norm != 0)
+    return torch.where(usable, param_norm / torch.where(usable, update_norm, 1.0), 1.0)
+
+
+class _ReferenceLoop(_ApexSemantics):
+    """The readable form: one tensor at a time, each formula written out once."""
+
+    def _update(self) -> None:
+        grads = self._all_grads()
+        divisor = None
+        if self.max_grad_norm is not None and grads:
+            squares = cast(torch.Tensor, sum(g.float().pow(2).sum() for g in grads))  # grads is not empty
+            divisor = _clip_divisor(torch.sqrt(squares), self.max_grad_norm)
+        for group in self.param_groups:
+            bc1, bc2 = self._advance(group)
+            for p in self._with_grad(group):
+                update = self._tensor_update(p, group, divisor, bc1, bc2)
+                ratio = _trust_ratio(p.norm(), update.norm()) if self._uses_trust_ratio(group) else 1.0
+                p.sub_(update * (group["lr"] * ratio))
+
+    def _tensor_update(self, p: torch.Tensor, group: dict[str, Any], divisor: torch.Tensor | None,
+                       bc1: float, bc2: float) -> torch.Tensor:
+        """Advances the moments of p; returns m_hat / (sqrt(v_hat) + eps) + weight_decay * p."""
+        beta1, beta2 = group["betas"]
+        grad = cast(torch.Tensor, p.grad)  # _with_grad yields only parameters that have one
+        g = grad if divisor is None else grad / divisor
+        m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        update = (m / bc1) / ((v / bc2).sqrt() + group["eps"])
+        if group["weight_decay"] != 0:
+            update = update + group["weight_decay"] * p
+        return update
+
+
+class ReferenceLamb(_ReferenceLoop):
+    """LAMB (apex FusedLAMB semantics), one tensor at a time. MLPerf: eps 1e-6, clip 1.0."""
+
+    trust_ratio = True
+
+
+class ReferenceAdamW(_ReferenceLoop):
+    """AdamW (apex FusedAdam adam_w_mode), one tensor at a time."""
+
+    trust_ratio = False
+
+
+class ForeachKernels(_ApexSemantics):
+    """The fast form: a few multi-tensor launches per group, no host synchronisation.
+
+    `lr` may be a float or a 0-dim tensor on the parameters' device (a device-resident
+    learning rate the schedule writes in place, so neither a host sync nor a graph
+    re-capture is needed when it changes). Clipping and trust ratios stay on the device.
+    """
+
+    def _update(self) -> None:
+        grads = self._all_grads()
+        divisor = None
+        if self.max_grad_norm is not None and grads:
+            norms = torch._foreach_norm(grads, dtype=torch.float32)
+            divisor = _clip_divisor(torch.linalg.vector_norm(torch.stack(norms)), self.max_grad_norm)
+        for group in self.param_groups:
+            corrections = self._advance(group)
+            params = self._with_grad(group)
+            if not params:
+                continue
+            param_norms = torch._foreach_norm(params) if self._uses_trust_ratio(group) else None
+            updates = self._updates(group, params, divisor, corrections)
+            scales: torch.Tensor | float = group["lr"]
+            if param_norms is not None:
+                ratios = _trust_ratio(torch.stack(param_norms), torch.stack(torch._foreach_norm(updates)))
+                scales = ratios * group["lr"]
+            _apply(params, updates, scales)
+
+    def _updates(self, group: dict[str, Any], params: list[torch.Tensor], divisor: torch.Tensor | None,
+                 corrections: tuple[float, float]) -> list[torch.Tensor]:
+        """Advances the moments of `params`; returns m_hat / (sqrt(v_hat) + eps) + wd * p."""
+        (beta1, beta2), (bc1, bc2) = group["betas"], corrections
+        exp_avg = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # parameters with a gradient only
+        scratch = torch._foreach_div(grads, divisor) if divisor is not None else torch._foreach_mul(grads, 1.0)
+        torch._foreach_mul_(exp_avg, beta1)
+        torch._foreach_add_(exp_avg, scratch, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, scratch, scratch, value=1.0 - beta2)
+        # The scaled gradients are no longer needed: reuse their memory for the denominator.
+        torch._foreach_copy_(scratch, exp_avg_sq)
+        torch._foreach_div_(scratch, bc2)
+        torch._foreach_sqrt_(scratch)
+        torch._foreach_add_(scratch, group["eps"])
+        updates = torch._foreach_div(exp_avg, bc1)
+        torch._foreach_div_(updates, scratch)
+        if group["weight_decay"] != 0:
+            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+        return list(updates)
+
+
+def _apply(params: list[torch.Tensor], updates: list[torch.Tensor], scales: torch.Tensor | float) -> None:
+    """p -= scale * update, with `scales` a float, a 0-dim tensor or one value per tensor.
+
+    Always multiply-then-subtract, so a float lr and an equal tensor lr give the same bits.
+    """
+    if isinstance(scales, torch.Tensor) and scales.ndim == 1:
+        torch._foreach_mul_(updates, list(scales.to(updates[0].dtype).unbind()))
+    else:
+        torch._foreach_mul_(updates, scales)
+    torch._foreach_sub_(params, updates)
+
+
+class ForeachLamb(ForeachKernels):
+    """LAMB with multi-tensor kernels; the arithmetic of `ReferenceLamb`."""
+
+    trust_ratio = True
+
+
+class ForeachAdamW(ForeachKernels):
+    """AdamW with multi-tensor kernels; the arithmetic of `ReferenceAdamW`."""
+
+    trust_ratio = False
+
+
+def apex_available() -> bool:
+    """True when apex's fused optimizers (and their CUDA extensions) import."""
+    try:
+        import apex.optimizers  # noqa: F401
+        import amp_C  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _build_apex(params: Any, name: str, lr: LearningRate, betas: tuple[float, float], eps: float,
+                weight_decay: float, max_grad_norm: float | None) -> torch.optim.Optimizer:
+    from apex.optimizers import FusedAdam, FusedLAMB
+
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("implementation 'apex' takes lr as a float; use implementation 'foreach' for a tensor lr")
+    if name in LAMB_NAMES:
+        # apex clips when norm > max_grad_norm; an infinite bound switches clipping off.
+        bound = math.inf if max_grad_norm is None else max_grad_norm
+        return FusedLAMB(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         max_grad_norm=bound, use_nvlamb=False)
+    if max_grad_norm is not None:
+        raise ValueError("apex FusedAdam has no global clipping: pass max_grad_norm=None (clip in the "
+                         "clipping module) or choose implementation 'foreach'")
+    return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)
+
+
+def _resolve_implementation(name: str, implementation: str, max_grad_norm: float | None, lr: LearningRate,
+                            cuda_graphs: bool = False) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"optimizer implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if name not in LAMB_NAMES + ADAM_NAMES:
+        raise ValueError(f"optimizer name must be one of {LAMB_NAMES + ADAM_NAMES}, got {name!r}")
+    if implementation == "auto":
+        return _auto_implementation(name, max_grad_norm, lr, cuda_graphs)
+    if implementation == "apex" and cuda_graphs:
+        raise ValueError(f"--optimizer_impl apex cannot run inside a CUDA graph: {APEX_NOT_GRAPH_SAFE}; "
+                         "use --optimizer_impl foreach (or auto) with --cuda_graphs")
+    if implementation == "apex" and not apex_available():
+        raise ImportError("implementation 'apex' needs NVIDIA apex with its CUDA extensions; "
+                          "install it or choose 'foreach'")
+    return implementation
+
+
+# Why apex's FusedLAMB / FusedAdam are never captured: both keep the step count as a Python int
+# and take lr as a float, so a graph would replay the bias corrections and learning rate of the
+# captured step forever; FusedLAMB also reads its overflow buffer on the host.
+APEX_NOT_GRAPH_SAFE = "its step count and learning rate are host numbers a graph would freeze at capture"
+
+
+def _auto_implementation(name: str, max_grad_norm: float | None, lr: LearningRate, cuda_graphs: bool) -> str:
+    """apex for eager steps where it computes the same thing; foreach under CUDA graphs.
+
+    apex takes a float lr only, and FusedAdam cannot clip globally: those stay on foreach.
+    Under --cuda_graphs the step is captured, which apex's optimizers cannot be
+    (APEX_NOT_GRAPH_SAFE), so foreach (whose capturable twin keeps all state on the device).
+    """
+    if cuda_graphs:
+        return "foreach"
+    apex_fits = not isinstance(lr, torch.Tensor) and (name in LAMB_NAMES or max_grad_norm is None)
+    return "apex" if apex_fits and apex_available() else "foreach"
+
+
+def _optimizer_class(name: str, implementation: str) -> type[_ApexSemantics]:
+    if name in LAMB_NAMES:
+        return ReferenceLamb if implementation == "reference" else ForeachLamb
+    return ReferenceAdamW if implementation == "reference" else ForeachAdamW
+
+
+def build_optimizer(
+    params_or_groups: Any,
+    name: str,
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    max_grad_norm: float | None,
+    implementation: str = "auto",
+    cuda_graphs: bool = False,
+) -> torch.optim.Optimizer:
+    """Builds LAMB or ADAM(W).
+
+    name: "lamb" | "adam" ("adamw" is accepted as a synonym; ADAM here is always decoupled
+      weight decay, as apex FusedAdam adam_w_mode and Samsung's open submission).
+    params_or_groups: parameters or groups (see `parameter_groups`); `weight_decay` is the
+      default for groups that do not set their own.
+    lr: float, or a 0-dim tensor (device-resident learning rate; not for apex).
+    max_grad_norm: global gradient-norm clip inside the optimizer; None switches it off
+      (when the clipping module has already clipped).
+    implementation: "auto" (apex when it imports, lr is a float and, for ADAM, no clipping is
+      asked for; otherwise "foreach"), "reference", "foreach" or "apex". Note that apex
+      overwrites p.grad with the update inside step().
+    cuda_graphs: the step will be captured in a CUDA graph: "auto" then never picks apex,
+      and "apex" is refused (see APEX_NOT_GRAPH_SAFE).
+    """
+    chosen = _resolve_implementation(name, implementation, max_grad_norm, lr, cuda_graphs)
+    _check_hyperparameters(lr, betas, eps, max_grad_norm)
+    if chosen == "apex":
+        return _build_apex(params_or_groups, name, lr, betas, eps, weight_decay, max_grad_norm)
+    cls = _optimizer_class(name, chosen)
+    return cls(params_or_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+               max_grad_norm=max_grad_norm)
