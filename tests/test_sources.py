@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from _balance_worker import ID_BASE, LIMITS, MAX_LEN, MAX_PRED, write_dataset
 from data_prep.stratify import StratifyParams, stratify
 from mlperf_bert import startup
-from mlperf_bert.data import stratified
+from mlperf_bert.input import balance
 from mlperf_bert.data.batch import Sample, flatten_items
 from mlperf_bert.config.settings import ConfigError, DataSettings
 from mlperf_bert.data.dataset import DataError, read_shard
@@ -31,7 +31,7 @@ from mlperf_bert.input.host_exchange import Prefetcher
 from mlperf_bert.input.source_factory import check_input_data
 from mlperf_bert.input.sources import LocalSource, TokenImbalance, TokenMeter
 from mlperf_bert.data.shards import list_shards
-from mlperf_bert.data.stratified import Strata, StratifiedDataset
+from mlperf_bert.data.stratified import Strata, StratifiedDataset, stratum_counts
 
 BOUNDS = (16, 32, 48, 64)
 
@@ -107,7 +107,7 @@ def test_strata_counts_come_from_strata_json(stratified):
     record = json.loads((stratified / "strata.json").read_text())
     strata = Strata.read(stratified)
     assert list(strata.shares) == record["shares"]
-    assert strata.per_batch(8) == stratified.stratum_counts(record["shares"], 8)
+    assert strata.per_batch(8) == stratum_counts(record["shares"], 8)
     assert sum(strata.per_batch(8)) == 8
 
 
