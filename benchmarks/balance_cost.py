@@ -11,7 +11,7 @@ In one process, for one node of 8 ranks, per step:
   build     assign plus building all 8 ranks' flat batches (batch.flatten_items) from the
             pooled samples: the host work a step needs with or without balancing
 and the payload a rank receives when the samples themselves are all-gathered (what NVIDIA's
-exchange padding moves) against what the all-to-all of `exchange.py` moves.
+exchange padding moves) against what the all-to-all of `input/exchange.py` moves.
 
 With --collectives it also starts 8 processes (gloo, torch.distributed) and then
 `mpiexec -n 8` (MPI) that run the real exchange (`exchange.exchange`) on synthetic samples

@@ -130,7 +130,7 @@ def stratum_of(length: int) -> int:
 
 
 def epoch_ends(total: int, per_step: int, steps: int) -> list[int]:
-    """Step counts at which the stream's epochs end (data.py: a pass plus the carried tail)."""
+    """Step counts at which the stream's epochs end (data/dataset.py: a pass plus the carried tail)."""
     ends, epoch, end = [], 0, 0
     while True:
         end += (epoch * total % per_step + total) // per_step

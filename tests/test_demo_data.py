@@ -1,4 +1,4 @@
-"""data_prep/make_demo_data.py, run as a user runs it, and its output read back by data.py."""
+"""data_prep/make_demo_data.py, run as a user runs it, and its output read back by data/dataset.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Every local batch of B samples takes c_k samples from stratum k, with c = the sh
 largest-remainder rounded (`stratum_counts`: 6/3/2/5 at B = 16 on Wikipedia). Each
 stratum is its own `PretrainingDataset` stream with c_k items per rank and step, so within a
 stratum every sample is used exactly once per pass, in a random order, split over the ranks
-as in `data.py`. The strata run through their passes at nearly the same pace (c_k / B is
+as in `dataset.py`. The strata run through their passes at nearly the same pace (c_k / B is
 close to the stratum's share), not in lockstep.
 """
 

@@ -1,6 +1,6 @@
 """Run checkpoints: everything a stopped run needs to continue exactly where it stopped.
 
-(`checkpoint.py` loads *init* checkpoints, weights only; this module saves and restores runs.)
+(`model/init_checkpoint.py` loads *init* checkpoints, weights only; this module saves and restores runs.)
 
 Files. One `ckpt-<samples, 12 digits>.pt` per checkpoint in the checkpoint folder (inside
 --output_dir), named by the training samples consumed, which only grow (optimizer steps do not
@@ -16,7 +16,7 @@ a checkpoint cannot run code.
 - `train_state`: `TrainState.state_dict()` (steps, samples, skipped steps, evals so far);
 - `data`: `BatchSource.state_dict()`: the stream position (epoch, step) plus the seed, world
   size, items per rank step and total items it depends on. The shard order of an epoch, the
-  shard a rank reads and the offset in it are pure functions of (seed, epoch, step) (data.py),
+  shard a rank reads and the offset in it are pure functions of (seed, epoch, step) (data/dataset.py),
   so these integers are the whole data position; a resume with other data, seed, ranks or
   batch size is refused.
 - `rng`: one entry per rank (index = rank): torch's CPU generator, the CUDA generator of the
