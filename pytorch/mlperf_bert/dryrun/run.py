@@ -34,7 +34,8 @@ from .. import trainer
 from ..data.batch import Item, Sample, flatten_items
 from ..build import Run, Supplied, build_run, cpu_model
 from ..config.cli import parse_config
-from ..config.settings import TrainConfig
+from ..config.settings import ConfigError, TrainConfig
+from ..model.fp8 import fp8_unavailable
 from ..runtime.distributed import DistEnv, dist_env_from
 from ..train.faults import StopRequest
 from ..input.sources import TokenImbalance
@@ -208,6 +209,10 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     """Builds the configured run on 'cuda', runs `steps` steps and an eval; the report lists the findings."""
     denv = dist_env_from(os.environ if env is None else env)
     cfg = parse_config(trainer_argv, denv.world_size)
+    if cfg.run.precision == "fp8" and not fake:  # the trainer's start-up check (the fake device is 9.0)
+        problem = fp8_unavailable(torch.device("cuda", 0))
+        if problem is not None:
+            raise ConfigError(problem)
     recorder = Recorder(fake=fake)
     with built_run(cfg, denv, recorder, fake) as (run, log):
         run_steps(run, recorder, steps)

@@ -64,17 +64,17 @@ class _ImportNoise(logging.Filter):
         return not (message.startswith("Failed to load") or "is an Enum subclass" in message)
 
 
+_NOISE = _ImportNoise()
+
+
 def _quiet_torchao_import() -> None:
-    """Imports torchao's FP8 training without the import noise every rank would print."""
-    noise = _ImportNoise()
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    for logger in loggers:
-        logger.addFilter(noise)
-    try:
-        import torchao.float8  # noqa: F401
-    finally:
-        for logger in loggers:
-            logger.removeFilter(noise)
+    """Imports torchao's FP8 training without the noise every rank would print (the filter stays: the
+    deprecation note comes again when torchao registers more enums, at its first conversion)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if _NOISE not in logger.filters:
+            logger.addFilter(_NOISE)
+    import torchao.float8  # noqa: F401
 
 
 def torchao_missing() -> str | None:
