@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
 from _runs import cpu_run
-from conftest import TRAINER, make_demo_data, run_cli, trainer_args
+from conftest import REPO, TRAINER, make_demo_data, run_cli, trainer_args
 from mlperf_bert import trainer
 from mlperf_bert.build import Evaluation
 from mlperf_bert.config.settings import ConfigError
@@ -206,3 +207,23 @@ def test_fp8_run_without_torchao_stops_with_the_install_line(demo_data: Path, tm
                      "this test): pip install 'torchao==0.18.*' (the [fp8] extra of this package)"], result.stderr
     assert not (tmp_path / "out" / "mlperf.log").exists()
 
+
+
+@pytest.mark.slow
+def test_demo_with_precision_fp8_trains_and_passes_both_rulesets(tmp_path: Path) -> None:
+    """`PRECISION=fp8 tools/run_demo.sh` (what `PRECISION=fp8 make demo` runs), at toy size: the environment's
+    precision replaces the config's, and the FP8 run's MLPerf log passes the compliance checker."""
+    toy = {"DEMO_NUM_TRAIN": "600", "DEMO_NUM_SHARDS": "2", "DEMO_HIDDEN_SIZE": "32", "DEMO_INTERMEDIATE_SIZE": "64",
+           "NUM_EVAL_EXAMPLES": "100", "EVAL_BATCH_SIZE": "50", "BATCHSIZE": "8", "EVAL_ITER_START_SAMPLES": "32",
+           "EVAL_ITER_SAMPLES": "32", "MAX_STEPS": "4", "WARMUP_STEPS": "1", "TARGET_MLM_ACCURACY": "0.01",
+           "MAX_SAMPLES_TERMINATION": "64", "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10"}
+    config = tmp_path / "config_toy.sh"
+    config.write_text((REPO / "config_CPU_1x2.sh").read_text() + "".join(f"export {k}={v}\n" for k, v in toy.items()))
+    result = run_cli(["bash", "tools/run_demo.sh"], env={
+        "PYTHON": sys.executable, "PRECISION": "fp8", "DEMO_CONFIG": str(config), "SEED": "3",
+        "DEMO_DATA": str(tmp_path / "data"), "LOGDIR": str(tmp_path / "runs")})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "precision fp8" in result.stdout
+    assert "ruleset 5.0.0: SUCCESS" in result.stdout and "ruleset 2.0.0: SUCCESS" in result.stdout, result.stdout
+    (resolved,) = (tmp_path / "runs").glob("*_3/resolved_config.json")
+    assert json.loads(resolved.read_text())["run"]["precision"] == "fp8"
