@@ -53,7 +53,7 @@ FP8_GEMMS_PER_EVAL_BATCH = 2 * 6
 def _extra_reads(output: str) -> set[str]:
     found = re.search(r"FAIL: \d+ host reads in \d+ steps, more than .*?: (.*)", output)
     reads = set(found.group(1).split("; ")) if found else set()
-    return {read for read in reads if not re.fullmatch(r"mlperf_bert/faults\.py:\d+ \(agree\)", read)}
+    return {read for read in reads if not re.fullmatch(r"mlperf_bert/train/faults\.py:\d+ \(agree\)", read)}
 
 
 @pytest.mark.parametrize("config", GPU_CONFIGS)
@@ -141,7 +141,7 @@ def test_fp16_with_a_window_reads_the_device_once_per_window(tmp_path: Path, wor
                             "--clip_mode", "before_allreduce", world_size=world_size)
     assert code == 0, output
     assert _reads_per_step(output) == ["0", "0", "1"], output
-    assert re.search(r"read x1  mlperf_bert/faults\.py:\d+ \(agree\)", output), output
+    assert re.search(r"read x1  mlperf_bert/train/faults\.py:\d+ \(agree\)", output), output
 
 
 def test_graphed_packed_step_captures_once_and_reads_once_per_window(tmp_path: Path) -> None:
