@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 # The tests also need transformers, mpi4py, matplotlib and TensorFlow (checkpoint conversion).
+# Both install torchao (the fp8 extra): `PRECISION=fp8 make demo` and the fp8 tests need it.
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
@@ -19,11 +20,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[prep]'
+	$(PY) -m pip install -q -e '.[prep,fp8]'
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,prep,tf]'
+	$(PY) -m pip install -q -e '.[test,prep,tf,fp8]'
 	touch $@
 
 venv: $(STAMP)

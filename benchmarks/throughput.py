@@ -1,10 +1,16 @@
 """Side-by-side training throughput of BERT phase 2, every input layout and HuggingFace, one process.
 
     PYTHONPATH=pytorch python benchmarks/throughput.py --config large --json throughput.json
+    PYTHONPATH=pytorch python benchmarks/throughput.py --config large --precision bf16,fp8
     PYTHONPATH=pytorch python benchmarks/throughput.py --config tiny --device cpu    # seconds, for CI
 
-Every layout trains a freshly initialised model (same seed) with LAMB for `--warmup`
-untimed and `--steps` timed steps on the same synthetic batches:
+Every set-up (a layout at a precision) trains a freshly initialised model (same seed) with
+LAMB on the same synthetic batches: `--warmup` untimed steps once, then `--rounds` rounds of
+`--steps` timed steps. Each round runs every set-up once, in an order that rotates by one
+set-up per round, so a slow minute of a shared machine falls on all of them alike, and each
+set-up's speed-up against `hf_padded` (at the same precision) is taken within the round:
+the report gives its median over the rounds with the lowest and highest (the spread), and
+rates from each set-up's median round. The layouts:
 
   padded     our model; host batches padded to max_seq_length, unpadded on the device
   unpadded   our model; the step's sequences sorted by length (presort), flat on the host
@@ -21,9 +27,15 @@ predictions per sequence at positions 1..n-2 other than the middle [SEP]. Host b
 built (and pinned on a GPU) before timing; the timed loop covers host-to-device copies and
 training steps.
 
-Reported per layout: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.model.flops:
+Precisions (`--precision`, comma-separated): fp32, bf16, fp16, and fp8, the trainer's
+`--precision fp8` (the encoder's linear layers through torchao's Float8Linear, `model/fp8.py`;
+the same layers of the HuggingFace model, whose names are the same). Off a GPU of compute
+capability >= 8.9 FP8 is emulated: its numbers show that it runs, not how fast it is.
+
+Reported per set-up: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.model.flops:
 3 x forward matrix multiplies over real tokens only) and utilisation against the peak
-matrix-multiply rate measured in the same run (bf16 on a GPU, fp32 on a CPU).
+matrix-multiply rate measured in the same run (bf16 on a GPU, fp32 on a CPU), the speed-up
+against hf_padded (median, lowest, highest of the rounds) and every round's seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -57,9 +69,12 @@ from mlperf_bert.train.step import EagerStep, GraphedStep, Step
 from mlperf_bert.model.attention import resolve_backend
 from mlperf_bert.data.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
+from mlperf_bert.model.fp8 import convert_to_fp8
 from mlperf_bert.optim.optimizers import ForeachLamb, parameter_groups
 
 LAYOUTS = ("padded", "unpadded", "packed", "hf_padded")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+REFERENCE = "hf_padded"  # the layout every speed-up is measured against, round by round
 CLS, SEP, MASK, FIRST_TOKEN = 1, 2, 3, 4  # synthetic vocabulary: three special ids, then words
 MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in A and in B
 SEQS_PER_ROW = 3  # K of the packed shards
@@ -71,16 +86,17 @@ class BenchConfig:
     max_seq_length: int
     max_predictions: int  # per sequence, and per packed row
     rows: int  # packed rows per step
-    steps: int
+    steps: int  # timed steps per round
     warmup: int
+    rounds: int
 
 
 CONFIGS = {
-    "large": BenchConfig(BertConfig(vocab_size=30522), 512, 76, rows=48, steps=30, warmup=5),
+    "large": BenchConfig(BertConfig(vocab_size=30522), 512, 76, rows=48, steps=10, warmup=5, rounds=5),
     "tiny": BenchConfig(
         BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                    max_position_embeddings=64),
-        64, 10, rows=4, steps=3, warmup=1,
+        64, 10, rows=4, steps=3, warmup=1, rounds=3,
     ),
 }
 
@@ -144,6 +160,7 @@ class Context:
     attention_backend: str
     hf_attention: str
     seed: int
+    precisions: tuple[str, ...] = ()  # every precision of the run; `precision` is this context's
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -165,13 +182,18 @@ def feed(runner: Runner, ctx: Context, batches: list[Any]) -> Iterator[Any]:
     return iter(DevicePrefetcher(batches, ctx.device)) if runner.prefetch else iter(batches)
 
 
-def time_steps(runner: Runner, ctx: Context) -> float:
-    """Seconds for the timed steps, after ctx.cfg.warmup untimed ones."""
-    batches = feed(runner, ctx, runner.host_batches)
-    for _ in range(ctx.cfg.warmup):
-        runner.step(next(batches))
+def warm_up(runner: Runner, ctx: Context) -> None:
+    """The ctx.cfg.warmup untimed steps (compile, graph capture, optimizer state); their loss is dropped."""
+    for batch in feed(runner, ctx, runner.host_batches[: ctx.cfg.warmup]):
+        runner.step(batch)
     if ctx.cfg.warmup:
-        runner.read_loss()  # the reported loss covers the timed steps only
+        runner.read_loss()
+    ctx.synchronize()
+
+
+def time_round(runner: Runner, ctx: Context) -> float:
+    """Seconds for one round: the timed steps (every batch after the warm-up ones), host-to-device copies included."""
+    batches = feed(runner, ctx, runner.host_batches[ctx.cfg.warmup :])
     ctx.synchronize()
     start = time.perf_counter()
     for batch in batches:
@@ -207,11 +229,22 @@ def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.o
     torch.manual_seed(ctx.seed)
     bert = ctx.cfg.bert
     backend = resolve_backend(ctx.attention_backend, ctx.device, bert.attention_probs_dropout_prob)
-    model = BertForPreTraining(bert, attention_backend=backend).to(ctx.device)
+    model = fp8_layers(BertForPreTraining(bert, attention_backend=backend), ctx).to(ctx.device)
     compile_model(model, ctx.compile_mode, dynamic=dynamic)
     optimizer = lamb(model)
     device_lr(optimizer, ctx.device)
-    return model, optimizer, f"attention {backend}, compile {ctx.compile_mode}"
+    return model, optimizer, f"attention {backend}, compile {ctx.compile_mode}{fp8_note(ctx)}"
+
+
+def fp8_layers(model: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+    """Under fp8, the trainer's FP8 layers (`model/fp8.py`); HuggingFace's BERT has the same layer names."""
+    return convert_to_fp8(model, ctx.device) if ctx.precision == "fp8" else model
+
+
+def fp8_note(ctx: Context) -> str:
+    if ctx.precision != "fp8":
+        return ""
+    return ", FP8 GEMMs" if ctx.device.type == "cuda" else ", FP8 emulated (not a speed)"
 
 
 LR = 9.6e-4  # the MLPerf 1x8 H100 peak learning rate (REFERENCE.md)
@@ -305,7 +338,7 @@ def hf_model(ctx: Context) -> torch.nn.Module:
         max_position_embeddings=b.max_position_embeddings, attn_implementation=ctx.hf_attention,
     )
     torch.manual_seed(ctx.seed)
-    return transformers.BertForPreTraining(config).to(ctx.device)
+    return fp8_layers(transformers.BertForPreTraining(config), ctx).to(ctx.device)
 
 
 def hf_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
@@ -335,7 +368,7 @@ def hf_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
         count[0] = 0
         return mean
 
-    notes = f"attention {model.config._attn_implementation}, padded to {cfg.max_seq_length}"
+    notes = f"attention {model.config._attn_implementation}, padded to {cfg.max_seq_length}{fp8_note(ctx)}"
     return Runner(step, [pinned(b, ctx) for b in host], read_loss, notes=notes)
 
 
@@ -345,19 +378,28 @@ def hf_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
 @dataclass
 class Result:
     layout: str
-    status: str  # "ok", or why the layout did not run
+    precision: str
+    status: str  # "ok", or why the set-up did not run
     notes: str = ""
-    seconds: float = 0.0
-    steps: int = 0
-    sequences: int = 0  # real sequences in the timed steps
-    tokens: int = 0  # real tokens in the timed steps
+    seconds: float = 0.0  # the median round's
+    steps: int = 0  # timed steps per round
+    sequences: int = 0  # real sequences in one round
+    tokens: int = 0  # real tokens in one round
     useful_flop: float = 0.0
-    loss: float = float("nan")  # mean training loss over the timed steps
+    loss: float = float("nan")  # mean training loss over every timed step
     sequences_per_s: float = 0.0
     tokens_per_s: float = 0.0
     useful_tflops: float = 0.0
     utilisation: float = 0.0  # useful_tflops / measured matmul peak
-    speedup_vs_hf: float | None = None
+    round_seconds: list[float] = field(default_factory=list)  # each round's, in round order
+    speedups_vs_hf: list[float] = field(default_factory=list)  # per round: hf_padded's seconds / this one's
+    speedup_vs_hf: float | None = None  # their median
+    speedup_min: float | None = None
+    speedup_max: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout}/{self.precision}"
 
 
 @dataclass(frozen=True)
@@ -382,7 +424,7 @@ def build_runner(layout: str, ctx: Context, steps: list[list[Item]]) -> Runner:
     return hf_runner(ctx, steps)
 
 
-def profile_layout(runner: Runner, ctx: Context, layout: str, out_dir: Path) -> None:
+def profile_layout(runner: Runner, ctx: Context, name: str, out_dir: Path) -> None:
     """Three more steps under torch.profiler: a Chrome trace and a table of the top ops."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -392,66 +434,112 @@ def profile_layout(runner: Runner, ctx: Context, layout: str, out_dir: Path) -> 
             runner.step(batch)
         ctx.synchronize()
     out_dir.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out_dir / f"{layout}.trace.json"))
+    stem = name.replace("/", "_")
+    prof.export_chrome_trace(str(out_dir / f"{stem}.trace.json"))
     key = "self_device_time_total" if ctx.device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=30)
-    (out_dir / f"{layout}.txt").write_text(table + "\n")
-    print(f"--- profile of {layout} (3 steps) ---\n{table}", file=sys.stderr)
-
-
-def measure(layout: str, ctx: Context, steps: list[list[Item]], profile_dir: Path | None) -> tuple[float, float, str]:
-    """(timed seconds, mean loss of the timed steps, notes) of one layout."""
-    runner = build_runner(layout, ctx, steps)
-    seconds = time_steps(runner, ctx)
-    loss = runner.read_loss()
-    if profile_dir is not None:
-        profile_layout(runner, ctx, layout, profile_dir)
-    return seconds, loss, runner.notes
+    (out_dir / f"{stem}.txt").write_text(table + "\n")
+    print(f"--- profile of {name} (3 steps) ---\n{table}", file=sys.stderr)
 
 
 def free_memory(ctx: Context) -> None:
-    """Returns the last layout's model, graph and optimizer state before the next one is built."""
+    """Returns a failed or finished set-up's model, graph and optimizer state to the allocator."""
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def run_layout(layout: str, ctx: Context, steps: list[list[Item]], work: Work, peak: float,
-               profile_dir: Path | None) -> Result:
+def guarded(result: Result, ctx: Context, action: Callable[[], Any]) -> Any:
+    """`action()`, or None with `result.status` saying why it failed (the other set-ups go on)."""
     try:
-        seconds, loss, notes = measure(layout, ctx, steps, profile_dir)
+        return action()
     except torch.OutOfMemoryError as err:
-        return Result(layout, f"out of memory: {str(err).splitlines()[0]}")
+        result.status = f"out of memory: {str(err).splitlines()[0]}"
     except ImportError as err:
-        return Result(layout, f"not available: {err}")
-    except RuntimeError as err:  # e.g. no varlen kernel for this dropout: report it, run the other layouts
-        return Result(layout, f"failed: {str(err).splitlines()[0]}")
-    finally:
-        free_memory(ctx)
+        result.status = f"not available: {err}"
+    except (RuntimeError, ValueError) as err:  # e.g. no varlen kernel for this dropout, FP8 on odd shapes
+        result.status = f"failed: {str(err).splitlines()[0]}"
+    free_memory(ctx)
+    return None
+
+
+@dataclass
+class Setup:
+    """One layout at one precision: its context, its runner once built, and its result so far."""
+
+    ctx: Context
+    result: Result
+    runner: Runner | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def rotation(count: int, round_index: int) -> list[int]:
+    """The order of the set-ups in a round: each round starts one set-up later than the one before."""
+    return [(round_index + i) % count for i in range(count)]
+
+
+def run_rounds(setups: list[Setup], steps: list[list[Item]], rounds: int) -> None:
+    """Builds and warms up every set-up, then times `rounds` rounds of all of them in rotating order."""
+    for setup in setups:
+        setup.runner = guarded(setup.result, setup.ctx, lambda: build_runner(setup.result.layout, setup.ctx, steps))
+        if setup.runner is not None:
+            runner = setup.runner
+            guarded(setup.result, setup.ctx, lambda: warm_up(runner, setup.ctx))
+    for r in range(rounds):
+        for setup in (setups[i] for i in rotation(len(setups), r)):
+            if setup.result.status != "ok" or setup.runner is None:
+                continue
+            runner = setup.runner
+            seconds = guarded(setup.result, setup.ctx, lambda: time_round(runner, setup.ctx))
+            if seconds is not None:
+                setup.result.round_seconds.append(seconds)
+                setup.losses.append(runner.read_loss())
+
+
+def finish(setup: Setup, work: Work, peak: float) -> Result:
+    """Rates from the set-up's median round; the loss over all its rounds."""
+    r = setup.result
+    if r.status != "ok":
+        return r
+    seconds = float(np.median(r.round_seconds))
     tflops = work.useful_flop / seconds / 1e12
-    return Result(layout, "ok", notes, seconds, ctx.cfg.steps, work.sequences, work.tokens, work.useful_flop,
-                  loss, work.sequences / seconds, work.tokens / seconds, tflops, tflops / peak)
+    r.notes = setup.runner.notes if setup.runner is not None else ""
+    r.seconds, r.steps, r.sequences, r.tokens, r.useful_flop = seconds, setup.ctx.cfg.steps, work.sequences, \
+        work.tokens, work.useful_flop
+    r.loss = float(np.mean(setup.losses))
+    r.sequences_per_s, r.tokens_per_s = work.sequences / seconds, work.tokens / seconds
+    r.useful_tflops, r.utilisation = tflops, tflops / peak
+    return r
 
 
 def add_speedups(results: list[Result]) -> None:
-    hf = next((r for r in results if r.layout == "hf_padded" and r.status == "ok"), None)
+    """Per round: hf_padded's seconds at the same precision over the set-up's; their median, lowest, highest."""
+    reference = {r.precision: r for r in results if r.layout == REFERENCE and r.status == "ok"}
     for r in results:
-        if hf is not None and r.status == "ok":
-            r.speedup_vs_hf = r.sequences_per_s / hf.sequences_per_s
+        hf = reference.get(r.precision)
+        if hf is None or r.status != "ok" or len(hf.round_seconds) != len(r.round_seconds):
+            continue
+        r.speedups_vs_hf = [h / s for h, s in zip(hf.round_seconds, r.round_seconds)]
+        r.speedup_vs_hf = float(np.median(r.speedups_vs_hf))
+        r.speedup_min, r.speedup_max = min(r.speedups_vs_hf), max(r.speedups_vs_hf)
 
 
 def print_table(results: list[Result], header: dict) -> None:
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in header.items()
-                   if not isinstance(v, dict)))
-    print(f"{'layout':<10}{'ms/step':>9}{'seq/s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'util':>7}{'loss':>8}"
-          f"{'vs HF':>7}  notes")
+                   if not isinstance(v, (dict, list))) + f" precisions={','.join(header['precisions'])}")
+    print(f"{'set-up':<16}{'ms/step':>9}{'seq/s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'util':>7}{'loss':>8}"
+          f"{'vs HF (min-max)':>18}  notes")
     for r in results:
         if r.status != "ok":
-            print(f"{r.layout:<10}  {r.status}")
+            print(f"{r.name:<16}  {r.status}")
             continue
-        vs_hf = f"{r.speedup_vs_hf:.2f}" if r.speedup_vs_hf is not None else "-"
-        print(f"{r.layout:<10}{1e3 * r.seconds / r.steps:>9.2f}{r.sequences_per_s:>10.1f}{r.tokens_per_s:>12.0f}"
-              f"{r.useful_tflops:>9.3f}{r.utilisation:>7.1%}{r.loss:>8.3f}{vs_hf:>7}  {r.notes}")
+        vs_hf = f"{r.speedup_vs_hf:.2f} ({r.speedup_min:.2f}-{r.speedup_max:.2f})" if r.speedup_vs_hf else "-"
+        print(f"{r.name:<16}{1e3 * r.seconds / r.steps:>9.2f}{r.sequences_per_s:>10.1f}{r.tokens_per_s:>12.0f}"
+              f"{r.useful_tflops:>9.3f}{r.utilisation:>7.1%}{r.loss:>8.3f}{vs_hf:>18}  {r.notes}")
+    rounds = [" ".join(f"{s:.3f}" for s in r.round_seconds) for r in results if r.status == "ok"]
+    for r, line in zip((r for r in results if r.status == "ok"), rounds):
+        print(f"  {r.name}: seconds per round {line}; vs HF per round "
+              + (" ".join(f"{x:.2f}" for x in r.speedups_vs_hf) or "-"))
 
 
 # ---------------------------------------------------------------- command line
@@ -461,10 +549,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", choices=tuple(CONFIGS), default="large")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="auto: bf16 on a GPU, fp32 on a CPU")
+    p.add_argument("--precision", default="auto",
+                   help=f"comma-separated subset of {PRECISIONS}, each run with every layout; auto: bf16 on a "
+                        "GPU, fp32 on a CPU")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {LAYOUTS}")
-    p.add_argument("--steps", type=int, help="timed steps (default: 30 large, 3 tiny)")
+    p.add_argument("--steps", type=int, help="timed steps per round (default: 10 large, 3 tiny)")
+    p.add_argument("--rounds", type=int, help="rounds; each runs every set-up once (default: 5 large, 3 tiny)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default: 5 large, 1 tiny)")
     p.add_argument("--rows", type=int, help="packed rows per step (default: 48 large, 4 tiny)")
     p.add_argument("--attention_backend", choices=("auto", "sdpa", "varlen"), default="auto")
@@ -475,7 +565,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graph for packed")
     p.add_argument("--hf_attention", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
     p.add_argument("--peak_size", type=int, help="matmul size for the peak (default 8192 GPU, 256 CPU)")
-    p.add_argument("--profile_dir", type=Path, help="also profile 3 steps per layout; traces and tables go here")
+    p.add_argument("--profile_dir", type=Path, help="also profile 3 steps per set-up; traces and tables go here")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
@@ -493,24 +583,33 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     if args.attention_dropout is not None:
         bert = BertConfig(**{**bert.to_dict(), "attention_probs_dropout_prob": args.attention_dropout})
     cfg = BenchConfig(bert, base.max_seq_length, base.max_predictions, args.rows or base.rows,
-                      args.steps or base.steps, base.warmup if args.warmup is None else args.warmup)
-    if min(cfg.rows, cfg.steps) < 1 or cfg.warmup < 0:
-        raise SystemExit("--rows and --steps must be >= 1, --warmup >= 0")
+                      args.steps or base.steps, base.warmup if args.warmup is None else args.warmup,
+                      args.rounds or base.rounds)
+    if min(cfg.rows, cfg.steps, cfg.rounds) < 1 or cfg.warmup < 0:
+        raise SystemExit("--rows, --steps and --rounds must be >= 1, --warmup >= 0")
     return cfg
 
 
+def chosen(flag: str, given: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated subset of `allowed`, in the given order; SystemExit names the unknown ones."""
+    names = tuple(given.split(","))
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {allowed}")
+    return names
+
+
 def build_context(args: argparse.Namespace) -> Context:
+    """The run's settings at its first precision (`contexts` gives one per precision)."""
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
-    layouts = args.layouts.split(",")
-    unknown = sorted(set(layouts) - set(LAYOUTS))
-    if unknown:
-        raise SystemExit(f"--layouts: unknown {unknown}; choose from {LAYOUTS}")
+    chosen("--layouts", args.layouts, LAYOUTS)
     precision = args.precision if args.precision != "auto" else ("bf16" if cuda else "fp32")
+    precisions = chosen("--precision", precision, PRECISIONS)
     compile_mode = args.compile if args.compile != "auto" else ("default" if cuda else "none")
     graphs = args.graphs == "on" or (args.graphs == "auto" and cuda)
-    return Context(bench_config(args), device, precision, compile_mode, graphs, args.attention_backend,
-                   args.hf_attention, args.seed)
+    return Context(bench_config(args), device, precisions[0], compile_mode, graphs, args.attention_backend,
+                   args.hf_attention, args.seed, precisions)
 
 
 def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
@@ -518,9 +617,9 @@ def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name, "torch": torch.__version__,
-        "python": platform.python_version(), "precision": ctx.precision, "compile": ctx.compile_mode,
-        "graphs": ctx.graphs, "rows_per_step": cfg.rows, "steps": cfg.steps, "warmup": cfg.warmup,
-        "max_seq_length": cfg.max_seq_length, "peak_tflops": peak, "peak_dtype": peak_dtype,
+        "python": platform.python_version(), "precisions": list(ctx.precisions), "compile": ctx.compile_mode,
+        "graphs": ctx.graphs, "rows_per_step": cfg.rows, "steps": cfg.steps, "rounds": cfg.rounds,
+        "warmup": cfg.warmup, "max_seq_length": cfg.max_seq_length, "peak_tflops": peak, "peak_dtype": peak_dtype,
         "bert": cfg.bert.to_dict(),
     }
 
@@ -531,8 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_dtype = matmul_peak_tflops(ctx.device, args.peak_size or (8192 if ctx.device.type == "cuda" else 256))
     steps = synthetic_steps(ctx.cfg, args.seed)
     work = timed_work(ctx.cfg, steps)
-    results = [run_layout(layout, ctx, steps, work, peak, args.profile_dir) for layout in args.layouts.split(",")]
+    setups = [Setup(replace(ctx, precision=precision), Result(layout, precision, "ok"))
+              for precision in ctx.precisions for layout in args.layouts.split(",")]
+    run_rounds(setups, steps, ctx.cfg.rounds)
+    results = [finish(setup, work, peak) for setup in setups]
     add_speedups(results)
+    if args.profile_dir is not None:
+        for setup in setups:
+            if setup.result.status == "ok" and setup.runner is not None:
+                profile_layout(setup.runner, setup.ctx, setup.result.name, args.profile_dir)
     head = header(ctx, peak, peak_dtype)
     print_table(results, head)
     if args.json is not None:

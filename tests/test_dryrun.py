@@ -45,6 +45,11 @@ def _dry_run_env(tmp_path: Path, config: Path) -> dict[str, str]:
             "OUTPUT_DIR": str(tmp_path / "out"), "RANK": "0", "WORLD_SIZE": str(world), "SEED": "1"}
 
 
+# FP8 GEMMs of one training step of TINY_BERT: 2 layers x 6 linears x 3 (forward, input and weight gradients).
+FP8_GEMMS_PER_STEP = 2 * 6 * 3
+FP8_GEMMS_PER_EVAL_BATCH = 2 * 6
+
+
 def _extra_reads(output: str) -> set[str]:
     found = re.search(r"FAIL: \d+ host reads in \d+ steps, more than .*?: (.*)", output)
     reads = set(found.group(1).split("; ")) if found else set()
@@ -60,6 +65,9 @@ def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> No
     assert "inside a CUDA-graph capture" not in output, output
     assert not _extra_reads(output), output
     assert result.returncode == 0, output
+    if _exports(REPO / config)["PRECISION"] == "fp8":  # the FP8 GEMMs are in the graph (run.findings fails without)
+        captured = re.search(r"FP8 GEMMs \(torch\._scaled_mm\) inside CUDA-graph captures: (\d+)", output)
+        assert captured and int(captured.group(1)) == FP8_GEMMS_PER_STEP, output
 
 
 def test_recorder_catches_reads_and_copies_inside_a_capture() -> None:
@@ -177,3 +185,23 @@ def test_padded_layout_unpads_with_host_reads(tmp_path: Path) -> None:
     assert code == 1, output
     step_1 = output.split("step 1:")[1].split("step 2:")[0]
     assert step_1.startswith(" 6 host read(s)") and step_1.count("mlperf_bert/data/batch.py:") == 6, output
+
+
+@pytest.mark.parametrize("flags, world_size", [
+    (["--input_layout", "unpadded"], 2),
+    (["--input_layout", "packed", "--cuda_graphs", "--sync_every", "3"], 1),
+])
+def test_fp8_steps_reach_scaled_mm_on_fake_cuda(tmp_path: Path, flags: list[str], world_size: int) -> None:
+    """torchao's Float8Linear on 'cuda' (capability 9.0) calls torch._scaled_mm, not its emulation, in
+    eager steps of any token count and inside the captured step, on one rank and many (the shipped fp8
+    configs add graphed steps at 8 ranks)."""
+    code, output = _dry_run(tmp_path, "--precision", "fp8", *flags, world_size=world_size)
+    assert code == 0, output
+    gemms = [int(n) for n in re.findall(r"step \d+: .* (\d+) FP8 GEMM", output)]
+    captured = int(re.search(r"inside CUDA-graph captures: (\d+)", output).group(1))  # type: ignore[union-attr]
+    if "--cuda_graphs" in flags:
+        assert gemms == [0, 0, 0] and captured == FP8_GEMMS_PER_STEP, output  # replays run the captured ones
+        assert "inside a CUDA-graph capture at" not in output, output
+    else:
+        assert gemms == [FP8_GEMMS_PER_STEP] * 3 and captured == 0, output
+    assert re.search(rf"eval: .* {FP8_GEMMS_PER_EVAL_BATCH} FP8 GEMM", output), output  # one eval batch

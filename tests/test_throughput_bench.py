@@ -35,7 +35,7 @@ def bench():
 def tiny_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("throughput") / "tiny.json"
     result = run_cli([sys.executable, str(SCRIPT), "--config", "tiny", "--device", "cpu", "--steps", "2",
-                      "--warmup", "1", "--json", str(out)], timeout=300)
+                      "--warmup", "1", "--rounds", "3", "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(out.read_text())
 
@@ -44,11 +44,65 @@ def test_tiny_cpu_run_reports_every_layout_with_positive_rates(tiny_run):
     results = {r["layout"]: r for r in tiny_run["results"]}
     assert set(results) == {"padded", "unpadded", "packed", "hf_padded"}
     assert tiny_run["peak_tflops"] > 0 and tiny_run["peak_dtype"] == "float32"
+    assert tiny_run["precisions"] == ["fp32"] and tiny_run["rounds"] == 3
     for r in results.values():
-        assert r["status"] == "ok", r
+        assert r["status"] == "ok" and r["precision"] == "fp32", r
         assert r["steps"] == 2 and r["sequences_per_s"] > 0 and r["useful_tflops"] > 0
         assert r["utilisation"] == pytest.approx(r["useful_tflops"] / tiny_run["peak_tflops"], rel=1e-6)
-        assert r["speedup_vs_hf"] == pytest.approx(r["sequences_per_s"] / results["hf_padded"]["sequences_per_s"])
+        assert len(r["round_seconds"]) == 3 and r["seconds"] == pytest.approx(np.median(r["round_seconds"]))
+
+
+def test_tiny_cpu_run_takes_each_speedup_within_its_round(tiny_run):
+    """Per round: hf_padded's seconds over the set-up's; the reported speed-up is their median, with the spread."""
+    results = {r["layout"]: r for r in tiny_run["results"]}
+    hf = results["hf_padded"]["round_seconds"]
+    for r in results.values():
+        per_round = [h / s for h, s in zip(hf, r["round_seconds"])]
+        assert r["speedups_vs_hf"] == pytest.approx(per_round)
+        assert r["speedup_vs_hf"] == pytest.approx(np.median(per_round))
+        assert (r["speedup_min"], r["speedup_max"]) == pytest.approx((min(per_round), max(per_round)))
+    assert results["hf_padded"]["speedups_vs_hf"] == [1.0, 1.0, 1.0]
+
+
+def test_rounds_run_every_setup_once_in_rotating_order(bench, monkeypatch):
+    """Round r starts with set-up r (mod n): no set-up always runs first, or right after the same neighbour."""
+    order: list[str] = []
+    cfg = bench.CONFIGS["tiny"]
+    ctx = bench.Context(cfg, torch.device("cpu"), "fp32", "none", False, "auto", "sdpa", 0, ("fp32",))
+
+    def setup(name: str):
+        runner = bench.Runner(lambda batch: order.append(name), [None] * (cfg.warmup + cfg.steps), lambda: 0.0,
+                              prefetch=False)
+        return bench.Setup(ctx, bench.Result(name, "fp32", "ok"), runner)
+
+    setups = [setup(name) for name in "abc"]
+    monkeypatch.setattr(bench, "build_runner",
+                        lambda layout, ctx, steps: next(s.runner for s in setups if s.result.layout == layout))
+    bench.run_rounds(setups, [], rounds=4)
+    timed = order[3 * cfg.warmup:]  # after each set-up's warm-up steps
+    rounds = [timed[i:i + 3 * cfg.steps:cfg.steps] for i in range(0, len(timed), 3 * cfg.steps)]
+    assert rounds == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert all(len(s.result.round_seconds) == 4 for s in setups)
+
+
+@pytest.mark.slow
+def test_fp8_is_a_precision_axis_reported_as_emulated_on_the_cpu(tmp_path):
+    out = tmp_path / "fp8.json"
+    result = run_cli([sys.executable, str(SCRIPT), "--config", "tiny", "--device", "cpu", "--precision", "bf16,fp8",
+                      "--layouts", "packed,hf_padded", "--steps", "1", "--rounds", "2", "--warmup", "1",
+                      "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    setups = {(r["layout"], r["precision"]): r for r in report["results"]}
+    assert set(setups) == {(layout, p) for layout in ("packed", "hf_padded") for p in ("bf16", "fp8")}
+    for (layout, precision), r in setups.items():
+        assert r["status"] == "ok" and len(r["speedups_vs_hf"]) == 2, r
+        assert ("FP8 emulated (not a speed)" in r["notes"]) == (precision == "fp8"), r
+    # Each precision's speed-ups are against hf_padded at that precision.
+    fp8_hf = setups[("hf_padded", "fp8")]["round_seconds"]
+    packed = setups[("packed", "fp8")]
+    assert packed["speedups_vs_hf"] == pytest.approx([h / s for h, s in zip(fp8_hf, packed["round_seconds"])])
+    assert "packed/fp8" in result.stdout
 
 
 def test_tiny_cpu_run_times_the_same_work_in_every_layout(tiny_run):
@@ -108,6 +162,11 @@ def test_hf_labels_hold_the_masked_tokens_only(bench):
 def test_unknown_layout_is_named(bench):
     with pytest.raises(SystemExit, match="unknown \\['fast'\\]"):
         bench.build_context(bench.parse_args(["--config", "tiny", "--device", "cpu", "--layouts", "padded,fast"]))
+
+
+def test_unknown_precision_is_named(bench):
+    with pytest.raises(SystemExit, match="--precision: unknown \\['fp4'\\]"):
+        bench.build_context(bench.parse_args(["--config", "tiny", "--device", "cpu", "--precision", "bf16,fp4"]))
 
 
 # ---------------------------------------------------------------- the FLOP formula

@@ -3,7 +3,9 @@
 # run_and_time.sh builds them, run for a few steps and an eval on this machine's GPU by the
 # same code the CPU test suite runs on fake CUDA (python -m mlperf_bert.dryrun --real).
 # Synthetic batches; the model is BERT_CONFIG (default: BERT-Large). Exit code: 0 when every
-# config passes, 1 when any run finds a host read or copy in a capture or too many host reads.
+# config passes, 1 when any run finds a host read or copy in a capture, too many host reads, or an
+# fp8 config whose steps never called torch._scaled_mm; on a GPU without FP8 tensor cores (below
+# compute capability 8.9) the fp8 configs fail at the trainer's start-up check, naming it.
 #
 #   make gpu-check                      # all config_*.sh without DEVICE=cpu
 #   CONFIGS="config_DGXA100_1x8.sh" make gpu-check

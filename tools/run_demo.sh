@@ -3,7 +3,9 @@
 # MLPerf log with the official compliance checker (rulesets 5.0.0 and 2.0.0), print the result.
 # `tools/run_demo.sh --data-only` makes the demo data (in DEMO_DATA) and stops.
 # Runs go to demo_runs/<system>/ (not committed; LOGDIR overrides): results/ holds only the
-# runs that were packaged on purpose. DEMO_CONFIG names another config file to train.
+# runs that were packaged on purpose. DEMO_CONFIG names another config file to train;
+# PRECISION in the environment replaces the config's (`PRECISION=fp8 make demo`: the encoder's
+# linear layers in emulated FP8, the rest bf16), and its runs go to demo_runs/<system>_<precision>/.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -11,8 +13,10 @@ cd "$here"
 PYTHON=${PYTHON:-python3}
 DEMO_DATA=${DEMO_DATA:-$here/demo_data}
 
+precision=${PRECISION:-}
 # shellcheck source=/dev/null
 source "${DEMO_CONFIG:-$here/config_CPU_1x2.sh}"
+PRECISION=${precision:-$PRECISION}
 
 if [[ ! -f "$DEMO_DATA/.complete" ]]; then
   echo "making the demo dataset in $DEMO_DATA"
@@ -28,7 +32,7 @@ if [[ "${1:-}" == --data-only ]]; then exit 0; fi
 
 SEED=${SEED:-$RANDOM}
 stamp=$(date +%y%m%d%H%M%S)
-LOGDIR=${LOGDIR:-$here/demo_runs/$DGXSYSTEM}
+LOGDIR=${LOGDIR:-$here/demo_runs/$DGXSYSTEM${precision:+_$precision}}
 mkdir -p "$LOGDIR"
 log="$LOGDIR/${stamp}_${SEED}.log"
 export SEED PYTHON
@@ -39,7 +43,7 @@ export OUTPUT_DIR="$LOGDIR/${stamp}_${SEED}" MLPERF_LOG_FILE="$log"
 export ECHO_MLLOG=0
 
 mkdir -p "$OUTPUT_DIR"
-echo "training $DGXSYSTEM (seed $SEED); MLPerf log: $log"
+echo "training $DGXSYSTEM, precision $PRECISION (seed $SEED); MLPerf log: $log"
 "$here/run_and_time.sh" > "$OUTPUT_DIR/stdout.txt" || {
   echo "the demo run failed; its output is in $OUTPUT_DIR/stdout.txt" >&2
   exit 1

@@ -26,6 +26,7 @@ from .data.batch import FlatBatch, Item, flatten_items, pad_items, unpad
 from .model.init_checkpoint import load_init_checkpoint
 from .optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .model.compiling import compile_model
+from .model.fp8 import convert_to_fp8
 from .config.settings import TrainConfig
 from .optim.capturable import capturable
 from .optim.loss_scale import DeviceLossScaler, LossScaler
@@ -201,7 +202,8 @@ def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraini
 
 
 def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
-    """The model on the CPU, --init_checkpoint loaded; `device` is where it will run (its attention back-end)."""
+    """The model on the CPU, --init_checkpoint loaded; `device` is where it will run (its attention back-end,
+    and under --precision fp8 whether its FP8 layers run on FP8 tensor cores or emulated)."""
     bert = BertConfig.from_json(cfg.model.bert_config_path)
     if cfg.data.max_seq_length > bert.max_position_embeddings:
         raise ValueError(
@@ -212,6 +214,8 @@ def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     model = BertForPreTraining(bert, attention_backend=backend)
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)
+    if cfg.run.precision == "fp8":
+        convert_to_fp8(model, device)  # same parameters and state-dict keys: checkpoints load either way
     return model
 
 

@@ -19,6 +19,7 @@ import torch
 from .config.settings import RESUME_AUTO, ConfigError, TrainConfig
 from .runtime.distributed import launched_by_mpi
 from .model.bert import BertConfig
+from .model.fp8 import fp8_unavailable
 from .data.stratified import STRATA_FILE
 
 GIB = 2**30
@@ -29,6 +30,9 @@ def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torc
     _require(not cfg.run.cuda_graphs or device.type == "cuda",
              f"--cuda_graphs needs a GPU; --device {cfg.run.device} runs this on {device.type}: drop --cuda_graphs "
              "or run on a GPU")
+    if cfg.run.precision == "fp8":
+        problem = fp8_unavailable(device)
+        _require(problem is None, str(problem))
     _check_output_paths(cfg)
     _check_resume_file(cfg.checkpoint.resume_from)
     if cfg.data.balance == "local_presort":

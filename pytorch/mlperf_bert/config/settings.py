@@ -24,7 +24,7 @@ INPUT_LAYOUTS = ("padded", "unpadded", "packed")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
 OPTIMIZERS = ("lamb", "adam")
 OPTIMIZER_IMPLS = ("auto", "reference", "foreach", "apex")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs")  # torch.compile modes without its own graphs
 INPUT_PIPELINES = ("torch", "dali")
 DEVICES = ("auto", "cpu", "cuda")
@@ -315,8 +315,9 @@ class RunSettings:
     do_train: bool = flag("train; without it the init checkpoint is evaluated once", "run and logging", False)
     max_samples_termination: int | None = flag("stop with status aborted after this many samples (default: only "
                                                "--max_steps stops)", "evaluation and stopping", None)
-    precision: str = flag("fp32 (CPU), bf16, or fp16 with dynamic loss scaling (GPU)", "precision and fast path",
-                          "fp32", choices=PRECISIONS)
+    precision: str = flag("fp32 (CPU), bf16, fp16 with dynamic loss scaling (GPU), or fp8: the encoder's linear "
+                          "layers in FP8 through torchao, the rest bf16 (GPUs of compute capability >= 8.9; "
+                          "emulated on the CPU)", "precision and fast path", "fp32", choices=PRECISIONS)
     device: str = flag("auto: cuda when available", "run and logging", "auto", choices=DEVICES)
     log_freq: int = flag("steps between progress lines on stderr", "run and logging", 10)
     init_loss_scale: float = flag("fp16 initial loss scale", "precision and fast path", 2.0**16)

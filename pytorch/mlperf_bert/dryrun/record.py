@@ -7,7 +7,10 @@ before the fake mode does, and records:
   `if t:`) and `aten.nonzero` (behind boolean indexing, whose output size the host must read),
   each with the first source line outside torch that asked for it;
 - host<->device copies: `aten._to_copy` / `aten.copy_` between the CPU and 'cuda';
-- whether each happened inside a CUDA-graph capture (`cuda_standins` sets `capturing`).
+- whether each happened inside a CUDA-graph capture (`cuda_standins` sets `capturing`);
+- the FP8 GEMMs (`torch._scaled_mm`) per phase and inside a capture (`counting_fp8_gemms`): where
+  `--precision fp8` reaches the FP8 tensor-core path rather than torchao's emulation (which never
+  calls it).
 
 A fake tensor has no data, so a host read cannot return the device's value: it returns the
 answer of a healthy run (0: no overflow, no non-finite loss, no stop request), except for
@@ -17,10 +20,13 @@ sums (eval totals), which read 1.0 so that the ratios built from them are define
 
 from __future__ import annotations
 
+import contextlib
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +40,7 @@ _NONZERO = torch.ops.aten.nonzero.default
 _INDEX = torch.ops.aten.index.Tensor
 _RECORD_STREAM = torch.ops.aten.record_stream.default
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+CAPTURE = "capture"  # the key of `Recorder.fp8_gemms` that counts the GEMMs recorded into a graph
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Recorder(TorchDispatchMode):
     phase: str = "build"
     capturing: bool = False  # set by the cuda stand-ins' capture (fake runs)
     fake: bool = True  # False on a real GPU: reads return the device's values, pinning is real
+    fp8_gemms: Counter[str] = field(default_factory=Counter)  # phase (and CAPTURE) -> aten._scaled_mm calls
     _reading: bool = False  # the last op seen was a host read
 
     def __post_init__(self) -> None:
@@ -161,3 +169,22 @@ class Recorder(TorchDispatchMode):
 
     def in_capture_now(self) -> bool:
         return self.capturing or (not self.fake and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def counting_fp8_gemms(recorder: Recorder) -> Iterator[None]:
+    """Counts `torch._scaled_mm` calls into `recorder.fp8_gemms` (by phase, and CAPTURE inside a capture).
+
+    Counted at the Python function, not as a dispatched op: torchao calls it from its FP8 tensor
+    subclass's own `__torch_dispatch__`, which runs below the Recorder's mode (the Recorder sees
+    the subclass's `aten.mm`; the `_scaled_mm` inside it goes straight to the fake mode).
+    """
+    original = torch._scaled_mm
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        recorder.fp8_gemms[recorder.phase] += 1
+        recorder.fp8_gemms[CAPTURE] += recorder.in_capture_now()
+        return original(*args, **kwargs)
+
+    with mock.patch.object(torch, "_scaled_mm", counted):
+        yield

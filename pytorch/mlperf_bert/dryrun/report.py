@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .record import CAPTURE
 from .run import DryRunReport
 
 
@@ -17,9 +18,12 @@ def print_report(report: DryRunReport) -> None:
     for phase in phases:
         reads = Counter(e.where for e in report.events if e.phase == phase and e.kind == "read")
         copies = Counter(f"{e.where} {e.detail}" for e in report.events if e.phase == phase and e.kind == "copy")
-        print(f"  {phase}: {sum(reads.values())} host read(s), {sum(copies.values())} host<->device copy(ies)")
+        fp8 = f", {report.fp8_gemms.get(phase, 0)} FP8 GEMM(s)" if cfg.run.precision == "fp8" else ""
+        print(f"  {phase}: {sum(reads.values())} host read(s), {sum(copies.values())} host<->device copy(ies){fp8}")
         for where, n in reads.items():
             print(f"    read x{n}  {where}")
+    if cfg.run.precision == "fp8":
+        print(f"  FP8 GEMMs (torch._scaled_mm) inside CUDA-graph captures: {report.fp8_gemms.get(CAPTURE, 0)}")
     for failure in report.failures:
         print(f"FAIL: {failure}")
     print("dry run: " + ("FAILED" if report.failures else "passed"))

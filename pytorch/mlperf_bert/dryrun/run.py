@@ -4,8 +4,9 @@ On a machine without a GPU (`fake=True`) every CUDA tensor is a FakeTensor: shap
 devices are checked op by op and no arithmetic runs. On a GPU (`fake=False`, `make gpu-check`)
 the same calls run for real. Either way the `Recorder` lists the host reads per step with their
 source lines, and the report's `failures` name every host read or host<->device copy inside a
-CUDA-graph capture, and more host reads per sync window than the config promises (one: the
-window's agreement, `--sync_every` steps apart). Any exception propagates.
+CUDA-graph capture, more host reads per sync window than the config promises (one: the
+window's agreement, `--sync_every` steps apart), and a `--precision fp8` run whose layers never
+reached an FP8 GEMM (`torch._scaled_mm`; the fake device reports compute capability 9.0). Any exception propagates.
 
 What is the trainer's own: config parsing and validation (`cli.parse_config`), the whole
 build (`build.build_run`: model, optimizer, schedule, scaler, clipping hooks, the `Step`, the
@@ -33,14 +34,15 @@ from .. import trainer
 from ..data.batch import Item, Sample, flatten_items
 from ..build import Run, Supplied, build_run, cpu_model
 from ..config.cli import parse_config
-from ..config.settings import TrainConfig
+from ..config.settings import ConfigError, TrainConfig
+from ..model.fp8 import fp8_unavailable
 from ..runtime.distributed import DistEnv, dist_env_from
 from ..train.faults import StopRequest
 from ..input.sources import TokenImbalance
 from ..data.static_batch import StaticShape
 from . import cuda_standins
 from .bucketed import BucketedDataParallel
-from .record import Event, Recorder
+from .record import Event, Recorder, counting_fp8_gemms
 
 MAX_SEQS_PER_PACK = 3  # K of the packed shards (data_prep pack)
 
@@ -54,6 +56,7 @@ class DryRunReport:
     sync_every: int
     captures: int = 0
     replays: int = 0
+    fp8_gemms: dict[str, int] = field(default_factory=dict)  # phase (and record.CAPTURE) -> torch._scaled_mm calls
     failures: list[str] = field(default_factory=list)
 
 
@@ -192,7 +195,7 @@ def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = 
     parts = supplied(cfg, device)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
     standins = cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
-    with fake_process_group(denv.world_size), standins as log, mode, recorder:
+    with fake_process_group(denv.world_size), standins as log, counting_fp8_gemms(recorder), mode, recorder:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
         try:
             yield run, log
@@ -206,19 +209,25 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     """Builds the configured run on 'cuda', runs `steps` steps and an eval; the report lists the findings."""
     denv = dist_env_from(os.environ if env is None else env)
     cfg = parse_config(trainer_argv, denv.world_size)
+    if cfg.run.precision == "fp8" and not fake:  # the trainer's start-up check (the fake device is 9.0)
+        problem = fp8_unavailable(torch.device("cuda", 0))
+        if problem is not None:
+            raise ConfigError(problem)
     recorder = Recorder(fake=fake)
     with built_run(cfg, denv, recorder, fake) as (run, log):
         run_steps(run, recorder, steps)
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
-                          log.captures, log.replays)
+                          log.captures, log.replays, dict(recorder.fp8_gemms))
     report.failures = findings(report)
     return report
 
 
 def findings(report: DryRunReport) -> list[str]:
-    """Host reads or copies inside a capture; more host reads per window than promised."""
+    """Host reads or copies inside a capture; more host reads per window than promised; fp8 without FP8 GEMMs."""
     found = [f"{e.kind} inside a CUDA-graph capture at {e.where} ({e.detail or 'host read'})"
              for e in report.events if e.in_capture]
+    if report.cfg.run.precision == "fp8" and not report.fp8_gemms:
+        found.append("--precision fp8 ran no FP8 GEMM (torch._scaled_mm): its layers ran emulated, or not at all")
     train_reads = [e for e in report.events if e.kind == "read" and e.phase.startswith("step ")]
     windows = math.ceil(report.steps / report.sync_every)
     if len(train_reads) > windows:

@@ -3,6 +3,7 @@
 Owns: `bert.py` (the model; parameter names equal HuggingFace `BertForPreTraining`),
 `attention.py` (the attention back-ends over flat tokens and `cu_seqlens`),
 `init_checkpoint.py` (strict loading of the phase-1 checkpoint), `precision.py` (autocast),
+`fp8.py` (the encoder's linear layers in FP8 through torchao),
 `compiling.py` (regional torch.compile) and `flops.py` (the useful-FLOP formula).
 
 May import: data/, config/, runtime/

@@ -2,8 +2,9 @@
 
 bf16 and fp16 run the model under autocast (matmuls in half precision, reductions and the
 loss in fp32); fp16 also needs a `torch.amp.GradScaler`, whose skip decision reads the
-device, which is why fp16 steps run eagerly (`step.EagerStep`) and CUDA graphs take bf16 or
-fp32.
+device, which is why fp16 steps run eagerly (`step.EagerStep`) unless its scaler lives on the
+device (`optim.loss_scale.DeviceLossScaler`). fp8 runs under bf16's autocast: its FP8 GEMMs are
+modules of their own (`fp8.convert_to_fp8`), and everything else computes as under bf16.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import ContextManager
 
 import torch
 
-AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                                   "fp8": torch.bfloat16}
 
 
 def autocast(device: torch.device, precision: str, cache_enabled: bool = True) -> ContextManager:
-    """Autocast for "bf16" / "fp16", nothing for "fp32".
+    """Autocast for "bf16" / "fp16" / "fp8" (bf16 around its FP8 layers), nothing for "fp32".
 
     Inside a CUDA-graph capture pass cache_enabled=False: cached casts of the weights would
     be made once at capture and never again.

@@ -1,0 +1,143 @@
+"""`--precision fp8`: the encoder's matrix multiplies in FP8, through torchao's `Float8Linear`.
+
+What runs in FP8 is what NVIDIA's MLPerf BERT runs in FP8 (TransformerEngine, H100 to GB200):
+the four GEMMs of each encoder layer, here six `nn.Linear`s (query, key and value are three,
+NVIDIA fuses them into one QKV GEMM), the attention output projection, and the two FFN layers.
+Everything else stays as under bf16 (`precision.AUTOCAST_DTYPES["fp8"]`): embeddings, the MLM
+decoder tied to them, the pooler, the heads, LayerNorms, softmax and attention.
+`fp8_layer_names` lists the converted layers; `is_fp8_layer` is the one rule that picks them.
+
+The recipe is torchao's tensorwise dynamic scaling: one scale per tensor from the tensor's own
+absolute maximum, E4M3 for inputs and weights, E5M2 for output gradients (NVIDIA's HYBRID
+format). NVIDIA's `DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent")` takes
+the scale from the previous step's maximum instead; with a history of one the two differ only
+by one step's drift of the maximum. The scales are device tensors, so a step stays free of host
+reads and captures in a CUDA graph; the weights stay fp32 parameters (cast to FP8 in each
+forward), so state dicts, checkpoints and the optimizer are those of any other precision.
+
+On a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell) the GEMMs are
+`torch._scaled_mm`; elsewhere (the CPU) torchao emulates them: the same FP8 rounding, matmuls in
+high precision. `fp8_unavailable` says why a run cannot use FP8 (checked at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+# The first compute capability with FP8 tensor cores (Ada Lovelace; Hopper is 9.0).
+MIN_CAPABILITY = (8, 9)
+ENCODER_LAYERS = "bert.encoder.layer."
+# The linear layers of one encoder layer that run in FP8, relative to the layer.
+LAYER_GEMMS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+               "intermediate.dense", "output.dense")
+# torch._scaled_mm needs both dimensions of each weight to be multiples of 16.
+ALIGNMENT = 16
+INSTALL_HINT = "pip install 'torchao==0.18.*' (the [fp8] extra of this package)"
+
+
+def is_fp8_layer(module: nn.Module, name: str) -> bool:
+    """Whether the module at `name` (a `named_modules` name of `BertForPreTraining`) runs in FP8."""
+    if not isinstance(module, nn.Linear) or not name.startswith(ENCODER_LAYERS):
+        return False
+    index, _, inner = name[len(ENCODER_LAYERS):].partition(".")
+    return index.isdigit() and inner in LAYER_GEMMS
+
+
+def fp8_layer_names(model: nn.Module) -> list[str]:
+    """The names of the linear layers `convert_to_fp8` converts, in module order."""
+    return [name for name, module in model.named_modules() if is_fp8_layer(module, name)]
+
+
+class _ImportNoise(logging.Filter):
+    """torchao's import-time log lines that concern nothing FP8 training uses: its optional compiled
+    kernels (which fail to load on a CPU-only torch) and torch's deprecation note on one of its enums."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to load") or "is an Enum subclass" in message)
+
+
+_NOISE = _ImportNoise()
+
+
+def _quiet_torchao_import() -> None:
+    """Imports torchao's FP8 training without the noise every rank would print (the filter stays: the
+    deprecation note comes again when torchao registers more enums, at its first conversion)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if _NOISE not in logger.filters:
+            logger.addFilter(_NOISE)
+    import torchao.float8  # noqa: F401
+
+
+def torchao_missing() -> str | None:
+    """None when torchao's FP8 training imports; else the problem and the fix."""
+    try:
+        _quiet_torchao_import()
+    except ImportError as err:
+        return f"--precision fp8 trains through torchao, which does not import ({err}): {INSTALL_HINT}"
+    return None
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why a run on `device` cannot train in FP8, with the fix; None when it can.
+
+    The CPU runs torchao's emulation (FP8 numerics, no speed); a GPU needs FP8 tensor cores.
+    """
+    missing = torchao_missing()
+    if missing is not None or device.type != "cuda":
+        return missing
+    return capability_problem(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+
+
+def capability_problem(capability: tuple[int, int], name: str) -> str | None:
+    """The start-up line for a GPU (compute capability, name) without FP8 tensor cores; None with them."""
+    if tuple(capability) >= MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (f"--precision fp8 needs FP8 tensor cores (compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
+            f"Ada, Hopper, Blackwell), but {name} is {major}.{minor}: use --precision bf16 on this GPU")
+
+
+def fp8_config(emulate: bool) -> "Float8LinearConfig":
+    """torchao's tensorwise recipe (E4M3 forward, E5M2 gradients, dynamic scales).
+
+    pad_inner_dim: the weight-gradient GEMM's inner dimension is the token count, which unpadded
+    batches do not keep at a multiple of 16; torchao pads it with zeros (a no-op for packed rows).
+    """
+    _quiet_torchao_import()
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig(emulate=emulate, pad_inner_dim=True)
+
+
+def check_alignment(model: nn.Module) -> None:
+    """Raises ValueError naming the size when an FP8 layer's weight is not a multiple of 16 each way."""
+    for name in fp8_layer_names(model):
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        if linear.in_features % ALIGNMENT or linear.out_features % ALIGNMENT:
+            raise ValueError(f"--precision fp8: {name} is {linear.in_features} x {linear.out_features}; FP8 GEMMs "
+                             f"need hidden_size and intermediate_size divisible by {ALIGNMENT} (bert_config.json), "
+                             "or use --precision bf16")
+
+
+def convert_to_fp8(model: nn.Module, device: torch.device) -> nn.Module:
+    """Swaps the FP8 layers for torchao `Float8Linear`s in place, keeping their parameters (same objects).
+
+    device: where the model will run; FP8 GEMMs on CUDA, emulated elsewhere. Call it before
+    the model is wrapped (DDP), compiled, or its parameters handed to an optimizer.
+    """
+    check_alignment(model)
+    config = fp8_config(emulate=device.type != "cuda")
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(model, module_filter_fn=is_fp8_layer, config=config)
+    return model
