@@ -51,7 +51,7 @@ def test_help_documents_every_flag():
     [
         (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a GPU"),
         (["--train_batch_size", "6", "--gradient_accumulation_steps", "4"], "is not divisible by"),
-        (["--optimizer", "adam", "--submission_division", "closed"], "closed division requires LAMB"),
+        (["--optimizer", "adam", "--submission_division", "closed"], "the optimizer is LAMB"),
         (["--input_layout", "packed", "--balance", "global_presort"], "use --balance none with --input_layout packed"),
         (["--cuda_graphs", "--device", "cpu"], "--cuda_graphs needs a GPU"),
         (["--opt_lamb_beta_1", "1.5"], "--opt_lamb_beta_1 must be in [0, 1)"),
