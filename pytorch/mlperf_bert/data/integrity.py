@@ -37,7 +37,9 @@ from typing import Iterable, Sequence
 import h5py
 import numpy as np
 
-from .shards import DataError, Samples, check_keys, decode, list_shards, offsets, open_shard, read_arrays
+from .shards import (
+    DataError, Samples, check_keys, decode, detect_format, list_shards, offsets, open_shard, read_arrays, read_picked,
+)
 
 PROBE_ROWS = 64  # rows read from the middle of each shard by the quick check
 _MAX_WIDTH = 8192  # positions the coefficient tables cover (settings.MAX_SEQ_LENGTH_LIMIT)
@@ -49,7 +51,7 @@ def _coefficients(seed: int) -> np.ndarray:
     return rng.integers(0, 2**63, _MAX_WIDTH, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-_TOKEN, _SEGMENT, _POSITION, _LABEL, _SCALARS = (_coefficients(seed) for seed in (11, 12, 13, 14, 15))
+_TOKEN, _POSITION, _SCALARS = (_coefficients(seed) for seed in (11, 13, 15))
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -69,25 +71,42 @@ def _segment_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return prefix[bounds[1:]] - prefix[bounds[:-1]]
 
 
-def _weighted(values: np.ndarray, lengths: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """[N] sum over each sequence of value * table[position in the sequence], mod 2^64."""
-    starts = np.repeat(offsets(lengths)[:-1], lengths)
-    within = np.arange(values.shape[0], dtype=np.int64) - starts
-    terms = _mix(values.astype(np.int64).astype(np.uint64) + np.uint64(1)) * table[within]
-    return _segment_sums(terms, lengths)
+def _weighted(keys: np.ndarray, lengths: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[N] sum over each sequence of key * table[position in the sequence], mod 2^64.
+
+    keys: uint64, one per entry of the flat column (overwritten); the table's random odd
+    multipliers make the sum depend on every key and its place. A key of 0 adds nothing, which
+    no real entry has: a token key holds its id (never 0, [PAD]) and a prediction its position
+    (never 0, [CLS]), and lengths are hashed apart.
+    """
+    within = np.arange(keys.shape[0], dtype=np.int64)
+    within -= np.repeat(offsets(lengths)[:-1], lengths)
+    keys *= table[within]
+    return _segment_sums(keys, lengths)
+
+
+def _packed(high: np.ndarray, low: np.ndarray, shift: int) -> np.ndarray:
+    """uint64 keys high << shift | low (low non-negative and below 2^shift in valid data)."""
+    keys = high.astype(np.uint64)
+    keys <<= np.uint64(shift)
+    keys += low.astype(np.int64).view(np.uint64)
+    return keys
 
 
 def sequence_hashes(samples: Samples) -> np.ndarray:
-    """[N] uint64: one hash per sequence over all of its fields (equal samples, equal hashes)."""
+    """[N] uint64: one hash per sequence over all of its fields (equal samples, equal hashes).
+
+    A token is keyed by (input id, segment id), a prediction by (position, label); each key is
+    weighted by a random multiplier of its place, summed per sequence with the sequence's
+    length, prediction count and next-sentence label, and the sum is mixed.
+    """
     if len(samples) and (samples.lengths.max() > _MAX_WIDTH or samples.num_predictions.max() > _MAX_WIDTH):
         raise DataError(f"a sequence is longer than {_MAX_WIDTH} tokens or predictions; regenerate the data")
-    h = _weighted(samples.input_ids, samples.lengths, _TOKEN)
-    h += _weighted(samples.segment_ids, samples.lengths, _SEGMENT)
-    h += _weighted(samples.masked_lm_positions, samples.num_predictions, _POSITION)
-    h += _weighted(samples.masked_lm_ids, samples.num_predictions, _LABEL)
+    h = _weighted(_packed(samples.input_ids, samples.segment_ids, 8), samples.lengths, _TOKEN)
+    h += _weighted(_packed(samples.masked_lm_positions, samples.masked_lm_ids, 32), samples.num_predictions, _POSITION)
     scalars = (samples.lengths, samples.num_predictions, samples.next_sentence_labels)
     for k, values in enumerate(scalars):
-        h += _mix(values.astype(np.int64).astype(np.uint64) + np.uint64(k + 1)) * _SCALARS[k]
+        h += _mix(values.astype(np.int64).view(np.uint64) + np.uint64(k + 1)) * _SCALARS[k]
     return _mix(h)
 
 
@@ -192,28 +211,30 @@ class Probe:
     """What the quick check reads of one shard."""
 
     path: Path
-    fingerprint: tuple  # (format, rows, hash of the first row, of the last row, of the middle block)
-    hashes: np.ndarray  # the middle block's sequence hashes (eval samples are looked up among them)
+    fingerprint: tuple  # (format, rows, digest of the probed rows' sequence hashes)
+    hashes: np.ndarray  # the probed sequences' hashes (eval samples are looked up among them)
     rows: np.ndarray  # the shard row of each of those sequences
 
 
-def _rows_hash(handle: h5py.File, fmt: str, start: int, stop: int) -> tuple[str, np.ndarray, np.ndarray]:
-    samples, rows = decode(read_arrays(handle, fmt, start, stop), fmt)
-    hashes = sequence_hashes(samples)
-    return hashlib.sha256(hashes.astype("<u8").tobytes()).hexdigest()[:16], hashes, rows + start
+def probed_rows(rows: int, probe_rows: int = PROBE_ROWS) -> np.ndarray:
+    """The first row, `probe_rows` rows from the middle and the last row, increasing."""
+    start = max(0, (rows - probe_rows) // 2)
+    return np.unique(np.r_[0, np.arange(start, min(rows, start + probe_rows)), rows - 1])
 
 
 def probe_shard(path: Path, probe_rows: int = PROBE_ROWS) -> Probe:
-    """The first row, the last row and `probe_rows` rows from the middle of one shard."""
+    """`probed_rows` of one shard, read with one hdf5 read per key (its keys were checked before)."""
     with open_shard(path) as handle:
-        fmt, rows = check_keys(handle)
+        fmt = detect_format(handle)
+        rows = int(handle["input_ids"].shape[0])
         if rows == 0:
             return Probe(path, (fmt, 0), np.zeros(0, np.uint64), np.zeros(0, np.int64))
-        first, _, _ = _rows_hash(handle, fmt, 0, 1)
-        last, _, _ = _rows_hash(handle, fmt, rows - 1, rows)
-        start = max(0, (rows - probe_rows) // 2)
-        middle, hashes, seq_rows = _rows_hash(handle, fmt, start, min(rows, start + probe_rows))
-    return Probe(path, (fmt, rows, first, last, middle), hashes, seq_rows)
+        picked = probed_rows(rows, probe_rows)
+        arrays = read_picked(handle, fmt, picked)
+    samples, local = decode(arrays, fmt)
+    hashes, seq_rows = sequence_hashes(samples), picked[local]
+    digest = hashlib.sha256(hashes.astype("<u8").tobytes() + seq_rows.astype("<i8").tobytes()).hexdigest()
+    return Probe(path, (fmt, rows, digest), hashes, seq_rows)
 
 
 def _all_hashes(path: Path) -> np.ndarray:
