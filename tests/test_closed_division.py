@@ -219,6 +219,19 @@ def test_a_closed_run_keeping_the_rules_logs_them_and_its_log_passes_the_same_ta
     assert failed and all("eval_accuracy" in line or line.strip().endswith("FAILED") for line in failed), report
 
 
+def test_a_closed_run_with_a_small_eval_set_is_told_to_use_the_full_one(demo_data, tmp_path):
+    """The rules hold, but --eval_dir has 200 samples: the fix offered may not break a rule."""
+    args = closed_run_inputs(demo_data, tmp_path)
+    args[args.index("--eval_dir") + 1] = str(demo_data / "eval")
+    done = run_cli([sys.executable, str(TRAINER), *args])
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert "200 eval samples, fewer than the 10000 requested; point --eval_dir at the 10,000-sample eval set" \
+        in errors[0]
+    assert "lower" not in errors[0] and "--submission_division open" in errors[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # tools/package_results.py: the same table on the logs it packages
 
