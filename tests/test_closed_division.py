@@ -150,6 +150,21 @@ def test_run_and_time_stops_a_closed_config_with_a_broken_rule(tmp_path, overrid
     assert "RESULT" not in done.stdout and not (tmp_path / "out" / "mlperf.log").exists()
 
 
+def test_run_and_time_names_the_phase1_checkpoint_when_a_closed_config_misses_it(tmp_path):
+    (tmp_path / "bert_config.json").write_text("{}")
+    for name in ("data", "eval"):
+        (tmp_path / name).mkdir()
+    env = {**_exports(REPO / "config_DGXA100_1x8.sh"), "DGXNGPU": "1", "PYTHON": sys.executable,
+           "DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
+           "BERT_CONFIG": str(tmp_path / "bert_config.json"), "INIT_CHECKPOINT": str(tmp_path / "gone.pt")}
+    done = run_cli(["bash", str(REPO / "run_and_time.sh")], env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"run_and_time.sh: INIT_CHECKPOINT={tmp_path / 'gone.pt'} not found: a "
+                                   "closed-division run starts from the phase-1 checkpoint (training_rules.adoc "
+                                   "§2.4); point INIT_CHECKPOINT or CHECKPOINTDIR_PHASE1 at it (data_prep/prepare.py "
+                                   "convert-checkpoint makes it), or set DIVISION=open")
+
+
 # ---------------------------------------------------------------------------------------------
 # A run: the open division takes the same values; a closed run that keeps the rules logs them
 
