@@ -278,6 +278,32 @@ def test_package_results_applies_the_rules_to_a_closed_log(tmp_path):
     assert closed_rule_problems(_closed_log(tmp_path, submission_division="open", eval_samples=200)) == ([], [])
 
 
+LOG_BREAKS = {"opt_name": "adam", "opt_gradient_clip_norm": 2.0, "opt_gradient_clip_mode": "bucketwise",
+              "opt_end_learning_rate": 1e-5, "opt_learning_rate_decay_start_step": 82,
+              "opt_lamb_learning_rate_decay_poly_power": 2.0, "target_mlm_accuracy": 0.7, "eval_samples": 5000,
+              "eval_iter_samples": 100000, "eval_iter_start_samples": 3000000, "init_checkpoint": None,
+              "max_sequence_length": 384, "max_predictions_per_seq": 60}
+
+
+@pytest.mark.parametrize("key", sorted(LOG_BREAKS))
+def test_each_rule_is_checked_on_a_log_one_broken_value_at_a_time(tmp_path, key):
+    from package_results import closed_rule_problems
+
+    broken, missing = closed_rule_problems(_closed_log(tmp_path, **{key: LOG_BREAKS[key]}))
+    assert len(broken) == 1 and f"): {key} must be " in broken[0] and not missing, broken
+    assert sorted(LOG_BREAKS) == sorted(rule.key for rule in RULES)
+
+
+def test_a_log_without_a_ruled_key_is_noted_not_failed(tmp_path):
+    """Vendor logs (NVIDIA v2.0) carry no opt_name or eval interval keys: those rules are not checked."""
+    from package_results import closed_rule_problems
+
+    log = _closed_log(tmp_path)
+    log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
+                           if '"opt_name"' not in line and '"global_batch_size"' not in line))
+    assert closed_rule_problems(log) == ([], ["opt_name", "eval_iter_samples", "eval_iter_start_samples"])
+
+
 def test_package_results_fails_a_package_with_a_log_that_breaks_a_rule(tmp_path):
     import package_results
 
