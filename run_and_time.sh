@@ -136,6 +136,11 @@ ECHO_MLLOG=${ECHO_MLLOG:-1}
 if [[ "${INIT_CHECKPOINT:-none}" == none ]]; then
   INIT_CHECKPOINT=""  # random weights: no --init_checkpoint
 elif [[ ! -e "$INIT_CHECKPOINT" ]]; then
+  if [[ "${DIVISION:-closed}" == closed ]]; then  # random weights would break a closed-division rule
+    die "INIT_CHECKPOINT=$INIT_CHECKPOINT not found: a closed-division run starts from the phase-1 checkpoint" \
+      "(training_rules.adoc §2.4); point INIT_CHECKPOINT or CHECKPOINTDIR_PHASE1 at it" \
+      "(data_prep/prepare.py convert-checkpoint makes it), or set DIVISION=open"
+  fi
   die "INIT_CHECKPOINT=$INIT_CHECKPOINT not found (set INIT_CHECKPOINT=none to start from random weights)"
 fi
 

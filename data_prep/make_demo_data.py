@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlperf_bert.data.integrity import leaked, sequence_hashes
 from mlperf_bert.data.shards import Samples, write_samples
 from mlperf_bert.runtime.files import atomic_path
 
@@ -258,16 +259,35 @@ def manifest(args: argparse.Namespace, vocab: Vocab, files: dict[Path, int]) -> 
     }
 
 
+def held_out_samples(rng: np.random.Generator, gen: Generator, count: int, training: np.ndarray) -> Samples:
+    """`count` eval samples, none equal to a training sample (`training`: their sorted hashes).
+
+    The demo's rule makes short sequences repeat, so a drawn eval sample can equal a training
+    one; it is drawn again, as the test set must be held out (data/integrity.py refuses leaks).
+    """
+    kept: list[DemoSample] = []
+    while len(kept) < count:
+        drawn = [make_sample(rng, gen) for _ in range(count - len(kept))]
+        fresh = ~leaked(sequence_hashes(to_samples(drawn)), training)
+        kept += [sample for sample, ok in zip(drawn, fresh) if ok]
+    return to_samples(kept)
+
+
 def generate(args: argparse.Namespace) -> None:
     chain_seed, train_seed, eval_seed = np.random.SeedSequence(args.seed).spawn(3)
     gen = build_generator(args, np.random.default_rng(chain_seed))
     files = planned_files(args)
     refuse_foreign_shards(files)
     streams = {"train": np.random.default_rng(train_seed), "eval": np.random.default_rng(eval_seed)}
+    training: list[np.ndarray] = []  # the training samples' hashes, written first
     for path, count in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         rng = streams[path.parent.name]
-        samples = to_samples([make_sample(rng, gen) for _ in range(count)])
+        if path.parent.name == "train":
+            samples = to_samples([make_sample(rng, gen) for _ in range(count)])
+            training.append(sequence_hashes(samples))
+        else:
+            samples = held_out_samples(rng, gen, count, np.unique(np.concatenate(training)))
         write_samples(path, samples, args.format, args.max_seq_length, args.max_predictions_per_seq)
     out = args.output_dir
     write_text(out / "bert_config.json", json.dumps(bert_config(args), indent=2, sort_keys=True) + "\n")

@@ -10,6 +10,10 @@ folder is refused (`mlperf_bert.data.shards.folder_problems`: temporary files, f
 lists but are missing or of another size, gaps in part_i_of_N numbering). With a
 MANIFEST.json it compares sha256 and sample count of every file; with strata.json and
 packing_report.json it checks the strata bounds and counts and that no sequence was dropped.
+Integrity (`mlperf_bert.data.integrity`, over every sequence): training shards that hold the
+same samples as another shard of their folder (byte-identical copies, or the same rows stored
+differently or in another order), and eval samples inside training shards, counted per shard,
+when an eval folder is given (as a DIRECTORY recognised as eval, or --eval_dir).
 The length limits are the flags, else the folder's manifest, else a fixed shard's widths.
 Exits 0 when everything holds, 1 otherwise, printing one line per problem that names the
 file, the first bad row and what is wrong.
@@ -31,13 +35,41 @@ from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NA
 from data_prep.parallel import run_jobs
 from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
+from mlperf_bert.data.integrity import (
+    ShardDigest, duplicate_groups, duplicate_message, eval_hashes, leakage_message, same_bytes,
+)
 from mlperf_bert.data.shards import (
     FORMAT_KEYS, MANIFEST_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
     from_varlength, layout_checks, offsets, open_shard,
 )
 
 BLOCK_ROWS = 1 << 15
+NO_EVAL = np.zeros(0, np.uint64)
 MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token each in A and B
+
+
+@dataclass(frozen=True)
+class EvalSets:
+    """The eval samples a training folder may not hold: their sorted hashes, and the folders' names."""
+
+    hashes: np.ndarray
+    names: str
+
+    @classmethod
+    def read(cls, folders: list[Path]) -> EvalSets | None:
+        if not folders:
+            return None
+        hashes = np.unique(np.concatenate([eval_hashes(folder) for folder in folders]))
+        return cls(hashes, ", ".join(map(str, folders)))
+
+
+def is_eval_folder(directory: Path) -> bool:
+    """An eval set: `prepare.py eval` made it (MANIFEST.json kind "eval"), or its shards are part_eval_*."""
+    manifest = Manifest.load(directory) if directory.is_dir() else None
+    if manifest is not None:
+        return manifest.kind == "eval"
+    shards = folder_shards(directory) if directory.is_dir() else []
+    return bool(shards) and all(p.name.startswith("part_eval") for p in shards)
 
 
 @dataclass(frozen=True)
@@ -58,6 +90,9 @@ class ShardReport:
     shortest: int = MAX_SEQ_LENGTH + 1  # sequence lengths seen, for the strata check
     longest: int = 0
     sha256: str | None = None  # computed when checksums are compared
+    digest: str = ""  # order-free digest of the shard's sequences (`integrity.ShardDigest`)
+    leaked: int = 0  # sequences that are eval samples
+    first_leaked_row: int | None = None
     problems: list[str] = field(default_factory=list)
 
     def flag(self, bad: np.ndarray, rows: np.ndarray, what: str) -> None:
@@ -170,7 +205,8 @@ def _width_problem(handle: h5py.File, fmt: str, limits: Limits) -> str | None:
             f"expected ({limits.max_seq_length},) / ({limits.max_predictions},)")
 
 
-def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, report: ShardReport) -> None:
+def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, report: ShardReport,
+                 seen: ShardDigest, eval_set: np.ndarray) -> None:
     arrays = {k: handle[k][lo:hi] for k in FORMAT_KEYS[fmt]}
     rows = np.arange(lo, hi)
     if fmt == "fixed":
@@ -192,15 +228,21 @@ def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, 
         seq_rows = rows[local_rows]
     for bad, what in _structure_checks(samples, limits) + _prediction_checks(samples, limits):
         report.flag(bad, seq_rows, what)
+    seen.add(samples, seq_rows, eval_set)
     report.sequences += len(samples)
     if len(samples):
         report.shortest = min(report.shortest, int(samples.lengths.min()))
         report.longest = max(report.longest, int(samples.lengths.max()))
 
 
-def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> ShardReport:
-    """All checks of one shard; problems are collected in the report, never raised."""
+def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS,
+                 eval_set: np.ndarray = NO_EVAL) -> ShardReport:
+    """All checks of one shard; problems are collected in the report, never raised.
+
+    eval_set: sorted hashes of eval samples (`integrity.eval_hashes`) counted when found here.
+    """
     report = ShardReport(Path(path))
+    seen = ShardDigest()
     try:
         with open_shard(path) as handle:
             fmt, rows = check_keys(handle)  # keys, integer dtypes, ranks, equal row counts and widths
@@ -210,11 +252,12 @@ def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS) -> Sh
                 return report
             report.fmt, report.rows = fmt, rows
             for lo in range(0, rows, block_rows):
-                _check_block(handle, fmt, lo, min(lo + block_rows, rows), limits, report)
+                _check_block(handle, fmt, lo, min(lo + block_rows, rows), limits, report, seen, eval_set)
                 if len(report.problems) > 20:
                     break
     except DataPrepError as err:
         report.problems.append(str(err))
+    report.digest, report.leaked, report.first_leaked_row = seen.digest(), seen.leaked, seen.first_leaked_row
     return report
 
 
@@ -268,23 +311,42 @@ def _packing_problems(directory: Path, reports: dict[str, ShardReport]) -> list[
     return problems
 
 
+def _integrity_problems(directory: Path, reports: dict[str, ShardReport], eval_names: str) -> list[str]:
+    """Shards that are copies of each other, and eval samples in the shards (`integrity`)."""
+    whole = {r.path: r.digest for r in reports.values() if r.sequences and not r.problems}
+    problems = []
+    for group in duplicate_groups(whole):
+        first, second = (reports[p.relative_to(directory).as_posix()] for p in group[:2])
+        exact = first.sha256 == second.sha256 if first.sha256 and second.sha256 else same_bytes(group[0], group[1])
+        problems.append(duplicate_message(group, exact))
+    where = [(r.path, r.leaked, r.first_leaked_row or 0) for r in reports.values() if r.leaked]
+    if where:
+        problems.append(leakage_message(where, eval_names, probed=False))
+    return problems
+
+
 @dataclass(frozen=True)
 class _ShardJob:
     path: Path
     limits: Limits
     checksum: bool
+    eval_set: np.ndarray
 
 
 def _verify_job(job: _ShardJob) -> ShardReport:
-    report = verify_shard(job.path, job.limits)
+    report = verify_shard(job.path, job.limits, eval_set=job.eval_set)
     if job.checksum:
         report.sha256 = sha256_file(job.path)
     return report
 
 
 def verify_directory(directory: Path | str, limits: Limits, checksums: bool = True,
-                     expect_samples: int | None = None, workers: int = 1) -> tuple[list[str], dict[str, ShardReport]]:
-    """(problems, per-shard reports) of a dataset folder; shards are checked by `workers` processes."""
+                     expect_samples: int | None = None, workers: int = 1,
+                     eval_sets: EvalSets | None = None) -> tuple[list[str], dict[str, ShardReport]]:
+    """(problems, per-shard reports) of a dataset folder; shards are checked by `workers` processes.
+
+    eval_sets: the eval samples no shard of this folder may hold (none for an eval folder).
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return [f"{directory}: not a folder"], {}
@@ -292,10 +354,12 @@ def verify_directory(directory: Path | str, limits: Limits, checksums: bool = Tr
     if not shards:
         return [f"{directory}: no *.hdf5 shards here or in stratum_*/ folders"], {}
     checksum = checksums and (directory / MANIFEST_NAME).is_file()
-    jobs = [_ShardJob(p, limits, checksum) for p in shards]
+    eval_set = eval_sets.hashes if eval_sets is not None else NO_EVAL
+    jobs = [_ShardJob(p, limits, checksum, eval_set) for p in shards]
     done = {r.path: r for r in run_jobs(_verify_job, jobs, workers)}
     reports = {p.relative_to(directory).as_posix(): done[p] for p in shards}
     problems = [msg for r in reports.values() for msg in r.problems]
+    problems += _integrity_problems(directory, reports, eval_sets.names if eval_sets is not None else "")
     try:
         problems += folder_problems(directory)
         manifest = Manifest.load(directory)
@@ -337,15 +401,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: from MANIFEST.json or a fixed shard's width, else 76")
     parser.add_argument("--expect_samples", type=int, help="total samples (sequences) the folder must hold")
     parser.add_argument("--no_checksums", action="store_true", help="skip the sha256 comparison with MANIFEST.json")
+    parser.add_argument("--eval_dir", type=Path, action="append",
+                        help="an eval folder no training folder may hold samples of (folders given as DIRECTORY "
+                             "are recognised as eval folders by MANIFEST.json kind 'eval' or part_eval_* names)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
 
 
-def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None) -> bool:
+def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None, eval_sets: EvalSets | None) -> bool:
     """Checks one folder, prints its problems and an OK / FAILED line; True when it is valid."""
     try:
         limits, origin = limits_for(directory, args, vocab)
         problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples,
-                                             args.workers)
+                                             args.workers, eval_sets)
     except DataPrepError as err:
         problems, reports, origin = [str(err)], {}, "unknown lengths"
     for problem in problems:
@@ -365,7 +432,15 @@ def run(args: argparse.Namespace) -> int:
     except DataPrepError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    results = [_verify_one(Path(directory), args, vocab) for directory in args.directory]
+    directories = [Path(directory) for directory in args.directory]
+    eval_folders = list(dict.fromkeys([*(getattr(args, "eval_dir", None) or []),
+                                       *(d for d in directories if is_eval_folder(d))]))
+    try:
+        eval_sets = EvalSets.read(eval_folders)
+    except DataPrepError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    results = [_verify_one(d, args, vocab, None if d in eval_folders else eval_sets) for d in directories]
     return 0 if all(results) else 1
 
 

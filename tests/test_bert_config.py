@@ -110,7 +110,7 @@ def test_the_memory_estimate_uses_the_device_it_is_given(tmp_path):
     from mlperf_bert.startup import _check_model_fits
 
     cfg = parse_config(["--eval_dir", "e", "--bert_config_path", str(tmp_path / "b.json"), "--output_dir",
-                        str(tmp_path / "o"), "--max_steps", "1"], 1)
+                        str(tmp_path / "o"), "--max_steps", "1", "--submission_division", "open"], 1)
     large = BertConfig(**LARGE)
     _check_model_fits(cfg, large, 80 * 2**30)  # 5.0 GiB of weights and optimizer state fit an 80 GB GPU
     with pytest.raises(ConfigError, match=r"take 5\.0 GiB, more than the 4\.0 GiB"):

@@ -118,8 +118,11 @@ def _config_from_launcher(config: str, world_size: int, tmp_path: Path) -> Train
     # local_presort insists on a stratified dataset folder; the flags are all this test reads.
     (tmp_path / "data" / "strata.json").write_text(json.dumps(
         {"bounds": [128, 256, 384, 512], "counts": [369, 197, 117, 316], "shares": [0.369, 0.197, 0.117, 0.317]}))
+    # A closed-division config must name the phase-1 checkpoint; it is not read here.
+    checkpoint = tmp_path / "model.ckpt-28252.pt"
+    checkpoint.touch()
     overrides = {"DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
-                 "BERT_CONFIG": str(tmp_path / "bert_config.json"), "INIT_CHECKPOINT": "none",
+                 "BERT_CONFIG": str(tmp_path / "bert_config.json"), "INIT_CHECKPOINT": str(checkpoint),
                  "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1",
                  # multi-node configs launch once per node, told the node's place
                  "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}

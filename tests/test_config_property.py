@@ -46,7 +46,8 @@ def no_hang(seconds: int = HANG_S) -> Iterator[None]:
 
 def _valid_args(root: Path) -> list[str]:
     return ["--input_dir", str(root / "train"), "--eval_dir", str(root / "eval"), "--bert_config_path",
-            str(root / "bert_config.json"), "--output_dir", str(root / "out"), "--max_steps", "10", "--do_train"]
+            str(root / "bert_config.json"), "--output_dir", str(root / "out"), "--max_steps", "10", "--do_train",
+            "--submission_division", "open"]
 
 
 TINY_BERT = {"vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -175,7 +176,8 @@ SHIPPED_LIKE = ["--balance", "global_presort", "--checkpoint_every_samples", "64
 
 def test_building_a_config_reads_neither_files_nor_the_environment(monkeypatch):
     argv = ["--input_dir", "/no/train", "--eval_dir", "/no/eval", "--bert_config_path", "/no/bert.json",
-            "--output_dir", "/no/out", "--max_steps", "10", "--do_train", *SHIPPED_LIKE]
+            "--output_dir", "/no/out", "--max_steps", "10", "--do_train", "--submission_division", "open",
+            *SHIPPED_LIKE]
     args = build_parser().parse_args(argv)
     for name in ("exists", "lexists", "isfile", "isdir", "realpath", "islink"):
         monkeypatch.setattr(os.path, name, _no_filesystem)
@@ -190,7 +192,8 @@ def test_a_resolved_config_rebuilds_into_the_same_config_elsewhere(tmp_path, wor
     """resolved_config.json names paths of the machine that ran; they need not exist here."""
     argv = ["--input_dir", "/cluster/train", "--eval_dir", "/cluster/eval", "--bert_config_path",
             "/cluster/bert_config.json", "--output_dir", "/cluster/out", "--max_steps", "10", "--do_train",
-            "--learning_rate", "0.000425", "--opt_lamb_beta_2", "0.88", "--input_layout", "unpadded", *SHIPPED_LIKE]
+            "--learning_rate", "0.000425", "--opt_lamb_beta_2", "0.88", "--input_layout", "unpadded",
+            "--submission_division", "open", *SHIPPED_LIKE]
     cfg = parse_config(argv, world_size)
     (tmp_path / "resolved_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     rebuilt = TrainConfig.from_dict(json.loads((tmp_path / "resolved_config.json").read_text()))
@@ -285,7 +288,7 @@ def test_a_schedule_that_sits_at_learning_rate_zero_is_refused(root, extra, flag
 
 
 def test_schedules_that_decay_to_a_floor_or_to_the_last_step_are_accepted(root):
-    argv = _valid_args(root)[:-3]  # without --max_steps 10 --do_train
+    argv = [*_valid_args(root)[:-5], "--submission_division", "open"]  # without --max_steps 10 --do_train
     samsung = ["--max_steps", "299", "--warmup_steps", "82", "--start_warmup_step", "-16", "--decay_steps", "179",
                "--end_learning_rate", "4.945e-5", "--decay_from_warmup_end"]
     assert parse_config(argv + samsung, 1).schedule.decay_steps == 179

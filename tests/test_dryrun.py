@@ -42,7 +42,8 @@ def _dry_run_env(tmp_path: Path, config: Path) -> dict[str, str]:
     world = int(exports["DGXNGPU"]) * int(exports["DGXNNODES"])
     return {**exports, "PYTHON": str(wrapper), "BERT_CONFIG": str(tmp_path / "bert_config.json"),
             "DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
-            "OUTPUT_DIR": str(tmp_path / "out"), "RANK": "0", "WORLD_SIZE": str(world), "SEED": "1"}
+            "OUTPUT_DIR": str(tmp_path / "out"), "RANK": "0", "WORLD_SIZE": str(world), "SEED": "1",
+            "DIVISION": "open"}  # random weights (no phase-1 checkpoint here): not a closed-division run
 
 
 # FP8 GEMMs of one training step of TINY_BERT: 2 layers x 6 linears x 3 (forward, input and weight gradients).
@@ -97,7 +98,7 @@ def _base_flags(tmp_path: Path) -> list[str]:
     return ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
             "--bert_config_path", str(tmp_path / "bert_config.json"), "--do_train", "--max_steps", "100",
             "--learning_rate", "1e-3", "--train_batch_size", "2", "--max_seq_length", "128",
-            "--max_predictions_per_seq", "20", "--device", "cuda"]
+            "--max_predictions_per_seq", "20", "--device", "cuda", "--submission_division", "open"]
 
 
 def _dry_run(tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:

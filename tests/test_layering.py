@@ -87,9 +87,11 @@ def test_the_command_line_fails_on_a_broken_rule(tmp_path):
 
 
 def test_data_prep_reads_shards_without_torch():
-    """data_prep imports the shard format and the atomic writes; neither may pull in torch."""
-    code = ("import sys; import data_prep.fileio, data_prep.formats, mlperf_bert.data.shards, "
-            "mlperf_bert.data.lengths; assert 'torch' not in sys.modules, 'torch was imported'")
+    """data_prep imports the shard format, the integrity checks and the atomic writes, and
+    tools/package_results.py the closed-division rules; none may pull in torch."""
+    code = ("import sys; import data_prep.fileio, data_prep.formats, data_prep.verify_dataset, "
+            "mlperf_bert.data.shards, mlperf_bert.data.integrity, mlperf_bert.data.lengths, "
+            "mlperf_bert.config.closed_division; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -51,7 +51,7 @@ def test_help_documents_every_flag():
     [
         (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a GPU"),
         (["--train_batch_size", "6", "--gradient_accumulation_steps", "4"], "is not divisible by"),
-        (["--optimizer", "adam", "--submission_division", "closed"], "closed division requires LAMB"),
+        (["--optimizer", "adam", "--submission_division", "closed"], "the optimizer is LAMB"),
         (["--input_layout", "packed", "--balance", "global_presort"], "use --balance none with --input_layout packed"),
         (["--cuda_graphs", "--device", "cpu"], "--cuda_graphs needs a GPU"),
         (["--opt_lamb_beta_1", "1.5"], "--opt_lamb_beta_1 must be in [0, 1)"),
@@ -193,25 +193,6 @@ def test_mllog_lines_reach_stdout_only_with_echo_mllog(demo_data, tmp_path):
     assert result.stdout.splitlines() == (out / "mlperf.log").read_text().splitlines()
     assert any('"key": "run_stop"' in line for line in result.stdout.splitlines())
     assert ":::MLLOG" not in result.stderr and "step 2 samples 16/16" in result.stderr
-
-
-def test_bert_large_shaped_closed_log_fails_only_the_accuracy_target(demo_data, tmp_path):
-    cfg = json.loads((demo_data / "bert_config.json").read_text())
-    cfg.update(num_hidden_layers=24, hidden_size=16, intermediate_size=32, num_attention_heads=2)
-    (tmp_path / "bert_config.json").write_text(json.dumps(cfg))
-    args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "2", "--submission_division",
-                        "closed")
-    args[args.index("--bert_config_path") + 1] = str(tmp_path / "bert_config.json")
-    result = run_cli([sys.executable, str(TRAINER), *args])
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = tmp_path / "out" / "mlperf.log"
-    names = [e["metadata"]["tensor"] for e in mllog_lines(log) if e["key"] == "weights_initialization"]
-    assert len(names) == 398
-    for ruleset in ("5.0.0", "2.0.0"):
-        report = compliance(log, ruleset, tmp_path)
-        failed = [line for line in report.splitlines() if "Failed checks" in line or "ERROR" in line]
-        assert failed and all("eval_accuracy" in line or line.strip().endswith("FAILED") for line in failed), report
-        assert "Failed checks for eval_accuracy : (v['value'] >= 0.720)" in report
 
 
 def test_evaluation_only_matches_huggingface_on_the_same_checkpoint(demo_data, tmp_path):

@@ -42,8 +42,9 @@ for config in $configs; do
   (
     # shellcheck source=/dev/null
     source "$here/$config"
+    # Random weights and synthetic batches: not a closed-division run (no phase-1 checkpoint).
     export WORLD_SIZE=1 RANK=0 PYTHON=$work/python BERT_CONFIG DATADIR_PHASE2=$work/data EVALDIR=$work/eval \
-      OUTPUT_DIR=$work/out_$config SEED=1
+      OUTPUT_DIR=$work/out_$config SEED=1 DIVISION=open
     bash "$here/run_and_time.sh"
   ) || status=1
 done

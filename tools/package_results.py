@@ -17,7 +17,10 @@
       that trained travels with the log and `pack` can use it on any other machine.
 
 Checks: every result file through the compliance checker (this tool requires every run to comply,
-although the official package checker accepts one failed file under olympic scoring), then
+although the official package checker accepts one failed file under olympic scoring), every
+closed-division result file against the closed-division rules the trainer enforces
+(`mlperf_bert/config/closed_division.py`: eval set size, eval interval, target, optimizer, ...,
+which the official checkers do not read; a rule whose key a log lacks is noted, not failed), then
 `python -m mlperf_logging.package_checker ORG training RULESET` (which exits 0 even on errors: its
 verdict is the line `PACKAGE CHECKER FOUND NO ERRORS`), `python -m mlperf_logging.rcp_checker` for
 closed-division systems, and `python -m mlperf_logging.result_summarizer ORG training RULESET --csv`
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from compare import SYSJSON_TOKEN, is_run_log, natural_key, read_run
+from mlperf_bert.config.closed_division import broken_rules, unchecked_keys
 
 BENCHMARK = "bert"
 RUNS_PER_SUBMISSION = 10  # MLPerf Training needs 10 BERT runs for an olympic score
@@ -411,6 +415,30 @@ def check_compliance(package: Path, ruleset: str, verdict: Verdict) -> None:
                              f"{len(files) - failed}/{len(files)} result files comply")
 
 
+def closed_rule_problems(result_file: Path) -> tuple[list[str], list[str]]:
+    """(broken closed-division rules, keys not in the log) of one closed-division log.
+
+    The trainer refuses a closed config that breaks one (`mlperf_bert.config.closed_division`);
+    this applies the same table to what a log says, which the official checkers do not read.
+    """
+    values = read_run(result_file).values
+    if values.get("submission_division") != "closed":
+        return [], []
+    return [b.for_log() for b in broken_rules(values)], unchecked_keys(values)
+
+
+def check_closed_rules(package: Path, verdict: Verdict) -> None:
+    for bert_dir in _result_dirs(package):
+        unchecked: set[str] = set()
+        for result_file in sorted(bert_dir.glob("result_*.txt"), key=natural_key):
+            broken, missing = closed_rule_problems(result_file)
+            verdict.problems += [f"{result_file.relative_to(package)}: {line}" for line in broken]
+            unchecked.update(missing)
+        if unchecked:
+            verdict.notes.append(f"closed-division rules ({bert_dir.parent.name}): not checked, the logs do not "
+                                 f"say: {', '.join(sorted(unchecked))}")
+
+
 def _run_tool(args: Sequence[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run `python -m mlperf_logging.<tool> ...` with its log files kept in cwd."""
     command = [sys.executable, "-m", *args]
@@ -483,6 +511,7 @@ def check_package(package: Path, ruleset: str, logs: Path) -> Verdict:
     verdict = Verdict()
     package = package.resolve()  # the official tools run with the log folder as cwd
     check_compliance(package, ruleset, verdict)
+    check_closed_rules(package, verdict)
     run_package_checker(package, ruleset, logs, verdict)
     run_rcp_checker(package, ruleset, logs, verdict)
     run_summarizer(package, ruleset, logs, verdict)

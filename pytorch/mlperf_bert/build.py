@@ -27,6 +27,7 @@ from .model.init_checkpoint import load_init_checkpoint
 from .optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .model.compiling import compile_model
 from .model.fp8 import convert_to_fp8
+from .config.closed_division import EVAL_ITER_KEY, EVAL_ITER_START_KEY, INIT_CHECKPOINT_KEY, TARGET_KEY
 from .config.settings import TrainConfig
 from .optim.capturable import capturable
 from .optim.loss_scale import DeviceLossScaler, LossScaler
@@ -50,6 +51,7 @@ from .hooks.live import LiveView
 from .hooks.report import RunReport
 from .hooks.train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
 from .train.state import TrainState
+from .train.evaluation_interval import EvalSchedule
 
 
 @dataclass
@@ -159,6 +161,12 @@ def lr_schedule(cfg: TrainConfig) -> LRSchedule:
                       decay_start_step=warmup if sched.decay_from_warmup_end else 0)
 
 
+def eval_schedule(cfg: TrainConfig) -> EvalSchedule:
+    """When the run evaluates: the flags, else the MLPerf interval of the global batch size."""
+    return EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
+                                       cfg.eval.eval_iter_samples)
+
+
 def hyperparameters(cfg: TrainConfig) -> dict:
     """The MLPerf hyperparameter keys, from the config tree."""
     values = {
@@ -171,6 +179,13 @@ def hyperparameters(cfg: TrainConfig) -> dict:
         "opt_gradient_clip_norm": cfg.optim.max_grad_norm,
         "opt_gradient_clip_mode": cfg.optim.clip_mode,
     }
+    # Beside the MLPerf keys: the settings the closed-division rules govern that no MLPerf key
+    # shows, so that tools/package_results.py checks them on the log (config/closed_division.py).
+    evals = eval_schedule(cfg)
+    values.update({
+        EVAL_ITER_START_KEY: evals.start_samples, EVAL_ITER_KEY: evals.interval_samples,
+        TARGET_KEY: cfg.eval.target_mlm_accuracy, INIT_CHECKPOINT_KEY: cfg.model.init_checkpoint,
+    })
     values.update(optimizer_hyperparameters(cfg.optim.optimizer, lr_schedule(cfg), (cfg.optim.beta1, cfg.optim.beta2),
                                             cfg.optim.epsilon, cfg.optim.weight_decay_rate))
     return values
@@ -227,6 +242,14 @@ def build_model(cfg: TrainConfig, device: torch.device, model: BertForPreTrainin
     return compile_model(model.to(device), cfg.run.compile_mode, dynamic=None)
 
 
+def eval_shortfall_advice(cfg: TrainConfig) -> str:
+    """What to do when --eval_dir holds fewer samples than --num_eval_examples (closed: never fewer)."""
+    if cfg.run.submission_division == "closed":
+        return ("point --eval_dir at the 10,000-sample eval set (data_prep/prepare.py eval), "
+                "or run in the open division (--submission_division open)")
+    return "point --eval_dir at the full eval set, or lower --num_eval_examples"
+
+
 def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
                      supplied: Supplied | None = None) -> Evaluation:
     """Resolved config, MLPerf log up to the weights, the model, and this rank's eval batches.
@@ -240,7 +263,8 @@ def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
     model = build_model(cfg, device, supplied.model)
     log_preamble(logger, cfg, model)
     items = supplied.eval_items if supplied.eval_items is not None else load_eval_set(
-        cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size, data_limits(cfg, model.config))
+        cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size, data_limits(cfg, model.config),
+        shortfall_advice=eval_shortfall_advice(cfg))
     size = cfg.eval.eval_batch_size
     batches = [flatten_items(items[i : i + size]).to(device) for i in range(0, len(items), size)]
     hooks = Hooks([MLPerfLog(logger, cfg.eval.num_eval_examples), EvalLine(denv.is_main)])

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .data.batch import FlatBatch
-from .build import Evaluation, Run, build_evaluation, build_run
+from .build import Evaluation, Run, build_evaluation, build_run, eval_schedule
 from .config.settings import TrainConfig
 from .runtime.distributed import DistEnv, all_reduce_sum
 from .train.evaluation_interval import EvalSchedule
@@ -53,8 +53,7 @@ def limit_reached(cfg: TrainConfig, state: TrainState) -> bool:
 def train_loop(run: Run) -> str:
     """Blocks of steps, each followed by an eval, until the target or a limit: the status."""
     cfg, state = run.cfg, run.state
-    evals = EvalSchedule.for_batch_size(cfg.global_batch_size, cfg.eval.eval_iter_start_samples,
-                                        cfg.eval.eval_iter_samples)
+    evals = eval_schedule(cfg)
     while True:
         if not eval_pending(cfg, evals, state):
             point = min(evals.next_point(state.samples) or stop_samples(cfg), stop_samples(cfg))

@@ -20,6 +20,8 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dat
 from pathlib import Path
 from typing import Any, Iterator
 
+from .closed_division import closed_division_problem
+
 INPUT_LAYOUTS = ("padded", "unpadded", "packed")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
 OPTIMIZERS = ("lamb", "adam")
@@ -325,7 +327,8 @@ class RunSettings:
     mlperf_log_file: str | None = flag("MLPerf log path (default: OUTPUT_DIR/mlperf.log)", "run and logging", None)
     echo_mllog: bool = flag("also print the MLPerf log's lines to stdout, for launchers that collect the log "
                             "from there (run_and_time.sh)", "run and logging", False)
-    submission_division: str = flag("logged as submission_division; closed requires --optimizer lamb",
+    submission_division: str = flag("logged as submission_division; closed checks the closed-division rules "
+                                    "(docs/CLOSED_DIVISION.md) before anything is read",
                                     "run and logging", "closed", choices=DIVISIONS)
     submission_org: str = flag("logged as submission_org", "run and logging", "reference")
     submission_platform: str = flag("logged as submission_platform", "run and logging", "unknown")
@@ -460,10 +463,9 @@ class TrainConfig:
             "--precision fp16 needs a GPU; use fp32 (or bf16) on the CPU",
         )
         self._check_fast_path()
-        _require(
-            self.optim.optimizer == "lamb" or self.run.submission_division == "open",
-            "the closed division requires LAMB: use --optimizer lamb or --submission_division open",
-        )
+        if self.run.submission_division == "closed":
+            problem = closed_division_problem(self)
+            _require(problem is None, problem or "")
 
     def _check_fast_path(self) -> None:
         """--cuda_graphs and --sync_every: what a step without host reads can take."""

@@ -290,8 +290,12 @@ def _check_stream_args(shards: Sequence[Path], rank: int, world_size: int, items
 
 def load_eval_set(
     eval_dir_or_file: Path | str, num_examples: int, rank: int, world_size: int, limits: DataLimits,
+    shortfall_advice: str = "point the eval flag at the full eval set",
 ) -> list[Item]:
     """This rank's share of the first `num_examples` eval samples, one sample per item.
+
+    shortfall_advice: the fix an error line gives when the source holds fewer samples (the
+    caller knows which fixes its rules allow: a closed-division run may not evaluate fewer).
 
     Files are read in sorted order; packed rows are split into their sequences. Rank r gets
     samples r, r + W, r + 2W, ... so the ranks' counts differ by at most one.
@@ -312,6 +316,5 @@ def load_eval_set(
         if len(samples) >= num_examples:
             return samples[:num_examples][rank::world_size]
     raise DataError(
-        f"{source}: {len(samples)} eval samples, fewer than the {num_examples} requested; "
-        "lower the number of eval examples or point the eval flag at the full eval set"
+        f"{source}: {len(samples)} eval samples, fewer than the {num_examples} requested; {shortfall_advice}"
     )

@@ -427,6 +427,14 @@ def read_arrays(handle: h5py.File, fmt: str, start: int, stop: int) -> dict[str,
     return arrays
 
 
+def read_picked(handle: h5py.File, fmt: str, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows `rows` (increasing, unique) of every key of the format, one hdf5 read per key."""
+    arrays = {k: handle[k][rows] for k in FORMAT_KEYS[fmt]}
+    if fmt == "fixed":
+        arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
+    return arrays
+
+
 def read_rows(handle: h5py.File, fmt: str, start: int, stop: int) -> Samples:
     """Rows [start, stop) as Samples (for packed shards: all sequences of those rows)."""
     try:

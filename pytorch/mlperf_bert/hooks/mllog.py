@@ -236,6 +236,7 @@ def optimizer_hyperparameters(name: str, schedule: LRSchedule, betas: tuple[floa
         constants.OPT_LAMB_LR_DECAY_POLY_POWER: schedule.power,
         constants.OPT_LR_DECAY_STEPS: schedule.total_decay_steps,
         constants.OPT_END_LR: schedule.end_lr,
+        constants.OPT_LR_DECAY_START_STEP: schedule.decay_start_step,
     }
     if name == "lamb":
         values.update({

@@ -14,21 +14,27 @@ import torch.distributed as dist
 from ..config.settings import TrainConfig
 from ..data.dataset import DataError, DataLimits, PretrainingDataset, discover_shards
 from ..data.stratified import StratifiedDataset, is_stratified
+from ..data.integrity import check_integrity
 from ..data.validate import check_dataset
 from ..runtime.distributed import DistEnv
 from .exchange import TorchCollectives
 from .sources import BatchSource, ExchangeSource, ItemStream, LocalSource, TokenMeter
 
 
-def check_input_data(input_dir: str, limits: DataLimits, denv: DistEnv) -> None:
-    """The whole training folder checked before the first step (`data_validate.check_dataset`).
+def check_input_data(input_dir: str, limits: DataLimits, denv: DistEnv, eval_dir: str | None = None,
+                     num_eval: int | None = None) -> None:
+    """The whole training folder checked before the first step.
 
-    Each rank reads the rows of every W-th shard; one all-reduce makes every rank stop with
-    exit 2 when any rank found a problem, instead of the others training on without it.
+    Each rank reads the rows of every W-th shard (`validate.check_dataset`); rank 0 also runs
+    the quick integrity check (`integrity.check_integrity`: copied shards, and samples of the
+    first `num_eval` of `eval_dir` in the training shards). One all-reduce makes every rank stop
+    with exit 2 when any rank found a problem, instead of the others training on without it.
     """
     problem = None
     try:
-        check_dataset(input_dir, limits, denv.rank, denv.world_size)
+        shards = check_dataset(input_dir, limits, denv.rank, denv.world_size)
+        if denv.is_main:
+            check_integrity(shards, eval_dir, num_eval)
     except DataError as err:
         problem = err
     if denv.is_distributed and dist.is_initialized():
@@ -76,7 +82,7 @@ def node_group(denv: DistEnv) -> dist.ProcessGroup:
 def open_batch_source(cfg: TrainConfig, denv: DistEnv, limits: DataLimits) -> BatchSource:
     """Builds the configured source; the caller closes it. Every rank calls it at the same point."""
     assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
-    check_input_data(cfg.data.input_dir, limits, denv)
+    check_input_data(cfg.data.input_dir, limits, denv, cfg.data.eval_dir, cfg.eval.num_eval_examples)
     stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed)
     try:
         return _balanced(stream, cfg, denv)

@@ -13,18 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-EVAL_ROUNDING_SAMPLES = 25_000
+from ..config.closed_division import eval_interval_samples
 
-
-def eval_interval_samples(global_batch_size: int) -> int:
-    """Samples between evals for `global_batch_size` sequences per optimizer step.
-
-    Exact integer arithmetic: 0.05 * (230.23 * g + 3e6) = (23023 * g + 300_000_000) / 2000.
-    """
-    if global_batch_size <= 0:
-        raise ValueError(f"global_batch_size must be > 0, got {global_batch_size}")
-    numerator = 23_023 * global_batch_size + 300_000_000
-    return numerator // (2_000 * EVAL_ROUNDING_SAMPLES) * EVAL_ROUNDING_SAMPLES
+__all__ = ["EvalSchedule", "eval_interval_samples"]
 
 
 @dataclass(frozen=True)

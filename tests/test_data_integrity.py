@@ -1,0 +1,189 @@
+"""Copied training shards and eval samples in the training data (data/integrity.py): refused by
+data_prep/verify_dataset.py (every sequence), by the trainer's start-up check (sampled rows) and
+by prepare.py's verification; a clean set passes all three."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TRAINER, run_cli, trainer_args
+from data_prep import prepare, verify_dataset
+from data_prep.packing import pack_index_table
+from mlperf_bert.data.integrity import PROBE_ROWS, check_integrity, eval_hashes, leaked, sequence_hashes
+from mlperf_bert.data.shards import (
+    DataError, Samples, decode, list_shards, read_samples, to_fixed, to_packed, to_varlength, write_samples,
+)
+
+L, P = 64, 10
+
+
+def _key(samples: Samples, i: int) -> tuple:
+    """An independent identity of sequence i: its fields as bytes."""
+    one = samples.slice(i, i + 1)
+    return (one.input_ids.tobytes(), one.segment_ids.tobytes(), one.masked_lm_positions.tobytes(),
+            one.masked_lm_ids.tobytes(), int(one.next_sentence_labels[0]))
+
+
+def test_equal_hashes_exactly_for_equal_samples_in_every_layout(demo_data):
+    samples = read_samples(list_shards(demo_data / "train")[0])
+    # Repeats and near-repeats: the same sample twice, and copies with one field changed.
+    near = samples.take(np.arange(5))
+    near.next_sentence_labels = 1 - near.next_sentence_labels
+    varied = Samples.concat([samples, samples.take(np.array([3, 3, 7])), near])
+    hashes = sequence_hashes(varied)
+    keys = [_key(varied, i) for i in range(len(varied))]
+    for i in range(len(varied)):
+        same_key = {j for j in range(len(varied)) if keys[j] == keys[i]}
+        assert set(np.flatnonzero(hashes == hashes[i]).tolist()) == same_key
+    packs = pack_index_table(samples.lengths, "spfhp", np.random.default_rng(0), L, 3)
+    for arrays, fmt in ((to_fixed(samples, L, P), "fixed"), (to_varlength(samples), "varlength"),
+                        (to_packed(samples, packs, L), "packed")):
+        decoded, _ = decode(arrays, fmt)
+        assert sorted(sequence_hashes(decoded).tolist()) == sorted(sequence_hashes(samples).tolist()), fmt
+
+
+def _copy(demo_data: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    shutil.copytree(demo_data, root)
+    return root
+
+
+def _shards(root: Path) -> list[Path]:
+    return list_shards(root / "train")
+
+
+def _rewrite(path: Path, samples: Samples, **options) -> None:
+    path.unlink()
+    write_samples(path, samples, "fixed", L, P, **options)
+
+
+def _leak(root: Path, where: int, count: int) -> Path:
+    """Puts the first `count` eval samples into training shard 1 at row `where`."""
+    shard = _shards(root)[1]
+    train, evals = read_samples(shard), read_samples(list_shards(root / "eval")[0])
+    _rewrite(shard, Samples.concat([train.slice(0, where), evals.slice(0, count), train.slice(where, len(train))]))
+    return shard
+
+
+def _verify(*folders: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    args = [*map(str, folders), "--workers", "1", *extra]
+    done = run_cli([sys.executable, "data_prep/verify_dataset.py", *args])
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_clean_set_passes_every_check(demo_data):
+    code, output = _verify(demo_data / "train", demo_data / "eval")
+    assert code == 0, output
+    check_integrity(_shards(demo_data), demo_data / "eval", 200)
+
+
+def test_byte_identical_shards_are_refused_naming_them(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    first, second, third = _shards(root)
+    shutil.copyfile(first, second)
+    shutil.copyfile(first, third)
+    code, output = _verify(root / "train")
+    assert code == 1
+    assert f"{first}, {second} and 1 more: 3 byte-identical training shards" in output
+    with pytest.raises(DataError, match=f"{first}, {second} and 1 more: 3 byte-identical"):
+        check_integrity(_shards(root), None, None)
+
+
+def test_row_identical_shards_are_refused_also_with_their_rows_reordered(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    first, second, _ = _shards(root)
+    rows = read_samples(first)
+    _rewrite(second, rows, compression="gzip")  # the same rows, other bytes
+    with pytest.raises(DataError, match=f"{first}, {second}: 2 row-identical"):
+        check_integrity(_shards(root), None, None)
+    _rewrite(second, rows.take(np.arange(len(rows))[::-1]))  # the same rows, reversed: only the full check
+    check_integrity(_shards(root), None, None)
+    code, output = _verify(root / "train")
+    assert code == 1 and f"{first}, {second}: 2 row-identical (the same samples, stored differently)" in output
+
+
+def test_shards_that_agree_only_on_the_probed_rows_are_not_refused(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    first, second, _ = _shards(root)
+    rows = read_samples(first)
+    other = read_samples(_shards(root)[2])
+    start = (len(rows) - PROBE_ROWS) // 2
+    changed = Samples.concat([rows.slice(0, start - 3), other.slice(0, 3), rows.slice(start - 3 + 3, len(rows))])
+    assert len(changed) == len(rows)
+    _rewrite(second, changed)
+    check_integrity(_shards(root), None, None)
+    assert _verify(root / "train")[0] == 0
+
+
+def test_eval_samples_in_a_training_shard_are_counted_by_verify_dataset(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    shard = _leak(root, 10, 50)
+    code, output = _verify(root / "train", root / "eval")
+    assert code == 1
+    assert f"50 eval samples of {root / 'eval'} are also training samples in {shard} (50, first at row 10)" in output
+    assert _verify(root / "train")[0] == 0  # without an eval folder there is nothing to compare with
+    code, output = _verify(root / "train", extra=("--eval_dir", str(root / "eval")))
+    assert code == 1 and "50 eval samples" in output
+
+
+def test_the_start_up_check_finds_eval_samples_in_the_rows_it_probes(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    rows = len(read_samples(_shards(root)[1]))
+    shard = _leak(root, (rows + 20 - PROBE_ROWS) // 2, 20)  # inside the middle block of the longer shard
+    with pytest.raises(DataError, match=rf"20 eval samples of .* in the rows sampled at start-up in {shard} \(20, "):
+        check_integrity(_shards(root), root / "eval", 200)
+    with pytest.raises(DataError, match=r"^10 eval samples"):  # a run evaluating on the first 10 only
+        check_integrity(_shards(root), root / "eval", 10)
+    assert eval_hashes(root / "eval", 10).size == 10
+
+
+def test_eval_samples_outside_the_probed_rows_are_left_to_the_full_check(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    _leak(root, 5, 3)
+    check_integrity(_shards(root), root / "eval", 200)  # the documented limit of the quick check
+    assert _verify(root / "train", root / "eval")[0] == 1
+
+
+def test_the_trainer_refuses_a_leaky_training_folder_at_start_up(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    rows = len(read_samples(_shards(root)[1]))
+    shard = _leak(root, (rows + 20 - PROBE_ROWS) // 2, 20)
+    done = run_cli([sys.executable, str(TRAINER), *trainer_args(root, tmp_path / "out", "--do_train")])
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert f"20 eval samples of {root / 'eval'}" in errors[0] and str(shard) in errors[0]
+
+
+def test_the_trainer_refuses_copied_shards_at_start_up(demo_data, tmp_path):
+    root = _copy(demo_data, tmp_path)
+    first, second, _ = _shards(root)
+    shutil.copyfile(first, second)
+    done = run_cli([sys.executable, str(TRAINER), *trainer_args(root, tmp_path / "out", "--do_train")])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"error: {first}, {second}: 2 byte-identical training shards" in done.stderr
+
+
+def test_prepare_verify_refuses_a_leaky_set(demo_data, tmp_path, capsys):
+    root = _copy(demo_data, tmp_path)
+    _leak(root, 0, 5)
+    with pytest.raises(SystemExit) as stopped:
+        prepare.main(["verify", str(root / "train"), str(root / "eval"), "--workers", "1"])
+    assert stopped.value.code == 1 and "5 eval samples" in capsys.readouterr().err
+    # `prepare.py all` ends with this verification of every folder it wrote, eval folders included.
+    args = argparse.Namespace(max_seq_length=None, max_predictions=None, workers=1)
+    with pytest.raises(DataError, match="verification failed"):
+        prepare._verify([root / "train", root / "eval"], None, args)
+    assert verify_dataset.is_eval_folder(root / "eval") and not verify_dataset.is_eval_folder(root / "train")
+
+
+def test_leaked_marks_exactly_the_members():
+    eval_set = np.array([3, 9, 27], np.uint64)
+    assert leaked(np.array([1, 3, 27, 28, 9], np.uint64), eval_set).tolist() == [False, True, True, False, True]
+    assert not leaked(np.array([5], np.uint64), np.zeros(0, np.uint64)).any()
