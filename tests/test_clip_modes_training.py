@@ -31,7 +31,7 @@ from clip_study import (
 )
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import CLIP_MODES, TrainConfig
-from mlperf_bert.train.evaluation_interval import eval_interval_samples
+from mlperf_bert.config.closed_division import eval_interval_samples
 from mlperf_bert.build import hyperparameters, lr_schedule
 
 DEMO_CONFIG = REPO / "config_CPU_1x2.sh"

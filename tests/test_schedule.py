@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlperf_bert.train.evaluation_interval import EvalSchedule, eval_interval_samples
+from mlperf_bert.config.closed_division import eval_interval_samples
+from mlperf_bert.train.evaluation_interval import EvalSchedule
 from mlperf_bert.optim.schedule import LRSchedule, set_lr
 
 # NVIDIA DGXA100 8x8 (v2.0): lr 0.0015, 1271 steps, warmup 100 starting at -25.

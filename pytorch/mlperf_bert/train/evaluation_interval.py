@@ -2,7 +2,7 @@
 
 Rule (MLPerf Training, BERT): evaluate every
     floor_to_multiple(0.05 * (230.23 * global_batch_size + 3_000_000), 25_000)
-training samples. An eval is due at the first step whose cumulative sample count reaches a
+training samples (`config/closed_division.eval_interval_samples`, beside the other rules). An eval is due at the first step whose cumulative sample count reaches a
 point `start + k * interval` (k = 0, 1, ...), as NVIDIA's trainer does with
 `ceil(point / samples_per_step)`; a point at 0 samples is never due, because no step ends
 there (the rules allow skipping the eval at 0).
@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..config.closed_division import eval_interval_samples
-
-__all__ = ["EvalSchedule", "eval_interval_samples"]
 
 
 @dataclass(frozen=True)
