@@ -54,6 +54,7 @@ class DryRunReport:
     sync_every: int
     captures: int = 0
     replays: int = 0
+    optimizer_class: str = ""  # the optimizer the step ran (sharded or not, capturable or not)
     failures: list[str] = field(default_factory=list)
 
 
@@ -209,8 +210,9 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     recorder = Recorder(fake=fake)
     with built_run(cfg, denv, recorder, fake) as (run, log):
         run_steps(run, recorder, steps)
+        stepped = type(run.step.optimizer).__name__
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
-                          log.captures, log.replays)
+                          log.captures, log.replays, optimizer_class=stepped)
     report.failures = findings(report)
     return report
 

@@ -160,8 +160,12 @@ def _pending_future(device: torch.device) -> torch.futures.Future:
 
 
 def _completed(buffer: torch.Tensor) -> torch.futures.Future:
-    """A future already holding `buffer`: the bucket handed back to DDP unreduced."""
-    done = _pending_future(buffer.device)
+    """A future already holding `buffer`: the bucket handed back to DDP unreduced.
+
+    No devices are named (as torch's own `noop_hook`): the bucket's kernels were queued on the
+    current stream, which DDP's copy back into the gradients follows.
+    """
+    done: torch.futures.Future = torch.futures.Future()
     done.set_result(buffer)
     return done
 
