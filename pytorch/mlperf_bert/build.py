@@ -313,17 +313,19 @@ def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Po
     the untimed init phase. With a graph or a device loss scaler the optimizer is the
     capturable twin of the trainer's, its lr following its device step count. With a graph
     or --sync_every > 1 the guard is a sync window, which snapshots the optimizer's current
-    state tensors (hence after the resume).
+    state tensors (hence after the resume). A sharded optimizer under a window is snapshotted in
+    place too (its state dict is a collective gathering whole moments), so it also counts its
+    steps on the device, where the snapshot sees the count.
     """
     parts = training.parts
-    if cfg.device_steps:
+    windowed = shape is not None or cfg.run.sync_every > 1
+    in_place = cfg.device_steps or cfg.sharded_optimizer
+    if cfg.device_steps or (windowed and in_place):
         parts.optimizer = capturable(parts.optimizer, training.schedule)
-    if shape is None and cfg.run.sync_every == 1:
+    if not windowed:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          guard, parts.scaler, training.clip), guard
     device_scaler = parts.scaler if isinstance(parts.scaler, DeviceLossScaler) else None
-    # In place for a sharded optimizer too: its state dict is a collective gathering whole moments.
-    in_place = cfg.device_steps or cfg.sharded_optimizer
     window = SyncWindow(cfg.run.sync_every, guard, window_snapshot(parts, in_place), start, device_scaler)
     if shape is None:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,

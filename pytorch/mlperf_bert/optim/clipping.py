@@ -61,6 +61,14 @@ hook only in the last backward, when each parameter holds the sum over the step'
 that sum is what gets clipped. It also matches `after_allreduce`, where the optimizer sees the
 accumulated gradient.
 
+Sharded optimizer (`--distributed_optimizer`, `sharded.py`): the reduction is the optimizer's
+reduce-scatter, not DDP's all-reduce. `apply_clip_mode(..., reduces=False)` keeps every mode's
+place relative to it: the hooks scale each bucket by its clip coefficient / W as above but hand
+it back unreduced, and `none` / `after_allreduce` get `local_mean_hook` (the bucket / W, DDP's
+own arithmetic). `after_allreduce` is then the sharded optimizer's clip by the norm of the
+reduced gradient, from its shards' partial sums; `before_allreduce` and `bucketwise` clip the
+local gradient before the reduce-scatter exactly as before the all-reduce.
+
 Usage, once after wrapping the model in DDP:
 
     clip = apply_clip_mode(ddp_model, config)

@@ -202,7 +202,10 @@ class GraphedStep:
     clipping comm hooks of every `--clip_mode` (bucket-wise too) and the LAMB arithmetic are
     then the eager step's own, so the graphed step is the eager one replayed, not a second
     implementation; the hooks run their Python once, at capture, and only their kernels and
-    all-reduces are replayed. Their non-finite flag stays on the device: agreed in the graph
+    all-reduces are replayed. With `--distributed_optimizer` the optimizer is the sharded one
+    (`optim/sharded.py`): the hooks then hand DDP unreduced buckets and its reduce-scatter,
+    partial-norm all-reduces and all-gather are captured in the same graph. Their non-finite
+    flag stays on the device: agreed in the graph
     for a device scaler, or folded into the sync window's flag. Bucket-wise clipping divides
     by DDP's settled bucket count from the first real step on (the warm-up settles it), where
     an eager run's first two steps still see the layout DDP built at construction.
