@@ -44,8 +44,14 @@ So the reduce-scatter is this module's own, behind DDP's hook protocol: every cl
 keeps its hook, the CUDA-graphed step captures the collectives as it captures DDP's all-reduce
 (no host read anywhere in the step), and the arithmetic is the unsharded optimizer's own.
 What it does not do yet: overlap the reduce-scatter with the backward (NVIDIA's
-`--dwu-overlap-reductions`, blocks launched as DDP hands buckets over); the gradient copy into
-the flat buffer costs 8 bytes per parameter on every rank.
+`--dwu-overlap-reductions`, blocks launched as DDP hands buckets over), and the all-gather with
+the next forward.
+
+The gradient is copied into the flat buffer (8 bytes per parameter on every rank) rather than
+kept there: making each `.grad` a view of the buffer saves that copy and one gradient's memory,
+but autograd then adds every backward into the existing gradient (12 bytes per parameter,
+where it otherwise takes the new gradient as it is) and the buffer must be zeroed each step
+(4 more): twice the traffic of the copy, for memory BERT does not lack.
 
 State and checkpoints. The moments live as two flat shard buffers (S floats each); each
 parameter's `state` holds views of its slice of them (none where the shard holds no part of
@@ -199,8 +205,6 @@ class ShardedKernels(ForeachKernels):
         # same on every rank. A fixed tensor, written in place (a graph reads its address).
         self.agreed_nonfinite = torch.zeros((), dtype=torch.float32, device=device)
         self._folded: torch.Tensor | None = None
-        self._attach_gradients()
-        self._zeroed = True  # the flat gradient holds zeros (a step or zero_grad cleared it since the last backward)
 
     def _group_slices(self, pieces: list[Piece]) -> _GroupSlices:
         s = self.shards
@@ -242,35 +246,17 @@ class ShardedKernels(ForeachKernels):
         s = self.shards
         dist.all_gather_single(s.flat_params, s.param_shard(), group=s.process_group)
 
-    def _attach_gradients(self) -> None:
-        """Every parameter's .grad a view of the flat gradient buffer: backward accumulates into it in
-        place (as into any existing gradient), so the reduce-scatter reads it without a copy."""
-        for p, view in zip(self._params, self.shards.grad_views):
-            if p.grad is not view:
-                p.grad = view
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeros the flat gradient (unless a step just did) and keeps the views: gradients are never
-        None here, whatever `set_to_none` asks, so the next backward writes into the buffer."""
-        self._attach_gradients()
-        if not self._zeroed:
-            self.shards.flat_grads.zero_()
-        self._zeroed = False  # a backward comes next
-
     def _reduce_scatter(self) -> None:
-        """Local gradients (already / W by the comm hook) in the flat buffer -> the shard of their sum; the
-        buffer is zeroed after (inside the step, so a replayed CUDA graph starts each backward from zero)."""
-        s = self.shards
-        for index, (p, view) in enumerate(zip(self._params, s.grad_views)):
+        """Local gradients (already / W by the comm hook) into the flat buffer; the shard of their sum."""
+        grads = []
+        for index, p in enumerate(self._params):
             if p.grad is None:
                 raise RuntimeError(f"parameter {index} ({tuple(p.shape)}) has no gradient: the sharded optimizer "
                                    "reduces every parameter's gradient each step")
-            if p.grad is not view:  # replaced since the last zero_grad: copied in, then the view put back
-                view.copy_(p.grad)
-                p.grad = view
+            grads.append(p.grad)
+        s = self.shards
+        torch._foreach_copy_(s.grad_views, grads)
         dist.reduce_scatter_single(s.grad_shard, s.flat_grads, group=s.process_group)
-        s.flat_grads.zero_()
-        self._zeroed = True
 
     def _first_sums(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One all-reduce: per-tensor squared norms of the gradient and (LAMB) the weights, and the
