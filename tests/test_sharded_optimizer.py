@@ -16,7 +16,8 @@ ADAM's normalisation turns that into a move of the size of the typical update. S
 differ by ROUNDINGS * eps * (the longest "path" of any weight: the sum of its moves over the
 run), plus one unit in the last place of the weight per step (a stored weight rounds to fp32
 after every update, and an update a rounding apart may land on the neighbouring float), and an
-unmoved weight not at all. ROUNDINGS = 32 covers the roundings of (a) and (b) at 4 ranks; a
+unmoved weight not at all. ROUNDINGS = 32 covers the roundings of (a) and (b) at 4 ranks
+(measured beyond the ulp term: at most 0.6 eps x path at 2 ranks, 10 at 4, on 2026-11-25); a
 real difference in the arithmetic (a wrong shard, a norm missing a rank's part, a clip by
 another norm) moves weights by a share of the path itself, about a million times more, as the
 mode-to-mode comparison below shows.

@@ -27,18 +27,24 @@ replace) + 1 small all-reduce (ADAM) or 2 (LAMB) of 2T+1 and T floats (T = numbe
 parameter tensors, 398 for BERT-Large): `tests/test_sharded_optimizer.py` counts them.
 
 Why this implementation, and not a library's (the evidence):
-- PyTorch FSDP2 (`fully_shard`) shards every parameter along dim 0 and replaces DDP: the
+- PyTorch FSDP2 (`fully_shard`) shards every parameter along dim 0 and replaces DDP. The
   clipping modes that clip before the reduction are DDP comm hooks over DDP's buckets
-  (`clipping.py`), and FSDP2 has no hook between the local gradient and its reduce-scatter,
-  so `before_allreduce` and `bucketwise` would lose their meaning; it re-gathers parameters
-  in every forward (per layer), a different traffic plan from a step-end all-gather; and its
-  per-module pre/post hooks with their own streams and host-side state are not what PyTorch
-  documents as capturable in a CUDA graph. Its per-tensor norms would still be partial sums
-  to combine (the trust ratio), i.e. the same arithmetic as here.
-- apex `DistributedFusedLAMB` (the NGC container; not importable on this project's test
-  machines) keeps its step count and overflow state on the host and reads them
-  (`optimizers.APEX_NOT_GRAPH_SAFE`), clips only after the reduction, and has no ADAM twin
-  with the same state layout; its checkpoints are per-rank fragments.
+  (`clipping.py`); FSDP2 reduce-scatters per `fully_shard` unit (its
+  `set_custom_reduce_scatter` could scale a unit's gradient), so `bucketwise` would clip per
+  layer with another B, and `before_allreduce` needs the norm of the whole local gradient
+  before the first reduce-scatter, which per-unit reduce-scatters launched during the
+  backward do not wait for. It also re-gathers the parameters in every forward (per unit),
+  a different traffic plan from one all-gather per step, and its per-unit hooks with their
+  own streams and host-side state are not what PyTorch documents as capturable in a CUDA
+  graph. Its per-tensor norms would still be partial sums to combine (the trust ratio): the
+  same arithmetic as here.
+- apex `DistributedFusedLAMB` (the NGC container) is not importable on this project's test
+  machines, so nothing built on it could be tested here. In the source read for this choice
+  it keeps its step count in a Python int and its overflow in a host flag
+  (`optimizers.APEX_NOT_GRAPH_SAFE`; later versions may differ), and its
+  state is packed per rank (fp32 master shards in its own block/chunk order), so a checkpoint
+  could not move between sharded and unsharded runs or world sizes; its ADAM sibling
+  (`DistributedFusedAdam`) has yet another layout.
 - ZeroRedundancyOptimizer keeps DDP's all-reduce: it saves memory and math, not traffic.
 So the reduce-scatter is this module's own, behind DDP's hook protocol: every clipping mode
 keeps its hook, the CUDA-graphed step captures the collectives as it captures DDP's all-reduce
