@@ -23,6 +23,13 @@ export OPT_EPSILON=1e-6
 export MAX_GRAD_NORM=1.0
 # At scale the all-reduce must overlap the backward pass: clip after it (NVIDIA's clipafter configs).
 export CLIP_MODE=after_allreduce
+# Sharded LAMB, as NVIDIA's run (apex DistributedFusedLAMB, --distributed_lamb): the gradient is
+# reduce-scattered, each GPU updates 1/1,024 of the parameters and the weights are all-gathered.
+# Unsharded, every GPU's LAMB step reads and writes ~28 bytes per parameter (~9.5 GB, ~6 ms of
+# A100 HBM time against ~13 ms of forward and backward at 2 packs per GPU); sharded it is
+# microseconds, and the reduce-scatter plus all-gather move the bytes of the all-reduce they replace
+# (not yet overlapped with the backward as NVIDIA's --dwu-overlap-reductions: docs/PERFORMANCE.md).
+export DIST_OPTIMIZER=1
 
 export EVAL_ITER_START_SAMPLES=175000
 export EVAL_ITER_SAMPLES=175000

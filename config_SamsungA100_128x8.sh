@@ -31,6 +31,14 @@ export MAX_GRAD_NORM=1.0
 # Each DDP bucket is clipped to 1/sqrt(B) as DDP hands it over, so the all-reduce keeps
 # overlapping the backward pass at 1,024 GPUs (clip-before of the whole gradient would not).
 export CLIP_MODE=bucketwise
+# Sharded ADAM: the gradient is reduce-scattered, each GPU updates 1/1,024 of the parameters and
+# the weights are all-gathered. The bucket-wise clip still clips each DDP bucket of the local
+# gradient before it is reduced, so it means the same before a reduce-scatter as before an
+# all-reduce. Unsharded, every GPU's ADAM step moves the same ~28 bytes per parameter as LAMB's
+# (~9.5 GB, ~6 ms of A100 HBM time), whatever the GPU count; at 16 sequences per GPU (4x the
+# DGX A100 128x8 config's 2 packs) forward and backward take ~4x longer, so that is ~10 % of the
+# step here against ~30 % there (docs/PERFORMANCE.md): a smaller share, the same milliseconds.
+export DIST_OPTIMIZER=1
 
 export EVAL_ITER_START_SAMPLES=325000
 export EVAL_ITER_SAMPLES=325000

@@ -51,7 +51,7 @@ check "a whole number (0, 1, 2, ...)" "$int_re" DGXNGPU DGXNNODES BATCHSIZE GRAD
 check "an integer" "$signed_int_re" START_WARMUP_STEP
 check "a number" "$number_re" LR OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 WEIGHT_DECAY_RATE TARGET_MLM_ACCURACY \
   WARMUP_PROPORTION END_LEARNING_RATE OPT_EPSILON MAX_GRAD_NORM CHECKPOINT_EVERY_MINUTES COLLECTIVE_TIMEOUT_S
-check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG
+check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG DIST_OPTIMIZER
 for name in DGXNGPU DGXNNODES; do
   (( 10#${!name} >= 1 )) || die "$name=${!name} must be at least 1"
 done
@@ -89,6 +89,7 @@ flag_table=(
   "DECAY_FROM_WARMUP_END --decay_from_warmup_end switch"
   "OPTIMIZER --optimizer"
   "OPTIMIZER_IMPL --optimizer_impl"
+  "DIST_OPTIMIZER --distributed_optimizer switch"
   "OPT_LAMB_BETA_1 --opt_lamb_beta_1"
   "OPT_LAMB_BETA_2 --opt_lamb_beta_2"
   "OPT_EPSILON --opt_epsilon"

@@ -64,6 +64,10 @@ def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> No
     assert "Traceback" not in output, output
     assert re.search(r"step 3: \d+ host read", output) and "eval:" in output, output
     assert "inside a CUDA-graph capture" not in output, output
+    # DIST_OPTIMIZER=1 reaches the trainer: the sharded step's reduce-scatter, partial-norm all-reduces
+    # and all-gather ran on the fake process group at the config's full world size (inside the graph too).
+    sharded = re.search(r"optimizer \S+ \((\w*Sharded\w+)\)", output)
+    assert (sharded is not None) == (_exports(REPO / config).get("DIST_OPTIMIZER") == "1"), output
     assert not _extra_reads(output), output
     assert result.returncode == 0, output
     if _exports(REPO / config)["PRECISION"] == "fp8":  # the FP8 GEMMs are in the graph (run.findings fails without)
@@ -158,6 +162,8 @@ def test_graphed_packed_step_captures_once_and_reads_once_per_window(tmp_path: P
     (["--precision", "bf16", "--clip_mode", "before_allreduce", "--gradient_accumulation_steps", "2",
       "--train_batch_size", "4"], 8),
     (["--precision", "fp16", "--gradient_accumulation_steps", "2", "--train_batch_size", "4"], 1),
+    (["--precision", "fp16", "--clip_mode", "bucketwise", "--distributed_optimizer", "--gradient_accumulation_steps",
+      "2", "--train_batch_size", "4"], 8),
 ])
 def test_graphed_steps_of_many_ranks_fp16_and_accumulation_capture_once(tmp_path: Path, flags: list[str],
                                                                          world_size: int) -> None:
@@ -166,6 +172,16 @@ def test_graphed_steps_of_many_ranks_fp16_and_accumulation_capture_once(tmp_path
     assert code == 0, output
     assert "1 capture(s), 3 replay(s)" in output and "inside a CUDA-graph capture" not in output, output
     assert _reads_per_step(output) == ["0", "0", "1"], output
+    assert ("(CapturableShardedLamb)" in output) == ("--distributed_optimizer" in flags), output
+
+
+def test_distributed_optimizer_with_fp16_eager_steps_scales_on_the_device(tmp_path: Path) -> None:
+    """fp16 + --distributed_optimizer without a graph or a window: the loss scaler is the device one (a
+    sharded step's skip is agreed on the device; GradScaler would decide on one rank's gradient)."""
+    code, output = _dry_run(tmp_path, "--precision", "fp16", "--input_layout", "unpadded", "--clip_mode",
+                            "after_allreduce", "--distributed_optimizer", world_size=8)
+    assert code == 0, output
+    assert "(CapturableShardedLamb)" in output, output
 
 
 def test_flags_the_trainer_refuses_end_with_its_message(tmp_path: Path) -> None:

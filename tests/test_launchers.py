@@ -185,6 +185,7 @@ def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
     ("CUDA_GRAPHS", "yes", "is not 0 or 1"),
     ("DECAY_FROM_WARMUP_END", "true", "is not 0 or 1"),
     ("ECHO_MLLOG", "yes", "is not 0 or 1"),
+    ("DIST_OPTIMIZER", "on", "is not 0 or 1"),
     ("LR", "fast", "is not a number"),
     ("START_WARMUP_STEP", "-2.5", "is not an integer"),
     ("MAX_STEPS", "1_000", "is not a whole number"),
@@ -210,6 +211,9 @@ def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
      "(config: --cuda_graphs is CUDA_GRAPHS=1, --device is DEVICE unset)"),
     ({"CUDA_GRAPHS": "1", "INPUT_LAYOUT": "packed", "DEVICE": "cuda", "OPTIMIZER_IMPL": "reference"},
      "--cuda_graphs is CUDA_GRAPHS=1, --optimizer_impl is OPTIMIZER_IMPL=reference)"),
+    ({"DIST_OPTIMIZER": "1", "OPTIMIZER_IMPL": "apex"},
+     "--distributed_optimizer computes with the multi-tensor kernels: use --optimizer_impl foreach (or auto), not "
+     "apex (config: --distributed_optimizer is DIST_OPTIMIZER=1, --optimizer_impl is OPTIMIZER_IMPL=apex)"),
     ({"INPUT_LAYOUT": "bogus"},  # argparse's own words, then the variable
      "lists the flags) (config: --input_layout is INPUT_LAYOUT=bogus)"),
     ({"INPUT_LAYOUT": "packed", "BALANCE": "global_presort"},

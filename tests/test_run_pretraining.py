@@ -266,3 +266,26 @@ def test_packed_layout_trains_on_packed_shards(demo_data, tmp_path):
     lines = mllog_lines(tmp_path / "out" / "mlperf.log")
     assert [e["value"] for e in lines if e["key"] == "global_batch_size"] == [8]  # 4 packs x 2
     assert [e for e in lines if e["key"] == "run_stop"][0]["metadata"]["status"] == "aborted"
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_two_process_run_equals_the_unsharded_run(demo_data, tmp_path):
+    """The trainer as a user starts it, 2 gloo processes, with and without --distributed_optimizer:
+    the same eval accuracies, and the sharded run's checkpoint holds the whole (unsharded) state."""
+    accuracies, optimizer_states = {}, {}
+    for flag in ("", "--distributed_optimizer"):
+        out = tmp_path / (flag or "unsharded")
+        extra = ["--do_train", "--train_batch_size", "4", "--gradient_accumulation_steps", "2", "--optimizer_impl",
+                 "foreach", "--checkpoint_every_samples", "48", *([flag] if flag else [])]
+        result = run_cli([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(TRAINER), *trainer_args(demo_data, out, *extra)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        accuracies[flag] = _final_weights_digest(out)
+        checkpoint = sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1]
+        optimizer_states[flag] = torch.load(checkpoint, weights_only=True)["optimizer"]
+    assert accuracies[""] == pytest.approx(accuracies["--distributed_optimizer"], abs=1e-6)
+    unsharded, sharded = optimizer_states[""], optimizer_states["--distributed_optimizer"]
+    assert sharded["state"].keys() == unsharded["state"].keys()
+    for index, moments in unsharded["state"].items():
+        for name, tensor in moments.items():
+            torch.testing.assert_close(sharded["state"][index][name], tensor, rtol=1e-5, atol=1e-9)

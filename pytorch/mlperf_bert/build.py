@@ -40,6 +40,7 @@ from .runtime.files import write_text_atomic
 from .hooks.mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model.bert import BertConfig, BertForPreTraining
 from .optim.optimizers import build_optimizer, parameter_groups
+from .optim.sharded import build_sharded_optimizer
 from .optim.schedule import LRSchedule
 from .input.source_factory import open_batch_source
 from .input.sources import BatchSource
@@ -279,17 +280,19 @@ def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model:
     clip = None
     if denv.is_distributed:
         module = ddp(model, device)
-        clip = apply_clip_mode(module, clip_config)
+        # Sharded: the hooks hand DDP unreduced buckets; the optimizer reduce-scatters them.
+        clip = apply_clip_mode(module, clip_config, reduces=not cfg.sharded_optimizer)
         optimizer_clip = optimizer_clip_norm(clip_config)
     else:
         # One rank: its local gradient is the averaged one, so every clipping mode is the
         # optimizer's global-norm clip.
         optimizer_clip = None if clip_config.mode == ClipMode.NONE else clip_config.max_grad_norm
-    optimizer = build_optimizer(
-        parameter_groups(model, cfg.optim.weight_decay_rate), cfg.optim.optimizer, cfg.optim.learning_rate,
-        (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.epsilon, cfg.optim.weight_decay_rate, optimizer_clip,
-        cfg.optim.implementation, cuda_graphs=cfg.device_steps,
-    )
+    opt = cfg.optim
+    args = (parameter_groups(model, opt.weight_decay_rate), opt.optimizer, opt.learning_rate, (opt.beta1, opt.beta2),
+            opt.epsilon, opt.weight_decay_rate, optimizer_clip, opt.implementation)
+    # After DDP: its broadcast of rank 0's weights comes before the sharded optimizer flattens them.
+    optimizer = build_sharded_optimizer(*args) if cfg.sharded_optimizer else \
+        build_optimizer(*args, cuda_graphs=cfg.device_steps)
     return Training(module, TrainingParts(model, optimizer, loss_scaler(cfg, device)), clip, lr_schedule(cfg))
 
 
@@ -338,16 +341,20 @@ def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Po
     the untimed init phase. With a graph or a device loss scaler the optimizer is the
     capturable twin of the trainer's, its lr following its device step count. With a graph
     or --sync_every > 1 the guard is a sync window, which snapshots the optimizer's current
-    state tensors (hence after the resume).
+    state tensors (hence after the resume). A sharded optimizer under a window is snapshotted in
+    place too (its state dict is a collective gathering whole moments), so it also counts its
+    steps on the device, where the snapshot sees the count.
     """
     parts = training.parts
-    if cfg.device_steps:
+    windowed = shape is not None or cfg.run.sync_every > 1
+    in_place = cfg.device_steps or cfg.sharded_optimizer
+    if cfg.device_steps or (windowed and in_place):
         parts.optimizer = capturable(parts.optimizer, training.schedule)
-    if shape is None and cfg.run.sync_every == 1:
+    if not windowed:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          guard, parts.scaler, training.clip), guard
     device_scaler = parts.scaler if isinstance(parts.scaler, DeviceLossScaler) else None
-    window = SyncWindow(cfg.run.sync_every, guard, window_snapshot(parts, cfg.device_steps), start, device_scaler)
+    window = SyncWindow(cfg.run.sync_every, guard, window_snapshot(parts, in_place), start, device_scaler)
     if shape is None:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          window, parts.scaler, training.clip), window

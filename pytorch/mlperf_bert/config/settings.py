@@ -213,10 +213,17 @@ class OptimSettings:
                           choices=CLIP_MODES)
     implementation: str = flag("auto: apex when importable, else PyTorch multi-tensor (foreach)",
                                "batch and optimizer", "auto", name="optimizer_impl", choices=OPTIMIZER_IMPLS)
+    distributed: bool = flag("shard the optimizer over the ranks: gradients reduce-scattered, each rank updates "
+                             "1/N of the parameters, weights all-gathered (optim/sharded.py)", "batch and optimizer",
+                             False, name="distributed_optimizer")
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("optimizer_impl", self.implementation, OPTIMIZER_IMPLS)
+        _flag("distributed_optimizer", self.distributed)
+        _require(not self.distributed or self.implementation in ("auto", "foreach"),
+                 f"--distributed_optimizer computes with the multi-tensor kernels: use --optimizer_impl foreach (or "
+                 f"auto), not {self.implementation}")
         _choice("clip_mode", self.clip_mode, CLIP_MODES)
         _positive("learning_rate", self.learning_rate)
         _positive("opt_epsilon", self.epsilon)
@@ -482,9 +489,16 @@ class TrainConfig:
             _require(ok, message)
 
     @property
+    def sharded_optimizer(self) -> bool:
+        """--distributed_optimizer on more than one rank (on one, the unsharded optimizer is the same thing)."""
+        return self.optim.distributed and self.world_size > 1
+
+    @property
     def device_loss_scaling(self) -> bool:
-        """fp16 with the loss scaler on the device (`loss_scale.DeviceLossScaler`): under a graph or a window."""
-        return self.run.precision == "fp16" and (self.run.cuda_graphs or self.run.sync_every > 1)
+        """fp16 with the loss scaler on the device (`loss_scale.DeviceLossScaler`): under a graph or a window,
+        and with a sharded optimizer (whose skip is agreed on the device, where GradScaler's is one rank's)."""
+        return self.run.precision == "fp16" and (self.run.cuda_graphs or self.run.sync_every > 1
+                                                 or self.sharded_optimizer)
 
     @property
     def device_steps(self) -> bool:
@@ -493,7 +507,10 @@ class TrainConfig:
 
     @property
     def _device_steps_reason(self) -> str:
-        return "--cuda_graphs" if self.run.cuda_graphs else "--precision fp16 with --sync_every > 1"
+        if self.run.cuda_graphs:
+            return "--cuda_graphs"
+        return "--precision fp16 with --sync_every > 1" if self.run.sync_every > 1 else \
+            "--precision fp16 with --distributed_optimizer"
 
     def _check_checkpoints(self) -> None:
         _require(

@@ -11,7 +11,8 @@ from .run import DryRunReport
 def print_report(report: DryRunReport) -> None:
     cfg = report.cfg
     print(f"dry run: {report.world_size} rank(s), precision {cfg.run.precision}, layout {cfg.data.input_layout}, "
-          f"cuda_graphs {cfg.run.cuda_graphs}, optimizer {cfg.optim.optimizer}/{cfg.optim.implementation}, "
+          f"cuda_graphs {cfg.run.cuda_graphs}, optimizer {cfg.optim.optimizer}/{cfg.optim.implementation} "
+          f"({report.optimizer_class}), "
           f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}; "
           f"{report.captures} capture(s), {report.replays} replay(s)")
     phases = list(dict.fromkeys(e.phase for e in report.events))

@@ -57,6 +57,7 @@ class DryRunReport:
     captures: int = 0
     replays: int = 0
     fp8_gemms: dict[str, int] = field(default_factory=dict)  # phase (and record.CAPTURE) -> torch._scaled_mm calls
+    optimizer_class: str = ""  # the optimizer the step ran (sharded or not, capturable or not)
     failures: list[str] = field(default_factory=list)
 
 
@@ -216,8 +217,9 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     recorder = Recorder(fake=fake)
     with built_run(cfg, denv, recorder, fake) as (run, log):
         run_steps(run, recorder, steps)
+        stepped = type(run.step.optimizer).__name__
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
-                          log.captures, log.replays, dict(recorder.fp8_gemms))
+                          log.captures, log.replays, dict(recorder.fp8_gemms), optimizer_class=stepped)
     report.failures = findings(report)
     return report
 

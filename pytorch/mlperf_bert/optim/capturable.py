@@ -2,7 +2,7 @@
 
 - `device_lr`: each group's learning rate as a 0-dim device tensor that `schedule.set_lr`
   fills in place, so a replayed graph reads the new value.
-- `capturable`: the graph-safe twin of a `ForeachLamb` / `ForeachAdamW` (the same
+- `capturable`: the graph-safe twin of a `ForeachLamb` / `ForeachAdamW`, sharded or not (the same
   multi-tensor arithmetic) whose step counter and bias corrections live on the device too.
   Given the run's schedule it also computes its learning rate from that device step count,
   so an fp16 step skipped on the device (`loss_scale.DeviceLossScaler`) advances neither.
@@ -18,6 +18,7 @@ import torch
 
 from .optimizers import ForeachAdamW, ForeachKernels, ForeachLamb
 from .schedule import LRSchedule
+from .sharded import ShardedAdamW, ShardedKernels, ShardedLamb
 
 
 def device_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -81,8 +82,17 @@ class CapturableAdamW(DeviceStepCount, ForeachAdamW):
     """`ForeachAdamW` with the step count on the device: safe to capture in a CUDA graph."""
 
 
+class CapturableShardedLamb(DeviceStepCount, ShardedLamb):
+    """`sharded.ShardedLamb` with the step count on the device: its collectives are captured too."""
+
+
+class CapturableShardedAdamW(DeviceStepCount, ShardedAdamW):
+    """`sharded.ShardedAdamW` with the step count on the device."""
+
+
 _CAPTURABLE: dict[type[torch.optim.Optimizer], type[DeviceStepCount]] = {
-    ForeachLamb: CapturableLamb, ForeachAdamW: CapturableAdamW}
+    ForeachLamb: CapturableLamb, ForeachAdamW: CapturableAdamW,
+    ShardedLamb: CapturableShardedLamb, ShardedAdamW: CapturableShardedAdamW}
 
 
 def capturable(optimizer: torch.optim.Optimizer, schedule: LRSchedule | None = None) -> DeviceStepCount:
@@ -101,8 +111,10 @@ def capturable(optimizer: torch.optim.Optimizer, schedule: LRSchedule | None = N
         )
     d = optimizer.defaults
     groups = [dict(g) for g in optimizer.param_groups]
+    # A sharded twin takes over the flat layout (and the moments on it) instead of building its own.
+    shared: dict[str, Any] = {"shards": optimizer.shards} if isinstance(optimizer, ShardedKernels) else {}
     twin = cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-               max_grad_norm=optimizer.max_grad_norm)
+               max_grad_norm=optimizer.max_grad_norm, **shared)
     twin.state.update(optimizer.state)
     twin.schedule = schedule
     device_lr(twin, groups[0]["params"][0].device)

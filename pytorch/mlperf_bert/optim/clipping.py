@@ -61,6 +61,14 @@ hook only in the last backward, when each parameter holds the sum over the step'
 that sum is what gets clipped. It also matches `after_allreduce`, where the optimizer sees the
 accumulated gradient.
 
+Sharded optimizer (`--distributed_optimizer`, `sharded.py`): the reduction is the optimizer's
+reduce-scatter, not DDP's all-reduce. `apply_clip_mode(..., reduces=False)` keeps every mode's
+place relative to it: the hooks scale each bucket by its clip coefficient / W as above but hand
+it back unreduced, and `none` / `after_allreduce` get `local_mean_hook` (the bucket / W, DDP's
+own arithmetic). `after_allreduce` is then the sharded optimizer's clip by the norm of the
+reduced gradient, from its shards' partial sums; `before_allreduce` and `bucketwise` clip the
+local gradient before the reduce-scatter exactly as before the all-reduce.
+
 Usage, once after wrapping the model in DDP:
 
     clip = apply_clip_mode(ddp_model, config)
@@ -159,6 +167,24 @@ def _pending_future(device: torch.device) -> torch.futures.Future:
     return torch.futures.Future()
 
 
+def _completed(buffer: torch.Tensor) -> torch.futures.Future:
+    """A future already holding `buffer`: the bucket handed back to DDP unreduced.
+
+    No devices are named (as torch's own `noop_hook`): the bucket's kernels were queued on the
+    current stream, which DDP's copy back into the gradients follows.
+    """
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+def local_mean_hook(process_group: dist.ProcessGroup | None,
+                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook of `none` / `after_allreduce` under a sharded optimizer: the local bucket / W,
+    not reduced; the optimizer's reduce-scatter sums it into the mean (DDP's own arithmetic)."""
+    return _completed(bucket.buffer().div_(dist.get_world_size(process_group)))
+
+
 def _complete_with(source: torch.futures.Future, target: torch.futures.Future) -> None:
     """Completes `target` with `source`'s tensor (or its error) once `source` is done."""
 
@@ -182,6 +208,7 @@ class _ClipHook:
     max_norm: float  # c, unscaled
     process_group: dist.ProcessGroup | None = None  # None = the default group
     loss_scale: float | torch.Tensor = 1.0  # s, the fp16 loss scale the gradients carry (module docstring)
+    reduces: bool = True  # False: the bucket is scaled, not reduced (a sharded optimizer reduce-scatters)
     backward_count: int = field(default=0, init=False)
     launches: list[BucketLaunch] = field(default_factory=list, init=False)
     _held: list[_HeldBucket] = field(default_factory=list, init=False, repr=False)
@@ -227,9 +254,15 @@ class _ClipHook:
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
     def _scale_and_launch(self, index: int, buffer: torch.Tensor, coefficient: torch.Tensor) -> torch.futures.Future:
-        """Multiplies the bucket by its clip coefficient / W, then all-reduces (sum) it: the mean."""
+        """Multiplies the bucket by its clip coefficient / W, then all-reduces (sum) it: the mean.
+
+        With `reduces` False the scaled local bucket goes back to DDP as it is: the sharded
+        optimizer sums it over the ranks with its reduce-scatter (`sharded.py`).
+        """
         buffer.mul_(coefficient / dist.get_world_size(self.process_group))
         self.launches.append(BucketLaunch(index, buffer.numel(), time.perf_counter_ns()))
+        if not self.reduces:
+            return _completed(buffer)
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         return work.get_future().then(_first_tensor)
 
@@ -344,15 +377,20 @@ class ClipHandle:
         return None if self.hook is None else self.hook.agreed_flag()
 
 
-def apply_clip_mode(ddp_model: DistributedDataParallel, config: ClipConfig) -> ClipHandle:
+def apply_clip_mode(ddp_model: DistributedDataParallel, config: ClipConfig, reduces: bool = True) -> ClipHandle:
     """Registers the mode's comm hook on `ddp_model` (none for `none` / `after_allreduce`).
 
+    reduces: False under a sharded optimizer (`sharded.py`), which reduce-scatters the gradient
+    itself: every mode's hook then hands DDP the local bucket divided by W (and clipped, in the
+    hook modes) without reducing it, so each mode keeps its meaning relative to the reduction.
     Call once, right after wrapping the model and before its first forward.
     """
     hook_types = {ClipMode.BEFORE_ALLREDUCE: BeforeAllreduceClipHook, ClipMode.BUCKETWISE: BucketwiseClipHook}
     hook_type = hook_types.get(config.mode)
     if hook_type is None:
+        if not reduces:
+            ddp_model.register_comm_hook(ddp_model.process_group, local_mean_hook)
         return ClipHandle(config, None)
-    hook = hook_type(max_norm=config.max_grad_norm, process_group=ddp_model.process_group)
+    hook = hook_type(max_norm=config.max_grad_norm, process_group=ddp_model.process_group, reduces=reduces)
     ddp_model.register_comm_hook(hook, hook_type.communicate)
     return ClipHandle(config, hook)

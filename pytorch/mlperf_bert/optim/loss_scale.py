@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .sharded import ShardedKernels
+
 
 @dataclass(frozen=True)
 class LossScaleReading:
@@ -116,6 +118,10 @@ class DeviceLossScaler:
         optimizer.step()
         if len(optimizer.state) != states:
             raise RuntimeError("the optimizer created state inside step(): create it before the first scaled step")
+        if isinstance(optimizer, ShardedKernels):
+            # found_inf saw this rank's local gradient only; the sharded step agreed on the reduced
+            # one (an inf in any rank's local gradient reaches it), so every rank skips alike.
+            torch.maximum(self.found_inf, optimizer.agreed_nonfinite, out=self.found_inf)
         skip = self.found_inf > 0
         with torch.no_grad():
             for now, old in zip(live, saved):

@@ -85,10 +85,44 @@ def _check_hyperparameters(lr: LearningRate, betas: Sequence[float], eps: float,
         raise ValueError(f"max_grad_norm must be > 0, or None to switch clipping off; got {max_grad_norm}")
 
 
-def _clip_divisor(global_norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+def clip_divisor(global_norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     """0-dim tensor every gradient is divided by: norm/max when norm > max, else 1 (apex)."""
     ratio = global_norm / max_grad_norm
     return torch.where(global_norm > max_grad_norm, ratio, torch.ones_like(ratio))
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def check_state_fits(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
+    """Raises ValueError naming the first difference between a saved LAMB/ADAM state and these groups.
+
+    The same check for every implementation (sharded or not): the number of groups, of
+    parameters per group, and each saved moment's name and shape against its parameter's. A
+    parameter without saved state is accepted (never stepped: its moments are zeros).
+    """
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise ValueError("the optimizer state has no 'state' and 'param_groups': not an optimizer's state dict")
+    if len(groups) != len(param_groups):
+        raise ValueError(f"the optimizer state has {len(groups)} parameter groups, this optimizer "
+                         f"{len(param_groups)}: saved for another model or optimizer")
+    for g, (saved, live) in enumerate(zip(groups, param_groups)):
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(f"parameter group {g} holds {len(saved['params'])} parameters in the optimizer state, "
+                             f"{len(live['params'])} in this model")
+        for j, (index, param) in enumerate(zip(saved["params"], live["params"])):
+            entry = state.get(index)
+            if entry is None:
+                continue
+            for name in MOMENTS:
+                moment = entry.get(name)
+                if not isinstance(moment, torch.Tensor):
+                    raise ValueError(f"parameter {j} of group {g} has no {name!r} in the optimizer state (it holds "
+                                     f"{sorted(entry)}): not a LAMB/ADAM state")
+                if moment.shape != param.shape:
+                    raise ValueError(f"{name!r} of parameter {j} of group {g} has shape {tuple(moment.shape)} in "
+                                     f"the optimizer state, the parameter {tuple(param.shape)}")
 
 
 class _ApexSemantics(torch.optim.Optimizer):
@@ -146,8 +180,10 @@ class _ApexSemantics(torch.optim.Optimizer):
         """Loads as torch does, but keeps device-resident lr tensors (same object, new value).
 
         A trainer (or a captured CUDA graph) holds on to those tensors; torch's default would
-        replace them with copies.
+        replace them with copies. A state that does not fit these parameters is refused first
+        (`check_state_fits`), naming what differs.
         """
+        check_state_fits(self.param_groups, state_dict)
         live_lrs = [g["lr"] for g in self.param_groups]
         super().load_state_dict(state_dict)
         for group, live in zip(self.param_groups, live_lrs):
@@ -168,7 +204,7 @@ class _ApexSemantics(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-def _trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor) -> torch.Tensor:
+def lamb_trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor) -> torch.Tensor:
     """||p|| / ||update||, or 1 where either norm is 0 (apex LAMBStage2Functor)."""
     usable = (param_norm != 0) & (update_norm != 0)
     return torch.where(usable, param_norm / torch.where(usable, update_norm, 1.0), 1.0)
@@ -182,12 +218,12 @@ class _ReferenceLoop(_ApexSemantics):
         divisor = None
         if self.max_grad_norm is not None and grads:
             squares = cast(torch.Tensor, sum(g.float().pow(2).sum() for g in grads))  # grads is not empty
-            divisor = _clip_divisor(torch.sqrt(squares), self.max_grad_norm)
+            divisor = clip_divisor(torch.sqrt(squares), self.max_grad_norm)
         for group in self.param_groups:
             bc1, bc2 = self._advance(group)
             for p in self._with_grad(group):
                 update = self._tensor_update(p, group, divisor, bc1, bc2)
-                ratio = _trust_ratio(p.norm(), update.norm()) if self._uses_trust_ratio(group) else 1.0
+                ratio = lamb_trust_ratio(p.norm(), update.norm()) if self._uses_trust_ratio(group) else 1.0
                 p.sub_(update * (group["lr"] * ratio))
 
     def _tensor_update(self, p: torch.Tensor, group: dict[str, Any], divisor: torch.Tensor | None,
@@ -230,7 +266,7 @@ class ForeachKernels(_ApexSemantics):
         divisor = None
         if self.max_grad_norm is not None and grads:
             norms = torch._foreach_norm(grads, dtype=torch.float32)
-            divisor = _clip_divisor(torch.linalg.vector_norm(torch.stack(norms)), self.max_grad_norm)
+            divisor = clip_divisor(torch.linalg.vector_norm(torch.stack(norms)), self.max_grad_norm)
         for group in self.param_groups:
             corrections = self._advance(group)
             params = self._with_grad(group)
@@ -240,35 +276,46 @@ class ForeachKernels(_ApexSemantics):
             updates = self._updates(group, params, divisor, corrections)
             scales: torch.Tensor | float = group["lr"]
             if param_norms is not None:
-                ratios = _trust_ratio(torch.stack(param_norms), torch.stack(torch._foreach_norm(updates)))
+                ratios = lamb_trust_ratio(torch.stack(param_norms), torch.stack(torch._foreach_norm(updates)))
                 scales = ratios * group["lr"]
-            _apply(params, updates, scales)
+            apply_updates(params, updates, scales)
 
     def _updates(self, group: dict[str, Any], params: list[torch.Tensor], divisor: torch.Tensor | None,
                  corrections: tuple[float, float]) -> list[torch.Tensor]:
         """Advances the moments of `params`; returns m_hat / (sqrt(v_hat) + eps) + wd * p."""
-        (beta1, beta2), (bc1, bc2) = group["betas"], corrections
         exp_avg = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
         grads = [cast(torch.Tensor, p.grad) for p in params]  # parameters with a gradient only
-        scratch = torch._foreach_div(grads, divisor) if divisor is not None else torch._foreach_mul(grads, 1.0)
-        torch._foreach_mul_(exp_avg, beta1)
-        torch._foreach_add_(exp_avg, scratch, alpha=1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, scratch, scratch, value=1.0 - beta2)
-        # The scaled gradients are no longer needed: reuse their memory for the denominator.
-        torch._foreach_copy_(scratch, exp_avg_sq)
-        torch._foreach_div_(scratch, bc2)
-        torch._foreach_sqrt_(scratch)
-        torch._foreach_add_(scratch, group["eps"])
-        updates = torch._foreach_div(exp_avg, bc1)
-        torch._foreach_div_(updates, scratch)
-        if group["weight_decay"] != 0:
-            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-        return list(updates)
+        return adam_updates(group, params, grads, exp_avg, exp_avg_sq, divisor, corrections)
 
 
-def _apply(params: list[torch.Tensor], updates: list[torch.Tensor], scales: torch.Tensor | float) -> None:
+def adam_updates(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                 exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], divisor: torch.Tensor | None,
+                 corrections: tuple[Any, Any]) -> list[torch.Tensor]:
+    """The multi-tensor moments and update of one group, on any tensors: whole parameters, or
+    the slices of them a rank owns (`sharded.py`). Advances `exp_avg` / `exp_avg_sq` in place;
+    returns m_hat / (sqrt(v_hat) + eps) + weight_decay * p, with g = grad / divisor.
+    corrections: (1 - beta1^t, 1 - beta2^t), floats or device tensors.
+    """
+    (beta1, beta2), (bc1, bc2) = group["betas"], corrections
+    scratch = torch._foreach_div(grads, divisor) if divisor is not None else torch._foreach_mul(grads, 1.0)
+    torch._foreach_mul_(exp_avg, beta1)
+    torch._foreach_add_(exp_avg, scratch, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, scratch, scratch, value=1.0 - beta2)
+    # The scaled gradients are no longer needed: reuse their memory for the denominator.
+    torch._foreach_copy_(scratch, exp_avg_sq)
+    torch._foreach_div_(scratch, bc2)
+    torch._foreach_sqrt_(scratch)
+    torch._foreach_add_(scratch, group["eps"])
+    updates = torch._foreach_div(exp_avg, bc1)
+    torch._foreach_div_(updates, scratch)
+    if group["weight_decay"] != 0:
+        torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+    return list(updates)
+
+
+def apply_updates(params: list[torch.Tensor], updates: list[torch.Tensor], scales: torch.Tensor | float) -> None:
     """p -= scale * update, with `scales` a float, a 0-dim tensor or one value per tensor.
 
     Always multiply-then-subtract, so a float lr and an equal tensor lr give the same bits.

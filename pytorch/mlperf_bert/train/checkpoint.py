@@ -12,7 +12,9 @@ the previous set of checkpoints or the new one, never a torn file; a leftover te
 
 Contents: tensors and plain Python values only, so `torch.load(weights_only=True)` reads it and
 a checkpoint cannot run code.
-- `model`, `optimizer` (LAMB/Adam moments and per-group step), `scaler` (fp16 only, else None);
+- `model`, `optimizer` (LAMB/Adam moments and per-group step, always in the unsharded layout: a
+  sharded optimizer gathers its moments on every rank, so the file does not depend on sharding
+  or on the number of ranks that shared the state), `scaler` (fp16 only, else None);
 - `train_state`: `TrainState.state_dict()` (steps, samples, skipped steps, evals so far);
 - `data`: `BatchSource.state_dict()`: the stream position (epoch, step) plus the seed, world
   size, items per rank step and total items it depends on. The shard order of an epoch, the
@@ -193,10 +195,12 @@ class Checkpointer:
         """Collective: gathers the RNG states; rank 0 writes and prunes. Returns the path."""
         path = checkpoint_path(self.directory, int(train_state["samples"]))
         rngs = gather_to_main(rng_state(self.device), self.denv)
+        # On every rank: a sharded optimizer gathers its whole state with a collective.
+        optimizer_state = parts.optimizer.state_dict()
         if self.denv.is_main:
             payload = {
                 "format": FORMAT, "version": VERSION,
-                "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+                "model": parts.model.state_dict(), "optimizer": optimizer_state,
                 "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
                 "train_state": train_state, "data": data_state, "rng": rngs,
                 "run": {**self.record, "world_size": self.denv.world_size, "reason": reason},

@@ -44,6 +44,7 @@ from ..optim.loss_scale import DeviceLossScaler, LossScaler
 from ..model.bert import PretrainingLoss, PretrainingOutput, pretraining_loss
 from ..model.precision import autocast
 from ..optim.schedule import set_lr
+from ..optim.sharded import ShardedKernels
 
 
 @dataclass
@@ -111,6 +112,20 @@ def nonfinite_gradient(clip: ClipHandle | None, scaler: LossScaler | None) -> to
     return clip.local_nonfinite()
 
 
+def _agreed_hook_flag(optimizer: torch.optim.Optimizer, clip: ClipHandle | None) -> torch.Tensor | None:
+    """The clipping hooks' non-finite flag agreed on the device, for a device scaler's skip.
+
+    A sharded optimizer agrees on it inside its own first collective (no extra all-reduce) and
+    hands the result to the scaler itself (`loss_scale.DeviceLossScaler.step`).
+    """
+    if clip is None:
+        return None
+    if isinstance(optimizer, ShardedKernels):
+        optimizer.fold_flag(clip.local_nonfinite())
+        return None
+    return clip.nonfinite_flag()
+
+
 def apply_update(optimizer: torch.optim.Optimizer, verdict: Verdict, scaler: LossScaler | None,
                  clip: ClipHandle | None) -> bool:
     """The update after the guard's verdict; False when the host knows it was skipped.
@@ -119,7 +134,7 @@ def apply_update(optimizer: torch.optim.Optimizer, verdict: Verdict, scaler: Los
     and returns True: the skip is counted at the next sync window read.
     """
     if isinstance(scaler, DeviceLossScaler):
-        scaler.step(optimizer, also_skip=None if clip is None else clip.nonfinite_flag())
+        scaler.step(optimizer, also_skip=_agreed_hook_flag(optimizer, clip))
         scaler.update()
         return True
     if verdict.nonfinite_loss or verdict.nonfinite_gradient:
@@ -187,7 +202,10 @@ class GraphedStep:
     clipping comm hooks of every `--clip_mode` (bucket-wise too) and the LAMB arithmetic are
     then the eager step's own, so the graphed step is the eager one replayed, not a second
     implementation; the hooks run their Python once, at capture, and only their kernels and
-    all-reduces are replayed. Their non-finite flag stays on the device: agreed in the graph
+    all-reduces are replayed. With `--distributed_optimizer` the optimizer is the sharded one
+    (`optim/sharded.py`): the hooks then hand DDP unreduced buckets and its reduce-scatter,
+    partial-norm all-reduces and all-gather are captured in the same graph. Their non-finite
+    flag stays on the device: agreed in the graph
     for a device scaler, or folded into the sync window's flag. Bucket-wise clipping divides
     by DDP's settled bucket count from the first real step on (the warm-up settles it), where
     an eager run's first two steps still see the layout DDP built at construction.

@@ -1,0 +1,215 @@
+"""One rank of the sharded-optimizer runs in test_sharded_optimizer.py (gloo on 127.0.0.1).
+
+Usage: python tests/_sharded_worker.py JOB[,JOB...] RANK WORLD PORT OUT_DIR
+
+Jobs, run one after the other in one process group (each rank saves what it saw to
+OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt, a ':' in the job's name written '-from-'; the test
+compares):
+- `equality`: for LAMB and ADAM and every clip mode, the same tiny BERT trained twice from the
+  same weights on the same per-rank batches (two micro-batches per step, fp32): DDP with the
+  unsharded `ForeachLamb` / `ForeachAdamW`, and DDP (hooks not reducing) with the sharded one.
+  The collectives of each sharded step are counted.
+- `fp16`: loss scaling on the device with overflows on rank 1 only, the step a `GraphedStep`
+  (uncaptured off a GPU): unsharded capturable LAMB against the sharded capturable LAMB.
+- `save` / `resume`: portable checkpoints. Four virtual ranks' batches make every step's global
+  batch; a run of W ranks takes 4/W of them per rank as micro-batches, so every world size
+  trains on the same global batches. `save-sharded` / `save-unsharded` train STEPS steps,
+  writing a run checkpoint (`train.checkpoint.Checkpointer`) into OUT_DIR/<job>-w<WORLD> after
+  SAVE_AT; `resume-sharded:SAVED` / `resume-unsharded:SAVED` load the checkpoint of the save job
+  SAVED (e.g. `save-sharded-w4`) and train the rest, after checking that states which do not
+  fit are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from mlperf_bert.optim.capturable import capturable
+from mlperf_bert.optim.clipping import ClipConfig, ClipMode, apply_clip_mode, optimizer_clip_norm
+from mlperf_bert.optim.loss_scale import DeviceLossScaler
+from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
+from mlperf_bert.optim.sharded import build_sharded_optimizer
+from mlperf_bert.runtime.distributed import DistEnv
+from mlperf_bert.train.checkpoint import Checkpointer, TrainingParts, read_checkpoint
+from mlperf_bert.train.step import EagerStep, GraphedStep, Step
+from _graphed_step_worker import (ACCUMULATION, BUCKET_CAP_MB, GROWTH_INTERVAL, INIT_SCALE, MAX_NORM, SCHEDULE,
+                                  examples, flat, model, overflow_on, rows, settle)
+
+STEPS = 6
+SAVE_AT = 3
+VIRTUAL_RANKS = 4
+COUNTED = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+
+
+@contextmanager
+def counting(counts: Counter) -> Iterator[None]:
+    """Counts calls of the collectives a step may make (the module attributes the trainer calls)."""
+    originals = {name: getattr(dist, name) for name in COUNTED}
+
+    def counted(name: str) -> Callable:
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in COUNTED:
+        setattr(dist, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def optimizer(net: torch.nn.Module, name: str, mode: ClipMode, sharded: bool) -> torch.optim.Optimizer:
+    args = (parameter_groups(net, 0.01), name, SCHEDULE.base_lr, (0.9, 0.999), 1e-6, 0.01,
+            optimizer_clip_norm(ClipConfig(mode, MAX_NORM)))
+    return build_sharded_optimizer(*args) if sharded else build_optimizer(*args, implementation="foreach")
+
+
+def wrap(net: torch.nn.Module, mode: ClipMode, sharded: bool):
+    ddp = DistributedDataParallel(net, bucket_cap_mb=BUCKET_CAP_MB)
+    return ddp, apply_clip_mode(ddp, ClipConfig(mode, MAX_NORM), reduces=not sharded)
+
+
+def train(step: Step, net: torch.nn.Module, rank: int, counts: Counter) -> dict:
+    """STEPS steps: the losses, the final weights, and each weight's path (the sum of its moves)."""
+    losses, before, path = [], flat(net), torch.zeros_like(flat(net))
+    for index in range(STEPS):
+        with counting(counts):
+            result = step([rows(rank, index, m) for m in range(ACCUMULATION)], SCHEDULE.lr_at(index))
+        losses.append(float(result.loss))
+        after = flat(net)
+        path += (after - before).abs()
+        before = after
+    return {"losses": losses, "weights": before, "path": path}
+
+
+def equality(rank: int) -> dict:
+    out: dict = {}
+    for name in ("lamb", "adam"):
+        for mode in ClipMode:
+            run: dict = {}
+            for sharded in (False, True):
+                net = model()
+                ddp, clip = wrap(net, mode, sharded)
+                step = EagerStep(ddp, optimizer(net, name, mode, sharded), "fp32", ACCUMULATION, clip=clip)
+                settle(step, net, rank)
+                counts: Counter = Counter()
+                kind = "sharded" if sharded else "unsharded"
+                run[kind] = {**train(step, net, rank, counts), "collectives": {k: v / STEPS for k, v in counts.items()}}
+            out[f"{name}/{mode.value}"] = run
+    return out
+
+
+def fp16(rank: int) -> dict:
+    out = {}
+    for mode in (ClipMode.AFTER_ALLREDUCE, ClipMode.BUCKETWISE):
+        run: dict = {}
+        for sharded in (False, True):
+            net = model()
+            index = [-1]
+            overflow_on(net, rank, lambda: index[0])
+            ddp, clip = wrap(net, mode, sharded)
+            scaler = DeviceLossScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+            step = GraphedStep(ddp, capturable(optimizer(net, "lamb", mode, sharded), SCHEDULE), examples(rank),
+                               "fp32", scaler=scaler, clip=clip)
+            scales = []
+            for i in range(STEPS):
+                index[0] = i
+                step([rows(rank, i, m) for m in range(ACCUMULATION)], 0.0)  # the device schedule sets the lr
+                scales.append(float(scaler.scale_tensor))
+            reading = scaler.read()
+            run["sharded" if sharded else "unsharded"] = {
+                "scales": scales, "applied": reading.applied_steps, "skipped": reading.skipped_steps,
+                "weights": flat(net)}
+        out[mode.value] = run
+    return out
+
+
+def portable_step(net: torch.nn.Module, world: int, sharded: bool) -> tuple[EagerStep, torch.optim.Optimizer]:
+    """After-reduction clipping, so the step's arithmetic does not depend on how many ranks share it."""
+    mode = ClipMode.AFTER_ALLREDUCE
+    module, clip = (wrap(net, mode, sharded) if world > 1 else (net, None))
+    opt = optimizer(net, "lamb", mode, sharded)
+    return EagerStep(module, opt, "fp32", VIRTUAL_RANKS // world, clip=clip), opt
+
+
+def global_batch(rank: int, world: int, step: int) -> list:
+    share = VIRTUAL_RANKS // world
+    return [rows(v, step, 0) for v in range(rank * share, (rank + 1) * share)]
+
+
+def mean_loss(loss: torch.Tensor, world: int) -> float:
+    loss = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(loss)
+    return float(loss) / world
+
+
+def save_or_resume(job: str, rank: int, world: int, out_dir: Path) -> dict:
+    job, _, source = job.partition(":")
+    sharded = job.endswith("-sharded")
+    net = model()
+    step, opt = portable_step(net, world, sharded)
+    parts = TrainingParts(net, opt)
+    first, refused = 0, []
+    if job.startswith("resume"):
+        ckpt = read_checkpoint(out_dir / source / f"ckpt-{SAVE_AT:012d}.pt")
+        refused = refusals(opt, ckpt["optimizer"])
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        first = SAVE_AT
+    denv = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_addr="127.0.0.1",
+                   master_port=0)
+    writer = Checkpointer(out_dir / f"{job}-w{world}", keep=1, denv=denv, device=torch.device("cpu"))
+    losses, weights = [], [flat(net)]
+    for index in range(first, STEPS):
+        result = step(global_batch(rank, world, index), SCHEDULE.lr_at(index))
+        losses.append(mean_loss(result.loss, world))
+        weights.append(flat(net))
+        if index + 1 == SAVE_AT and job.startswith("save"):
+            writer.save(parts, {"samples": SAVE_AT}, {}, "test")
+    return {"losses": losses, "weights": weights, "refusals": refused}
+
+
+def refusals(opt: torch.optim.Optimizer, state: dict) -> list[str]:
+    """What loading a saved optimizer state altered not to fit says (a wrong shape; a group too many).
+    Checked before anything is loaded, so `opt` is left as it was."""
+    messages = []
+    bad_shape = {**state, "state": {**state["state"], 2: {k: v[:1] for k, v in state["state"][2].items()}}}
+    extra_group = {**state, "param_groups": state["param_groups"] + [state["param_groups"][-1]]}
+    for bad in (bad_shape, extra_group):
+        try:
+            opt.load_state_dict(bad)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+def main() -> None:
+    jobs, rank, world, port = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    out_dir = Path(sys.argv[5])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    for job in jobs:
+        if job == "equality":
+            record = equality(rank)
+        elif job == "fp16":
+            record = fp16(rank)
+        else:
+            record = save_or_resume(job, rank, world, out_dir)
+        torch.save(record, out_dir / f"{job.replace(':', '-from-')}-w{world}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
