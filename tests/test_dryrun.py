@@ -177,3 +177,21 @@ def test_padded_layout_unpads_with_host_reads(tmp_path: Path) -> None:
     assert code == 1, output
     step_1 = output.split("step 1:")[1].split("step 2:")[0]
     assert step_1.startswith(" 6 host read(s)") and step_1.count("mlperf_bert/data/batch.py:") == 6, output
+
+
+def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tmp_path: Path) -> None:
+    """Sequences of 128 to 512 tokens fall in several length groups: each group is ordered after
+    q/k/v by an event and the layer waits for each group's event, and the groups are learnt
+    from the host's lengths, so the steps read the device only at the window's agreement."""
+    code, output = _dry_run(tmp_path, "--precision", "bf16", "--input_layout", "unpadded", "--sync_every", "3",
+                            "--attention_backend", "grouped", "--max_seq_length", "512", "--train_batch_size", "8")
+    assert code == 0, output
+    assert "attention grouped;" in output, output
+    streams, records, waits = map(int, re.search(
+        r"streams: (\d+) side stream\(s\) made, (\d+) event record\(s\), (\d+) stream wait\(s\)", output).groups())
+    # The prefetcher's copy stream, then one per group up to the pool's size (five for four bounds).
+    assert 3 <= streams <= 6, output
+    # Per layer and forward: one event after q/k/v plus one per group; two waits per group.
+    assert records >= 2 * 4 * 3 and waits > records, output
+    assert _reads_per_step(output) == ["0", "0", "1"], output
+    assert not re.search(r"eval: \d+ host read.*\n\s+read x\d+  mlperf_bert/model/", output), output

@@ -52,8 +52,12 @@ class DryRunReport:
     events: list[Event]
     steps: int
     sync_every: int
+    attention: str = ""  # the resolved attention back-end
     captures: int = 0
     replays: int = 0
+    streams: int = 0  # side streams made, events recorded, stream waits on events (cuda_standins.CudaLog)
+    event_records: int = 0
+    stream_waits: int = 0
     failures: list[str] = field(default_factory=list)
 
 
@@ -209,8 +213,9 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     recorder = Recorder(fake=fake)
     with built_run(cfg, denv, recorder, fake) as (run, log):
         run_steps(run, recorder, steps)
-    report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
-                          log.captures, log.replays)
+        attention = run.eval.model.bert.backend
+    report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
+                          log.captures, log.replays, log.streams, log.event_records, log.stream_waits)
     report.failures = findings(report)
     return report
 
