@@ -127,16 +127,20 @@ def test_grouped_layout_grids_hold_the_host_groups_tokens():
     cu = cu_of(lengths)
     layout = flat_layout(cu, max(lengths), sum(lengths))
     grouped = grouped_layout(cu, layout.seq_index, layout.pos_index, lengths, BOUNDS)
-    for group, index in zip(length_groups(lengths, BOUNDS), grouped.groups):
-        assert index.gather.shape == (len(group.sequences), group.longest)
+    groups = length_groups(lengths, BOUNDS)
+    cells = grouped.gather.split([grid.cells for grid in grouped.grids])
+    assert len(cells) == len(groups) and grouped.gather.shape == (sum(g.cells for g in grouped.grids),)
+    for group, grid, group_cells in zip(groups, grouped.grids, cells):
+        assert (grid.sequences, grid.longest) == (len(group.sequences), group.longest)
+        rows = group_cells.view(grid.sequences, grid.longest)
         for row, seq in enumerate(group.sequences):
             n, start = lengths[seq], int(cu[seq])
-            expected = list(range(start, start + n)) + [start + n - 1] * (group.longest - n)
-            assert index.gather[row].tolist() == expected
-            if index.key_mask is not None:
-                assert index.key_mask[row, 0, 0].tolist() == [True] * n + [False] * (group.longest - n)
-    slots = sum(len(g.sequences) * g.longest for g in length_groups(lengths, BOUNDS))
-    assert sorted(set(grouped.slot.tolist())) == sorted(grouped.slot.tolist()) and max(grouped.slot.tolist()) < slots
+            assert rows[row].tolist() == list(range(start, start + n)) + [start + n - 1] * (group.longest - n)
+            if grid.key_mask is not None:
+                assert grid.key_mask[row, 0, 0].tolist() == [True] * n + [False] * (group.longest - n)
+    # Every token has its own cell, and that cell holds it.
+    assert len(set(grouped.slot.tolist())) == sum(lengths)
+    assert grouped.gather[grouped.slot].tolist() == list(range(sum(lengths)))
 
 
 # ---------------------------------------------------------------- exactness against sdpa

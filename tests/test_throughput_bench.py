@@ -175,3 +175,17 @@ def test_bert_large_costs_about_500_gflop_per_wikipedia_sequence():
 
 def test_masked_count_follows_the_dataset_rule():
     assert flops.masked_count(np.array([5, 100, 512, 600])).tolist() == [1, 15, 76, 76]
+
+
+def test_tiny_cpu_run_with_grouped_attention_runs_every_layout(tmp_path):
+    """--attention_backend grouped with bounds that split the tiny config's 64 tokens into four groups."""
+    out = tmp_path / "grouped.json"
+    result = run_cli([sys.executable, str(SCRIPT), "--config", "tiny", "--device", "cpu", "--steps", "1",
+                      "--warmup", "1", "--attention_backend", "grouped", "--attention_group_bounds", "16,32,48",
+                      "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert all(r["status"] == "ok" and math.isfinite(r["loss"]) for r in results.values()), results
+    assert results["padded"]["notes"].startswith("attention grouped,")
+    assert results["unpadded"]["notes"].startswith("attention grouped,")
+    assert results["packed"]["notes"].startswith("attention grouped per row,")

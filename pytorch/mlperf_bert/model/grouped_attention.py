@@ -14,10 +14,11 @@ Three stages, each small:
 - once per batch, `grouped_layout` builds each group's index maps on the device from
   `cu_seqlens` (the device sorts its sequences by group with the same rule, so the host's
   group sizes slice the device's order without a copy either way);
-- per layer, `grouped_attention` gathers each group into a [S_g, heads, L_g, dim] grid, runs
-  SDPA with a key mask (none when every sequence of the group fills its grid; dropout as
-  asked) and gathers the real tokens back into flat order. On a GPU the groups run on a small
-  pool of side streams ordered by events (`_on_side_streams`), the only GPU-only branch.
+- per layer, `grouped_attention` gathers q, k and v into every group's [S_g, heads, L_g, dim]
+  grid, runs SDPA per group with a key mask (none when every sequence of the group fills its
+  grid; dropout as asked) and gathers the real tokens back into flat order. On a GPU the
+  groups run on a small pool of side streams ordered by events (`_on_side_streams`), the only
+  GPU-only branch.
 
 A length above the last bound forms one more group, so every length has a group.
 """
@@ -110,19 +111,25 @@ class StreamPool:
 
 
 @dataclass(frozen=True)
-class GroupIndex:
-    """One group's grid on the device."""
+class GroupGrid:
+    """One group's grid: S_g sequences padded to L_g tokens."""
 
-    gather: torch.Tensor  # [S_g, L_g] flat token of each cell; padding repeats its sequence's last token
+    sequences: int  # S_g
+    longest: int  # L_g
     key_mask: torch.Tensor | None  # [S_g, 1, 1, L_g] True = a real key; None when the group is uniform
+
+    @property
+    def cells(self) -> int:
+        return self.sequences * self.longest
 
 
 @dataclass(frozen=True)
 class GroupedLayout:
     """The index maps of one batch, shared by every layer."""
 
-    groups: tuple[GroupIndex, ...]
-    slot: torch.Tensor  # [T] row of the concatenated group outputs [sum S_g L_g] holding each token
+    grids: tuple[GroupGrid, ...]
+    gather: torch.Tensor  # [sum S_g L_g] flat token of every grid cell, group after group, row by row
+    slot: torch.Tensor  # [T] the grid cell that holds each token
     streams: tuple[torch.cuda.Stream, ...] = field(default=())  # one per group on a GPU; empty elsewhere
 
 
@@ -134,17 +141,21 @@ def bucket_ids(lengths: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
     return ids
 
 
-def _group_index(cu: torch.Tensor, lengths: torch.Tensor, seqs: torch.Tensor, group: LengthGroup) -> GroupIndex:
+def _grid_cells(cu: torch.Tensor, lengths: torch.Tensor, seqs: torch.Tensor,
+                group: LengthGroup) -> tuple[torch.Tensor, GroupGrid]:
+    """The flat token of each cell of the group's grid [S_g * L_g] (a padding cell repeats its
+    sequence's last token, so a grid never reads another sequence), and the grid."""
     pos = torch.arange(group.longest, device=cu.device)
     own = lengths[seqs][:, None]  # [S_g, 1]
-    gather = cu[seqs][:, None] + torch.minimum(pos, own - 1)  # [S_g, L_g]
+    cells = cu[seqs][:, None] + torch.minimum(pos, own - 1)  # [S_g, L_g]
     mask = None if group.uniform else (pos < own)[:, None, None, :]
-    return GroupIndex(gather, mask)
+    return cells.flatten(), GroupGrid(len(group.sequences), group.longest, mask)
 
 
 def grouped_layout(cu_seqlens: torch.Tensor, seq_index: torch.Tensor, pos_index: torch.Tensor,
                    lengths: Sequence[int], bounds: Sequence[int], pool: StreamPool | None = None) -> GroupedLayout:
-    """Each group's grid indices and every token's output slot, from `cu_seqlens` and host lengths.
+    """Each group's grid, the token of every grid cell and the cell of every token, from
+    `cu_seqlens` and the host's lengths.
 
     The device orders its sequences by group (stable: batch order inside a group), as
     `length_groups` does on the host, so group g is a slice of that order whose bounds the host
@@ -154,34 +165,37 @@ def grouped_layout(cu_seqlens: torch.Tensor, seq_index: torch.Tensor, pos_index:
     cu = cu_seqlens.long()
     seq_lengths = cu[1:] - cu[:-1]
     order = torch.argsort(bucket_ids(seq_lengths, bounds), stable=True)
-    base = torch.empty_like(seq_lengths)  # first output slot of each sequence
-    index, first, slots = [], 0, 0
+    first_cell = torch.empty_like(seq_lengths)  # each sequence's first grid cell
+    cells, grids, first, offset = [], [], 0, 0
     for group in groups:
         count = len(group.sequences)
         seqs = order[first : first + count]
-        index.append(_group_index(cu, seq_lengths, seqs, group))
-        base.index_copy_(0, seqs, slots + group.longest * torch.arange(count, device=cu.device))
-        first, slots = first + count, slots + count * group.longest
+        group_cells, grid = _grid_cells(cu, seq_lengths, seqs, group)
+        cells.append(group_cells)
+        grids.append(grid)
+        first_cell.index_copy_(0, seqs, offset + group.longest * torch.arange(count, device=cu.device))
+        first, offset = first + count, offset + grid.cells
     streams = pool.take(cu.device, len(groups)) if pool is not None else ()
-    return GroupedLayout(tuple(index), base[seq_index] + pos_index, streams)
+    return GroupedLayout(tuple(grids), torch.cat(cells), first_cell[seq_index] + pos_index, streams)
 
 
-def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupIndex,
+def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: GroupGrid,
                   dropout_p: float) -> torch.Tensor:
-    """SDPA over one group's grid; [S_g * L_g, heads, dim] in grid order."""
+    """SDPA over one group's cells [S_g * L_g, heads, dim]; the output in the same shape."""
+    heads, dim = q.shape[1:]
 
     def to_grid(x: torch.Tensor) -> torch.Tensor:
-        return x[group.gather].transpose(1, 2)  # [S_g, L_g, heads, dim] -> [S_g, heads, L_g, dim]
+        return x.view(grid.sequences, grid.longest, heads, dim).transpose(1, 2)  # [S_g, heads, L_g, dim]
 
-    out = F.scaled_dot_product_attention(to_grid(q), to_grid(k), to_grid(v), attn_mask=group.key_mask,
+    out = F.scaled_dot_product_attention(to_grid(q), to_grid(k), to_grid(v), attn_mask=grid.key_mask,
                                          dropout_p=dropout_p)
-    return out.transpose(1, 2).flatten(0, 1)
+    return out.transpose(1, 2).reshape(grid.cells, heads, dim)
 
 
-def _on_side_streams(attend: Callable[[GroupIndex], torch.Tensor], inputs: Sequence[torch.Tensor],
+def _on_side_streams(attend: Callable[[int], torch.Tensor], inputs: Sequence[torch.Tensor],
                      layout: GroupedLayout) -> list[torch.Tensor]:
-    """The paper's ordering: every group starts after the producer of q/k/v (an event on the
-    current stream), and the current stream, the consumer, waits for every group's event.
+    """The paper's ordering: every group starts after the producer of its inputs (an event on
+    the current stream), and the current stream, the consumer, waits for every group's event.
 
     `record_stream` tells the caching allocator which stream still reads a tensor made on
     another, so its memory is not reused before that stream is done with it.
@@ -190,13 +204,13 @@ def _on_side_streams(attend: Callable[[GroupIndex], torch.Tensor], inputs: Seque
     produced = torch.cuda.Event()
     produced.record(main)
     outs = []
-    for i, group in enumerate(layout.groups):
+    for i, grid in enumerate(layout.grids):
         side = layout.streams[i % len(layout.streams)]
         side.wait_event(produced)
-        for tensor in (*inputs, group.gather, *([group.key_mask] if group.key_mask is not None else [])):
+        for tensor in (*inputs, *([grid.key_mask] if grid.key_mask is not None else [])):
             tensor.record_stream(side)
         with torch.cuda.stream(side):
-            out = attend(group)
+            out = attend(i)
         done = torch.cuda.Event()
         done.record(side)
         main.wait_event(done)
@@ -208,15 +222,22 @@ def _on_side_streams(attend: Callable[[GroupIndex], torch.Tensor], inputs: Seque
 @torch.compiler.disable  # group shapes change with every batch; the streams stay outside compiled graphs
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: GroupedLayout,
                       dropout_p: float) -> torch.Tensor:
-    """Attention over flat q, k, v [T, heads, dim], one SDPA call per length group; [T, heads, dim]."""
+    """Attention over flat q, k, v [T, heads, dim], one SDPA call per length group; [T, heads, dim].
 
-    def attend(group: GroupIndex) -> torch.Tensor:
-        return _attend_group(q, k, v, group, dropout_p)
+    One gather per input fills every group's cells at once and `split` hands each group its
+    part, so the backward pass scatters each input's gradient once, not once per group.
+    """
+    sizes = [grid.cells for grid in layout.grids]
+    cells = [x[layout.gather] for x in (q, k, v)]  # [sum S_g L_g, heads, dim]
+    per_group = list(zip(*(c.split(sizes) for c in cells)))
+
+    def attend(i: int) -> torch.Tensor:
+        q_cells, k_cells, v_cells = per_group[i]
+        return _attend_group(q_cells, k_cells, v_cells, layout.grids[i], dropout_p)
 
     if layout.streams:
-        outs = _on_side_streams(attend, (q, k, v), layout)
+        outs = _on_side_streams(attend, cells, layout)
     else:
-        outs = [attend(group) for group in layout.groups]
-    grids = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return grids[layout.slot]
-
+        outs = [attend(i) for i in range(len(layout.grids))]
+    out_cells = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out_cells[layout.slot]
