@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, load_script, run_cli
 
 SCRIPT = REPO / "benchmarks" / "attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("attention_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "attention_bench")
 
 
 def test_grouped_bench_rounds_rotate_the_order_and_take_the_batches_in_turn(bench, monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import REPO, run_cli
+from conftest import REPO, load_script, run_cli
 from mlperf_bert.model import flops
 from mlperf_bert.data.batch import flatten_items, pad_items
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
@@ -24,11 +23,7 @@ SCRIPT = REPO / "benchmarks" / "throughput.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("throughput_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "throughput_bench")
 
 
 @pytest.fixture(scope="module")
