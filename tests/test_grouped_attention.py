@@ -12,11 +12,14 @@ step (measured: 1e-3 on outputs, 4e-3 on gradients of O(1) values).
 from __future__ import annotations
 
 import copy
+import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import TRAINER, run_cli, trainer_args
 from mlperf_bert.config.settings import ConfigError, parse_group_bounds
 from mlperf_bert.data.batch import FlatBatch, Item, Sample, flatten_items, pad_items, unpad
 from mlperf_bert.data.lengths import load_length_histogram
@@ -270,3 +273,27 @@ def test_grouped_is_autos_choice_where_varlen_cannot_run_and_groups_split(
     monkeypatch.setattr(attention, "_torch_varlen", lambda: object() if torch_varlen else None)
     assert resolve_backend("auto", torch.device(device), dropout, max_len) == expected
     assert resolve_backend("grouped", torch.device(device), dropout, max_len) == "grouped"
+
+
+# ---------------------------------------------------------------- in the trainer
+
+
+@pytest.mark.slow
+def test_grouped_trainer_runs_padded_and_unpadded_batches_alike(demo_data, tmp_path):
+    """run_pretraining.py with --attention_backend grouped and four groups over the demo's 64 tokens:
+    the padded layout (lengths read with the longest when unpadding) trains like the unpadded one
+    (lengths known on the host), attention dropout included."""
+    accuracies = {}
+    for layout in ("padded", "unpadded"):
+        out = tmp_path / layout
+        result = run_cli([sys.executable, str(TRAINER), *trainer_args(
+            demo_data, out, "--do_train", "--input_layout", layout, "--attention_backend", "grouped",
+            "--attention_group_bounds", "16,32,48")])
+        assert result.returncode == 0, result.stderr[-3000:]
+        resolved = json.loads((out / "resolved_config.json").read_text())
+        assert resolved["model"]["attention_backend"] == "grouped", resolved["model"]
+        accuracies[layout] = [e["value"] for e in map(json.loads, (
+            line.split(":::MLLOG ", 1)[1] for line in (out / "mlperf.log").read_text().splitlines()
+            if ":::MLLOG" in line)) if e["key"] == "eval_accuracy"]
+    assert accuracies["padded"] and accuracies["padded"] == pytest.approx(accuracies["unpadded"], abs=1e-6)
+    assert json.loads((demo_data / "bert_config.json").read_text())["attention_probs_dropout_prob"] > 0
