@@ -39,6 +39,7 @@ CASES = {
     "every_group": [5, 130, 300, 512, 200, 400, 60, 385, 2, 256],
     "boundary_128_129": [128, 129, 128, 129],
     "over_the_last_bound": [513, 40, 600],
+    "empty_sequences": [0, 5, 0, 130, 0],  # as a static batch's empty slots: in no group
 }
 
 
@@ -81,6 +82,7 @@ def test_grouped_length_groups_hold_each_sequence_once_in_batch_order():
     assert [g.longest for g in groups] == [128, 256, 300, 400, 513]
     assert [g.uniform for g in groups] == [False, False, False, True, True]
     assert [g.sequences for g in length_groups(lengths, (1000,))] == [tuple(range(len(lengths)))]
+    assert [g.sequences for g in length_groups([0, 3, 0, 200], BOUNDS)] == [(1,), (3,)]
 
 
 @pytest.mark.parametrize("bad", [(), (0, 128), (256, 128), (128, 128)])

@@ -57,11 +57,16 @@ def bucket_of(length: int, bounds: Sequence[int]) -> int:
 
 
 def length_groups(lengths: Sequence[int], bounds: Sequence[int]) -> tuple[LengthGroup, ...]:
-    """The non-empty groups of a batch, in bound order; each lists its sequences in batch order."""
+    """The non-empty groups of a batch, in bound order; each lists its sequences in batch order.
+
+    A sequence without tokens is in no group: it has nothing to attend to, and a grid row with
+    no real key would give NaN gradients.
+    """
     bounds = check_bounds(bounds)
     members: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
-        members.setdefault(bucket_of(n, bounds), []).append(i)
+        if n > 0:
+            members.setdefault(bucket_of(n, bounds), []).append(i)
     groups = []
     for bucket in sorted(members):
         seqs = members[bucket]
@@ -134,11 +139,12 @@ class GroupedLayout:
 
 
 def bucket_ids(lengths: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
-    """`bucket_of` on the device: for each sequence, the number of bounds below its length."""
+    """`bucket_of` on the device: for each sequence, the number of bounds below its length;
+    -1 for a sequence without tokens (in no group, sorted before every group)."""
     ids = torch.zeros_like(lengths)
     for bound in bounds:
         ids += lengths > bound
-    return ids
+    return ids.masked_fill_(lengths == 0, -1)
 
 
 def _grid_cells(cu: torch.Tensor, lengths: torch.Tensor, seqs: torch.Tensor,
@@ -166,7 +172,8 @@ def grouped_layout(cu_seqlens: torch.Tensor, seq_index: torch.Tensor, pos_index:
     seq_lengths = cu[1:] - cu[:-1]
     order = torch.argsort(bucket_ids(seq_lengths, bounds), stable=True)
     first_cell = torch.empty_like(seq_lengths)  # each sequence's first grid cell
-    cells, grids, first, offset = [], [], 0, 0
+    cells, grids, offset = [], [], 0
+    first = sum(1 for n in lengths if n == 0)  # sequences without tokens come first in `order`
     for group in groups:
         count = len(group.sequences)
         seqs = order[first : first + count]
