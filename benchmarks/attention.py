@@ -116,7 +116,7 @@ def runnable(backends: list[str], batch: Batch, bounds: tuple[int, ...], dropout
             time_once(attention_of(backend, batch, bounds, dropout), batch)
             status[backend] = "ok"
         except (RuntimeError, NotImplementedError) as err:
-            status[backend] = f"not available: {str(err).splitlines()[0]}"
+            status[backend] = f"not available: {str(err).splitlines()[0].split('. ')[0]}"  # the first sentence
     return status
 
 
