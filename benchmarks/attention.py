@@ -9,9 +9,9 @@ heads. A round takes the next batch and runs every back-end once on it (the atte
 forward, then its backward under one fixed upstream gradient), the back-ends' order rotated by
 one each round so no back-end always runs first or after the same one. Machine noise on a
 shared host moves whole rounds, so the figure of merit is each round's time ratio against
-sdpa on the same batch: the median of the rounds and their spread (min..max) are reported,
-with each back-end's median time and the batches' score-work ratio (padded to the batch's
-longest over grouped, `grouped_attention.score_entries`). A back-end that cannot run here
+sdpa on the same batch: the median of the rounds and their spread (min, quartiles, max) are
+reported, with each back-end's median time and the batches' score-work ratio (padded to the
+batch's longest over grouped, `grouped_attention.score_entries`). A back-end that cannot run here
 (varlen off a GPU, or PyTorch's varlen kernel with dropout) is reported with its reason.
 """
 
@@ -60,6 +60,8 @@ class Result:
     median_ms: float = float("nan")
     ratio_median: float = float("nan")
     ratio_min: float = float("nan")
+    ratio_q1: float = float("nan")  # quartiles of the rounds' ratios
+    ratio_q3: float = float("nan")
     ratio_max: float = float("nan")
 
 
@@ -140,8 +142,9 @@ def summarise(status: dict[str, str], seconds: dict[str, list[float]]) -> list[R
             continue
         times = seconds[backend]
         ratios = [t / s for t, s in zip(times, seconds["sdpa"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         results.append(Result(backend, "ok", times, ratios, 1e3 * statistics.median(times), statistics.median(ratios),
-                              min(ratios), max(ratios)))
+                              min(ratios), q1, q3, max(ratios)))
     return results
 
 
@@ -182,12 +185,13 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[int, ...], to
 
 def print_table(results: list[Result], header: dict) -> None:
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in header.items()))
-    print(f"{'backend':<9}{'median ms':>10}{'vs sdpa':>9}{'min':>7}{'max':>7}")
+    print(f"{'backend':<9}{'median ms':>10}{'vs sdpa':>9}{'min':>7}{'q1':>7}{'q3':>7}{'max':>7}")
     for r in results:
         if r.status != "ok":
             print(f"{r.backend:<9}  {r.status}")
             continue
-        print(f"{r.backend:<9}{r.median_ms:>10.1f}{r.ratio_median:>9.3f}{r.ratio_min:>7.3f}{r.ratio_max:>7.3f}")
+        print(f"{r.backend:<9}{r.median_ms:>10.1f}{r.ratio_median:>9.3f}{r.ratio_min:>7.3f}{r.ratio_q1:>7.3f}"
+              f"{r.ratio_q3:>7.3f}{r.ratio_max:>7.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

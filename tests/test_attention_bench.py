@@ -35,6 +35,7 @@ def test_grouped_bench_ratios_are_per_round_against_sdpa(bench):
     grouped = next(r for r in results if r.backend == "grouped")
     assert grouped.ratio_vs_sdpa == [0.5, 0.25, 1.0]
     assert (grouped.ratio_median, grouped.ratio_min, grouped.ratio_max, grouped.median_ms) == (0.5, 0.25, 1.0, 1e3)
+    assert grouped.ratio_q1 <= grouped.ratio_median <= grouped.ratio_q3
     assert next(r for r in results if r.backend == "varlen").status == "not available: no kernel"
 
 

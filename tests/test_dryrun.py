@@ -194,4 +194,4 @@ def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tm
     # Per layer and forward: one event after q/k/v plus one per group; two waits per group.
     assert records >= 2 * 4 * 3 and waits > records, output
     assert _reads_per_step(output) == ["0", "0", "1"], output
-    assert not re.search(r"eval: \d+ host read.*\n\s+read x\d+  mlperf_bert/model/", output), output
+    assert "mlperf_bert/model/" not in output, output  # no read of the model's, in training or eval

@@ -162,10 +162,11 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
     run's dropout (flash-attn always, PyTorch's without dropout); otherwise grouped when sequences
     of up to `max_seq_length` tokens fall in more than one group, else sdpa.
 
-    The grouped rule is measured on the CPU (docs/PERFORMANCE.md, benchmarks/attention.py): at
-    512 tokens grouped takes about half of sdpa's time forward and backward, with dropout or
-    without; with one group it only adds its index maps. On a GPU it replaces sdpa where varlen
-    cannot run: less score work per batch by the same count (not timed on a GPU yet).
+    The grouped rule is measured on the CPU (benchmarks/attention.py, docs/PERFORMANCE.md): at
+    512 tokens grouped took 0.41-0.46x of sdpa's time forward and backward (medians), with
+    dropout and without; at 128 tokens, one group, 1.09x (its index maps and gathers, nothing
+    saved). On a GPU it takes sdpa's place where varlen cannot run (dropout on, no flash-attn):
+    the same 2.3x less score work, the groups overlapping on streams (not timed on a GPU yet).
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")

@@ -207,7 +207,7 @@ def _on_side_streams(attend: Callable[[int], torch.Tensor], inputs: Sequence[tor
     `record_stream` tells the caching allocator which stream still reads a tensor made on
     another, so its memory is not reused before that stream is done with it.
     """
-    main = torch.cuda.current_stream()
+    main = torch.cuda.current_stream(layout.gather.device)
     produced = torch.cuda.Event()
     produced.record(main)
     outs = []
