@@ -163,7 +163,7 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
     of up to `max_seq_length` tokens fall in more than one group, else sdpa.
 
     The grouped rule is measured on the CPU (benchmarks/attention.py, docs/PERFORMANCE.md): at
-    512 tokens grouped took 0.41-0.46x of sdpa's time forward and backward (medians), with
+    512 tokens grouped took 0.41-0.54x of sdpa's time forward and backward (medians), with
     dropout and without; at 128 tokens, one group, 1.09x (its index maps and gathers, nothing
     saved). On a GPU it takes sdpa's place where varlen cannot run (dropout on, no flash-attn):
     the same 2.3x less score work, the groups overlapping on streams (not timed on a GPU yet).
