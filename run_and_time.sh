@@ -110,6 +110,7 @@ flag_table=(
   "PRECISION --precision"
   "CUDA_GRAPHS --cuda_graphs switch"
   "ATTENTION_BACKEND --attention_backend"
+  "ATTENTION_GROUP_BOUNDS --attention_group_bounds"
   "DEVICE --device"
   "LOG_FREQ --log_freq"
   "COMPILE_MODE --compile_mode"

@@ -98,6 +98,8 @@ def checksum_terms(batch: Any, index: int) -> tuple[list[torch.Tensor], int]:
         value, weight = getattr(batch, f.name), (k + 1) * (index + 1)
         if isinstance(value, torch.Tensor):
             device_terms.append(value.sum(dtype=torch.int64) * weight)
+        elif isinstance(value, tuple):  # FlatBatch.host_seqlens
+            host_term += sum(value) * weight
         elif value is not None:  # FlatBatch.row_len is None outside static packed batches
             host_term += int(value) * weight
     return device_terms, host_term

@@ -58,7 +58,7 @@ from data_prep import packing
 from mlperf_bert.model import flops
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.model.compiling import compile_model
-from mlperf_bert.config.settings import COMPILE_MODES
+from mlperf_bert.config.settings import ATTENTION_BACKENDS, COMPILE_MODES, DEFAULT_GROUP_BOUNDS, parse_group_bounds
 from mlperf_bert.optim.capturable import capturable, device_lr
 from mlperf_bert.input.device_input import DevicePrefetcher, map_tensors
 from mlperf_bert.train.metrics import StepMetrics
@@ -159,6 +159,7 @@ class Context:
     graphs: bool
     attention_backend: str
     hf_attention: str
+    group_bounds: tuple[int, ...]
     seed: int
     precisions: tuple[str, ...] = ()  # every precision of the run; `precision` is this context's
 
@@ -228,8 +229,10 @@ def pinned(batch: Any, ctx: Context) -> Any:
 def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.optim.Optimizer, str]:
     torch.manual_seed(ctx.seed)
     bert = ctx.cfg.bert
-    backend = resolve_backend(ctx.attention_backend, ctx.device, bert.attention_probs_dropout_prob)
-    model = fp8_layers(BertForPreTraining(bert, attention_backend=backend), ctx).to(ctx.device)
+    backend = resolve_backend(ctx.attention_backend, ctx.device, bert.attention_probs_dropout_prob,
+                              ctx.cfg.max_seq_length, ctx.group_bounds)
+    model = BertForPreTraining(bert, attention_backend=backend, group_bounds=ctx.group_bounds)
+    model = fp8_layers(model, ctx).to(ctx.device)
     compile_model(model, ctx.compile_mode, dynamic=dynamic)
     optimizer = lamb(model)
     device_lr(optimizer, ctx.device)
@@ -280,8 +283,8 @@ def flat_runner(ctx: Context, steps: list[list[Item]], layout: str) -> Runner:
 def packed_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
     """Our model on static-shape packed batches: one CUDA graph per step on a GPU."""
     model, optimizer, notes = build_ours(ctx, dynamic=False)
-    if "attention sdpa" in notes:  # static packed batches carry row_len: attention per row
-        notes = notes.replace("attention sdpa", "attention sdpa per row")
+    for backend in ("sdpa", "grouped"):  # static packed batches carry row_len: attention per row
+        notes = notes.replace(f"attention {backend},", f"attention {backend} per row,")
     cfg = ctx.cfg
     # Q of a packed shard: the widest row's predictions (three sequences can exceed the per-sequence 76).
     widest = max(sum(s.masked_lm_positions.shape[0] for s in row) for rows in steps for row in rows)
@@ -557,7 +560,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="rounds; each runs every set-up once (default: 5 large, 3 tiny)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default: 5 large, 1 tiny)")
     p.add_argument("--rows", type=int, help="packed rows per step (default: 48 large, 4 tiny)")
-    p.add_argument("--attention_backend", choices=("auto", "sdpa", "varlen"), default="auto")
+    p.add_argument("--attention_backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="grouped runs the padded and unpadded layouts per length group; packed rows run row by row")
+    p.add_argument("--attention_group_bounds", default=",".join(map(str, DEFAULT_GROUP_BOUNDS)),
+                   help="the grouped back-end's length groups (upper lengths, increasing)")
     p.add_argument("--attention_dropout", type=float,
                    help="override the config's 0.1 (e.g. 0 for PyTorch's varlen kernel, which has no dropout)")
     p.add_argument("--compile", choices=("auto",) + COMPILE_MODES, default="auto",
@@ -608,8 +614,12 @@ def build_context(args: argparse.Namespace) -> Context:
     precisions = chosen("--precision", precision, PRECISIONS)
     compile_mode = args.compile if args.compile != "auto" else ("default" if cuda else "none")
     graphs = args.graphs == "on" or (args.graphs == "auto" and cuda)
+    try:
+        bounds = parse_group_bounds(args.attention_group_bounds)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
     return Context(bench_config(args), device, precisions[0], compile_mode, graphs, args.attention_backend,
-                   args.hf_attention, args.seed, precisions)
+                   args.hf_attention, bounds, args.seed, precisions)
 
 
 def header(ctx: Context, peak: float, peak_dtype: str) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,16 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
     """Runs a command the way a user would, from the repository root."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def load_script(path: Path, name: str) -> types.ModuleType:
+    """A script of the repository (benchmarks/, tools/) imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_demo_data(out: Path, *extra: str) -> Path:

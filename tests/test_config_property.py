@@ -253,7 +253,7 @@ FLAG_CONTRACT = {
     "--compile_mode": (str, "none"), "--sync_every": (int, 1), "--input_pipeline": (str, "torch"),
     "--submission_division": (str, "closed"), "--submission_org": (str, "reference"),
     "--submission_platform": (str, "unknown"), "--submission_status": (str, "onprem"),
-    "--attention_backend": (str, "auto"), "--init_checkpoint": (str, None), "--input_dir": (str, None),
+    "--attention_backend": (str, "auto"), "--attention_group_bounds": (str, "128,256,384,512"), "--init_checkpoint": (str, None), "--input_dir": (str, None),
     "--mlperf_log_file": (str, None), "--checkpoint_dir": (str, None), "--checkpoint_every_samples": (int, None),
     "--checkpoint_every_minutes": (float, None), "--keep_checkpoints": (int, 3),
     "--resume_from_checkpoint": (str, None), "--collective_timeout_s": (float, 600.0),

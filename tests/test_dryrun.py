@@ -222,3 +222,21 @@ def test_fp8_steps_reach_scaled_mm_on_fake_cuda(tmp_path: Path, flags: list[str]
     else:
         assert gemms == [FP8_GEMMS_PER_STEP] * 3 and captured == 0, output
     assert re.search(rf"eval: .* {FP8_GEMMS_PER_EVAL_BATCH} FP8 GEMM", output), output  # one eval batch
+
+
+def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tmp_path: Path) -> None:
+    """Sequences of 128 to 512 tokens fall in several length groups: each group is ordered after
+    q/k/v by an event and the layer waits for each group's event, and the groups are learnt
+    from the host's lengths, so the steps read the device only at the window's agreement."""
+    code, output = _dry_run(tmp_path, "--precision", "bf16", "--input_layout", "unpadded", "--sync_every", "3",
+                            "--attention_backend", "grouped", "--max_seq_length", "512", "--train_batch_size", "8")
+    assert code == 0, output
+    assert "attention grouped;" in output, output
+    streams, records, waits = map(int, re.search(
+        r"streams: (\d+) side stream\(s\) made, (\d+) event record\(s\), (\d+) stream wait\(s\)", output).groups())
+    # The prefetcher's copy stream, then one per group up to the pool's size (five for four bounds).
+    assert 3 <= streams <= 6, output
+    # Per layer and forward: one event after q/k/v plus one per group; two waits per group.
+    assert records >= 2 * 4 * 3 and waits > records, output
+    assert _reads_per_step(output) == ["0", "0", "1"], output
+    assert "mlperf_bert/model/" not in output, output  # no read of the model's, in training or eval

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import REPO, run_cli
+from conftest import REPO, load_script, run_cli
 from mlperf_bert.model import flops
 from mlperf_bert.data.batch import flatten_items, pad_items
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
@@ -24,11 +23,7 @@ SCRIPT = REPO / "benchmarks" / "throughput.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("throughput_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "throughput_bench")
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +229,17 @@ def test_bert_large_costs_about_500_gflop_per_wikipedia_sequence():
 
 def test_masked_count_follows_the_dataset_rule():
     assert flops.masked_count(np.array([5, 100, 512, 600])).tolist() == [1, 15, 76, 76]
+
+
+def test_tiny_cpu_run_with_grouped_attention_runs_every_layout(tmp_path):
+    """--attention_backend grouped with bounds that split the tiny config's 64 tokens into four groups."""
+    out = tmp_path / "grouped.json"
+    result = run_cli([sys.executable, str(SCRIPT), "--config", "tiny", "--device", "cpu", "--steps", "1",
+                      "--warmup", "1", "--attention_backend", "grouped", "--attention_group_bounds", "16,32,48",
+                      "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert all(r["status"] == "ok" and math.isfinite(r["loss"]) for r in results.values()), results
+    assert results["padded"]["notes"].startswith("attention grouped,")
+    assert results["unpadded"]["notes"].startswith("attention grouped,")
+    assert results["packed"]["notes"].startswith("attention grouped per row,")

@@ -23,7 +23,10 @@ from typing import Any, Iterator
 from .closed_division import closed_division_problem
 
 INPUT_LAYOUTS = ("padded", "unpadded", "packed")
-ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "grouped")
+# The grouped back-end's length groups (0,128], (128,256], (256,384], (384,512]: Baidu's four
+# (the unpadded-BERT paper, section IV-A-2). A length above the last bound forms one more group.
+DEFAULT_GROUP_BOUNDS = (128, 256, 384, 512)
 OPTIMIZERS = ("lamb", "adam")
 OPTIMIZER_IMPLS = ("auto", "reference", "foreach", "apex")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -137,19 +140,40 @@ def _flag(name: str, value: bool) -> None:
     _require(isinstance(value, bool), f"--{name} is a switch (True or False); got {value!r}")
 
 
+def parse_group_bounds(text: str) -> tuple[int, ...]:
+    """`--attention_group_bounds` ("128,256,384,512") as increasing positive lengths."""
+    parts = [part.strip() for part in str(text).split(",")]
+    _require(all(part.isdigit() for part in parts),
+             f"--attention_group_bounds must be comma-separated whole numbers such as 128,256,384,512; got {text!r}")
+    bounds = tuple(int(part) for part in parts)
+    _require(bounds[0] > 0 and all(a < b for a, b in zip(bounds, bounds[1:])),
+             f"--attention_group_bounds must be positive and increasing (each an upper length of a group); got {text!r}")
+    return bounds
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     bert_config_path: str = flag("Google-format bert_config.json (model shape; checked at start-up)", "model")
     init_checkpoint: str | None = flag("{'model': state_dict} .pt file or HuggingFace directory; without it the "
                                        "weights start random", "model", None)
-    attention_backend: str = flag("sdpa: reference, runs anywhere; varlen: GPU kernels on flat tokens; auto picks "
-                                  "varlen on a GPU when it is exact", "precision and fast path", "auto",
+    attention_backend: str = flag("sdpa: reference, runs anywhere; varlen: GPU kernels on flat tokens; grouped: "
+                                  "one SDPA per length group (--attention_group_bounds), groups on their own CUDA "
+                                  "streams; auto picks varlen on a GPU when it is exact, else grouped when "
+                                  "--max_seq_length spans more than one group", "precision and fast path", "auto",
                                   choices=ATTENTION_BACKENDS)
+    attention_group_bounds: str = flag("--attention_backend grouped: upper lengths of its groups, comma-separated "
+                                       "and increasing", "precision and fast path",
+                                       ",".join(map(str, DEFAULT_GROUP_BOUNDS)), metavar="N,N,...")
 
     def __post_init__(self) -> None:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        parse_group_bounds(self.attention_group_bounds)
         _path("bert_config_path", self.bert_config_path, hint=" (the Google bert_config.json)")
         _path("init_checkpoint", self.init_checkpoint, required=False)
+
+    @property
+    def group_bounds(self) -> tuple[int, ...]:
+        return parse_group_bounds(self.attention_group_bounds)
 
 
 @dataclass(frozen=True)

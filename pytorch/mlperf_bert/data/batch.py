@@ -85,6 +85,9 @@ class FlatBatch:
     # Set for static packed batches: tokens lie in rows of row_len that no sequence crosses,
     # so attention can run row by row (T = rows * row_len) instead of per sequence.
     row_len: int | None = None
+    # [S] sequence lengths as the host knows them (flatten_items, unpad): what sizes per-batch
+    # kernels (grouped attention's groups) without a read of the device.
+    host_seqlens: tuple[int, ...] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -158,6 +161,7 @@ def flatten_items(items: Sequence[Item]) -> FlatBatch:
             np.concatenate([s.masked_lm_ids for s in samples]).astype(np.int64)
         ),
         next_sentence_labels=torch.tensor([s.next_sentence_label for s in samples], dtype=torch.int64),
+        host_seqlens=tuple(lengths.tolist()),
     )
 
 
@@ -190,7 +194,8 @@ def unpad(batch: PaddedBatch) -> FlatBatch:
     """Removes padding on whatever device `batch` lives on.
 
     Assumes right padding (real tokens first), as in the MLPerf shards. One device-to-host
-    sync reads max_seqlen; varlen kernels need it as a Python int.
+    sync reads the sequence lengths: varlen kernels need max_seqlen as a Python int, and the
+    grouped back-end the lengths (read together, in that one sync).
     """
     mask = batch.input_mask.bool()
     b, l = mask.shape
@@ -203,13 +208,15 @@ def unpad(batch: PaddedBatch) -> FlatBatch:
     slot = batch.masked_lm_positions != 0
     rows = torch.arange(b, device=mask.device).unsqueeze(1).expand_as(slot)
     flat_index = (cu[:-1].long()[rows] + batch.masked_lm_positions)[slot]
+    host_lengths = tuple(lengths.tolist())
     return FlatBatch(
         input_ids=batch.input_ids.flatten()[keep],
         segment_ids=batch.segment_ids.flatten()[keep],
         position_ids=positions,
         cu_seqlens=cu,
-        max_seqlen=int(lengths.max()),
+        max_seqlen=max(host_lengths, default=0),
         masked_positions=flat_index,
         masked_lm_ids=batch.masked_lm_ids[slot],
         next_sentence_labels=batch.next_sentence_labels,
+        host_seqlens=host_lengths,
     )

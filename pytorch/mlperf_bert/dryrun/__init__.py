@@ -3,9 +3,10 @@
 `python -m mlperf_bert.dryrun [--steps N] [--real] -- <trainer flags>` loads a fake CUDA
 device into a CPU-only torch (`native`, before torch is imported), runs the configured
 steps and an eval under FakeTensorMode (`run`), prints the host reads per step with their
-source lines (`record`) and fails on a host read or host<->device copy inside a CUDA-graph
-capture or on more host reads per sync window than the config promises. With `--real` the
-same code runs on a real GPU (`make gpu-check`).
+source lines (`record`) and the side streams, event records and stream waits it saw
+(`cuda_standins`: the grouped attention's groups show there), and fails on a host read or
+host<->device copy inside a CUDA-graph capture or on more host reads per sync window than
+the config promises. With `--real` the same code runs on a real GPU (`make gpu-check`).
 
 Nothing in this package may import torch at import time: `__main__` loads the fake device
 first.

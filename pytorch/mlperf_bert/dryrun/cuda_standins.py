@@ -1,7 +1,8 @@
 """Recording stand-ins for the parts of `torch.cuda` a CPU-only torch cannot run.
 
 Streams, events and graphs have no device to talk to in a dry run: the stand-ins keep the
-calls' shape (what was captured, how often it was replayed, how often the host waited) in a
+calls' shape (what was captured, how often it was replayed, how often the host waited, how many
+side streams were made, how often an event was recorded and a stream waited for one) in a
 `CudaLog`, and mark the `Recorder` as capturing between `capture_begin` and `capture_end`, so
 that host reads and copies inside a capture are caught. `install` patches them into
 `torch.cuda` for the length of a `with` block.
@@ -23,6 +24,9 @@ class CudaLog:
     syncs: list[str] = field(default_factory=list)  # host waits: synchronize(), Event/Stream.synchronize()
     captures: int = 0
     replays: int = 0
+    streams: int = 0  # side streams made (torch.cuda.Stream())
+    event_records: int = 0  # Event.record / Stream.record_event
+    stream_waits: int = 0  # a stream ordered after an event or another stream (no host wait)
 
 
 class _Stream(torch.Stream):
@@ -32,15 +36,16 @@ class _Stream(torch.Stream):
         return super().__new__(cls, stream_id=0, device_index=0, device_type=1)
 
     def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        pass
+        _state.log.streams += 1
 
     def wait_stream(self, other: torch.Stream) -> None:
-        pass
+        _state.log.stream_waits += 1
 
     def wait_event(self, event: torch.Event) -> None:
-        pass
+        _state.log.stream_waits += 1
 
     def record_event(self, event: torch.Event | None = None) -> torch.Event:
+        _state.log.event_records += 1
         return event or _Event()
 
     def synchronize(self) -> None:
@@ -60,10 +65,10 @@ class _Event(torch.Event):
         pass
 
     def record(self, stream: torch.Stream | None = None) -> None:
-        pass
+        _state.log.event_records += 1
 
     def wait(self, stream: torch.Stream | None = None) -> None:
-        pass
+        _state.log.stream_waits += 1
 
     def query(self) -> bool:
         return True

@@ -13,8 +13,11 @@ def print_report(report: DryRunReport) -> None:
     print(f"dry run: {report.world_size} rank(s), precision {cfg.run.precision}, layout {cfg.data.input_layout}, "
           f"cuda_graphs {cfg.run.cuda_graphs}, optimizer {cfg.optim.optimizer}/{cfg.optim.implementation} "
           f"({report.optimizer_class}), "
-          f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}; "
+          f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}, attention {report.attention}; "
           f"{report.captures} capture(s), {report.replays} replay(s)")
+    if report.streams or report.event_records:  # counted by the fake device's stand-ins only
+        print(f"  streams: {report.streams} side stream(s) made, {report.event_records} event record(s), "
+              f"{report.stream_waits} stream wait(s)")
     phases = list(dict.fromkeys(e.phase for e in report.events))
     for phase in phases:
         reads = Counter(e.where for e in report.events if e.phase == phase and e.kind == "read")

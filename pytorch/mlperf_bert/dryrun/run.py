@@ -54,10 +54,14 @@ class DryRunReport:
     events: list[Event]
     steps: int
     sync_every: int
+    attention: str = ""  # the resolved attention back-end
     captures: int = 0
     replays: int = 0
     fp8_gemms: dict[str, int] = field(default_factory=dict)  # phase (and record.CAPTURE) -> torch._scaled_mm calls
     optimizer_class: str = ""  # the optimizer the step ran (sharded or not, capturable or not)
+    streams: int = 0  # side streams made, events recorded, stream waits on events (cuda_standins.CudaLog)
+    event_records: int = 0
+    stream_waits: int = 0
     failures: list[str] = field(default_factory=list)
 
 
@@ -218,8 +222,10 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     with built_run(cfg, denv, recorder, fake) as (run, log):
         run_steps(run, recorder, steps)
         stepped = type(run.step.optimizer).__name__
-    report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every,
-                          log.captures, log.replays, dict(recorder.fp8_gemms), optimizer_class=stepped)
+        attention = run.eval.model.bert.backend
+    report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
+                          log.captures, log.replays, dict(recorder.fp8_gemms), stepped, log.streams,
+                          log.event_records, log.stream_waits)
     report.failures = findings(report)
     return report
 

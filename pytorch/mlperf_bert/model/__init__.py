@@ -1,7 +1,8 @@
 """BERT for pretraining on flat (unpadded) tokens, and what shapes its arithmetic.
 
 Owns: `bert.py` (the model; parameter names equal HuggingFace `BertForPreTraining`),
-`attention.py` (the attention back-ends over flat tokens and `cu_seqlens`),
+`attention.py` (the attention back-ends over flat tokens and `cu_seqlens`; `grouped_attention.py`
+holds the grouped one),
 `init_checkpoint.py` (strict loading of the phase-1 checkpoint), `precision.py` (autocast),
 `fp8.py` (the encoder's linear layers in FP8 through torchao),
 `compiling.py` (regional torch.compile) and `flops.py` (the useful-FLOP formula).

@@ -15,15 +15,16 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TypeGuard
+from typing import Sequence, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import FlatAttention, FlatLayout, flat_layout
+from .attention import FlatAttention, FlatLayout, batch_layout
+from .grouped_attention import StreamPool, check_bounds
 from ..data.batch import FlatBatch
-from ..config.settings import ConfigError
+from ..config.settings import DEFAULT_GROUP_BOUNDS, ConfigError
 
 # The Google bert_config.json keys. The first five set the model's shape and have no
 # sensible default, so a file must give them; the others default to BERT's published values
@@ -252,14 +253,19 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    def __init__(self, cfg: BertConfig, backend: str) -> None:
+    """group_bounds: the length groups of the grouped back-end, whose side streams (on a GPU)
+    this model keeps for all its layers."""
+
+    def __init__(self, cfg: BertConfig, backend: str, group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS) -> None:
         super().__init__()
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg, backend)
         self.pooler = BertPooler(cfg)
+        self.backend, self.group_bounds = backend, check_bounds(group_bounds)
+        self.group_streams = StreamPool(len(self.group_bounds) + 1)
 
     def forward(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = flat_layout(batch.cu_seqlens, batch.max_seqlen, batch.num_tokens, batch.row_len)
+        layout = batch_layout(batch, self.backend, self.group_bounds, self.group_streams)
         x = self.encoder(self.embeddings(batch), batch.cu_seqlens, layout)  # [T, H]
         return x, self.pooler(x, batch.cu_seqlens)
 
@@ -299,10 +305,11 @@ class BertPreTrainingHeads(nn.Module):
 class BertForPreTraining(nn.Module):
     """Embeddings -> encoder -> MLM head at masked positions + NSP head on [CLS]."""
 
-    def __init__(self, cfg: BertConfig, attention_backend: str = "sdpa") -> None:
+    def __init__(self, cfg: BertConfig, attention_backend: str = "sdpa",
+                 group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS) -> None:
         super().__init__()
         self.config = cfg
-        self.bert = BertModel(cfg, attention_backend)
+        self.bert = BertModel(cfg, attention_backend, group_bounds)
         self.cls = BertPreTrainingHeads(cfg)
         self.apply(self._init_weights)
 
