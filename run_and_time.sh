@@ -157,7 +157,7 @@ export MLPERF_BERT_FLAG_VARIABLES
 # (its one line, its exit code) reaches the user without torchrun's ChildFailedError report, which
 # stays for a crash.
 trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
-if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "$DGXNGPU" -gt 1 ]]; then
+if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && $((10#$DGXNGPU * 10#$DGXNNODES)) -gt 1 ]]; then
   # Not started per task: start one process per GPU (or CPU worker) on this node.
   if [[ "${BALANCE:-none}" == cpu_exchange ]]; then
     # The CPU exchange talks MPI, so an MPI launcher starts the ranks (mpiexec next to $PYTHON

@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 
 import fake_trainer
-from conftest import require_tool
+from conftest import DEMO_CONFIG_TEST_SIZES, config_exports, demo_config_env, require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 FAKES = REPO / "tests" / "fakes"
@@ -40,9 +40,7 @@ def _config_file(shipped: Path | None, tmp_path: Path) -> tuple[Path, str]:
     return tmp_path, "SAMPLE_1x8"
 
 
-def _exports(path: Path) -> dict[str, str]:
-    pairs = re.findall(r"^export (\w+)=(\S*)", path.read_text(), re.M)
-    return dict(pairs)
+_exports = config_exports
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 120
@@ -166,19 +164,10 @@ def test_container_requirements_resolve_for_the_base_image_python(tmp_path):
 # run_and_time.sh: config variables and exit codes
 
 
-# config_CPU_1x2.sh's sizes shrunk to the test's demo data (64 tokens, 200 eval samples).
-TEST_DATA_SIZES = {"BATCHSIZE": "8", "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10",
-                   "NUM_EVAL_EXAMPLES": "200", "EVAL_BATCH_SIZE": "100", "SEED": "1", "INIT_CHECKPOINT": "none"}
-
-
 def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
     """config_CPU_1x2.sh on the test's demo data, as a user runs it."""
-    env = {**_base_env(tmp_path), **_exports(REPO / "config_CPU_1x2.sh"), **TEST_DATA_SIZES,
-           "PYTHON": sys.executable, "DATADIR_PHASE2": str(data / "train"), "EVALDIR": str(data / "eval"),
-           "BERT_CONFIG": str(data / "bert_config.json"), "OUTPUT_DIR": str(tmp_path / "out"),
-           "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
-    env.update(overrides)
-    return env
+    return demo_config_env(data, _base_env(tmp_path), OUTPUT_DIR=str(tmp_path / "out"),
+                           MASTER_PORT=str(_free_port()), **overrides)
 
 
 @pytest.mark.parametrize("name, value, says", [
@@ -352,7 +341,7 @@ def test_run_with_docker_reports_a_failed_run(tmp_path):
 
 def _cpu_test_config(folder: Path, system: str) -> None:
     """config_<system>.sh: the CPU demo config at the test data's sizes."""
-    sizes = "".join(f"export {name}={value}\n" for name, value in TEST_DATA_SIZES.items())
+    sizes = "".join(f"export {name}={value}\n" for name, value in DEMO_CONFIG_TEST_SIZES.items())
     (folder / f"config_{system}.sh").write_text((REPO / "config_CPU_1x2.sh").read_text() + sizes)
 
 
