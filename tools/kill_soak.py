@@ -554,8 +554,8 @@ def run_baseline(args: argparse.Namespace, overrides: dict[str, str]) -> Pace:
 
 
 def make_demo_data(config: Path, data: Path) -> None:
-    """The config's demo dataset (tools/run_demo.sh --data-only), when `data` has none."""
-    if (data / ".complete").exists():
+    """The config's demo dataset (tools/run_demo.sh --data-only), when `data` holds no dataset."""
+    if (data / ".complete").exists() or all((data / part).exists() for part in ("train", "eval", "bert_config.json")):
         return
     env = {**os.environ, "DEMO_DATA": str(data), "DEMO_CONFIG": str(config), "PYTHON": sys.executable}
     subprocess.run(["bash", str(REPO / "tools" / "run_demo.sh"), "--data-only"], env=env, check=True)
@@ -577,7 +577,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "config_CPU_1x2.sh", help="the config file")
     parser.add_argument("--data", type=Path, required=True,
                         help="demo data folder (train/, eval/, bert_config.json); made with the config's "
-                             "DEMO_* sizes when it has no .complete marker")
+                             "DEMO_* sizes when it holds none")
     parser.add_argument("--work", type=Path, required=True, help="folder for the runs and their logs")
     parser.add_argument("--checkpoint_every_samples", type=int, default=0,
                         help="CHECKPOINT_EVERY_SAMPLES of both runs (default: two global batches)")
