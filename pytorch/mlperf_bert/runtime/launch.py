@@ -120,10 +120,6 @@ def signalled_stop_code(recorded: Mapping[int, int], workers: int) -> int | None
     return job_exit_code(codes)
 
 
-def _local_workers(args: object) -> int:
-    return torchrun.determine_local_world_size(getattr(args, "nproc_per_node"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs torchrun's agent on `argv` (torchrun's command line); the exit code (module docstring)."""
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -137,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             return code
         except SignalException:
-            code = signalled_stop_code(recorded_exit_codes(folder), _local_workers(args))
+            workers = torchrun.determine_local_world_size(args.nproc_per_node)
+            code = signalled_stop_code(recorded_exit_codes(folder), workers)
             if code is None:
                 held.show()
                 raise
