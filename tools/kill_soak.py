@@ -13,8 +13,8 @@ two torchrun workers), with periodic checkpoints on:
    once (the shell, torchrun's agent, the workers), as a cluster that preempts a job does.
    After each kill the job starts again with RESUME_FROM_CHECKPOINT=auto; a kill before the
    first checkpoint leaves nothing to resume, so the folder is cleared and the run starts over.
-   Kill i waits until the run has checkpointed i/(kills+1) of the baseline's samples, so the
-   kills spread over the whole run;
+   Kill i waits until the run has checkpointed i/(kills+1) of the samples up to the baseline's
+   last eval before its end, so the kills spread over the run and leave its end to finish;
 3. the verdict: the last checkpoint (weights, optimizer, loss scaler, train state, data
    position) equal bitwise to the baseline's, and every eval accuracy in the soak's MLPerf log
    equal to the baseline's at the same sample count, with the same eval points.
@@ -316,17 +316,18 @@ class Job:
                     continue
 
     def signal_all(self, sig: signal.Signals) -> None:
-        """`sig` to every process of the job at once, the shell last (it only waits)."""
+        """`sig` once to every process of the job, the shell last (it only waits)."""
         for fd in self.known.values():
             try:
                 signal.pidfd_send_signal(fd, sig)
             except ProcessLookupError:
                 pass
         for pid in [*descendants(self.proc.pid)[::-1], self.proc.pid]:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+            if pid not in self.known:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def forget(self) -> None:
         for fd in self.known.values():
@@ -372,6 +373,7 @@ class Pace:
     step_s: float
     eval_s: float
     samples: int  # where the run ends
+    kill_span: int  # the last eval point before the end: the kills are spread up to it
 
 
 @dataclass
@@ -427,8 +429,10 @@ class Soak:
         return job, offset, found[-1][0] if found else None
 
     def floor(self, index: int) -> int:
-        """Kill `index` (1-based) waits for this many checkpointed samples: kills spread over the run."""
-        return self.pace.samples * index // (self.args.kills + 1)
+        """Kill `index` (1-based) waits for this many checkpointed samples: the kills spread up to
+        the last eval before the end (a kill aimed at that eval, or a stop signal, near the end
+        would let the run finish before the kills are spent)."""
+        return self.pace.kill_span * index // (self.args.kills + 1)
 
     def _wait(self, job: Job, ready: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -545,8 +549,11 @@ def run_baseline(args: argparse.Namespace, overrides: dict[str, str]) -> Pace:
     state = torch.load(end[1], map_location="cpu", weights_only=True)["train_state"]
     steps = max(int(state["step"]), 1)
     train_s = first.get("run_stop", first["run_start"]) - first["run_start"] - sum(eval_s)
+    points = sorted({int(e["metadata"]["epoch_num"]) for e in events if e["key"] == "eval_accuracy"})
+    before_end = [p for p in points if p < end[0]]
     return Pace(startup_s=first["block_start"] - launched, step_s=max(train_s / steps, 0.001),
-                eval_s=sum(eval_s) / max(len(eval_s), 1), samples=end[0])
+                eval_s=sum(eval_s) / max(len(eval_s), 1), samples=end[0],
+                kill_span=before_end[-1] if before_end else end[0])
 
 
 # ---------------------------------------------------------------------------------------------
