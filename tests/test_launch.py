@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from mlperf_bert.runtime.exits import (
     recorded_exit_codes,
     say_once,
 )
-from mlperf_bert.runtime.launch import clean_stop_code, signalled_stop_code
+from mlperf_bert.runtime.launch import clean_stop_code, signalled_stop_code, wait_for_codes
 
 TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "torch/distributed/", "FAILED", "Root Cause")
 
@@ -66,6 +68,17 @@ def test_signalled_stop_code_needs_a_code_from_every_worker():
     assert signalled_stop_code({10: 75, 11: 75}, workers=2) == EXIT_PREEMPTED
     assert signalled_stop_code({10: 75}, workers=2) is None  # one worker died without a word
     assert signalled_stop_code({10: 75, 11: 1}, workers=2) is None
+
+
+def test_wait_for_codes_outwaits_workers_still_writing_their_checkpoint(tmp_path):
+    """A second signal to the agent ends its own wait early; the launcher then waits for the codes."""
+    late = threading.Timer(0.3, lambda: (tmp_path / "11.code").write_text("75\n"))
+    (tmp_path / "10.code").write_text("75\n")
+    late.start()
+    assert wait_for_codes(tmp_path, workers=2, timeout_s=30) == {10: 75, 11: 75}
+    started = time.monotonic()
+    assert wait_for_codes(tmp_path / "none", workers=2, timeout_s=0.3) == {}  # a worker that died silently
+    assert time.monotonic() - started < 5
 
 
 def test_job_exit_code_prefers_the_cause_over_a_lost_rank():

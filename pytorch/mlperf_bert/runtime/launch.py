@@ -18,7 +18,8 @@ preemption, a lost rank: `runtime/exits.py`). Here:
   are dropped, nothing is added to the trainer's line, and the exit code is the trainer's
   (`exits.job_exit_code`: the lowest that is not a lost rank);
 - the agent itself got SIGTERM / SIGINT (preemption, Ctrl-C): it forwards the signal and waits for
-  its workers; when every worker left a code, that is a clean stop too;
+  its workers (a second signal cuts that wait short: then this process waits, up to torchrun's
+  shutdown timeout); when every worker left a code, that is a clean stop too;
 - anything else is a **crash** (an uncaught exception exits 1 without a code, a signal kills a
   worker first): the held records and torchrun's report with its traceback are printed, as
   torchrun prints them, and the exit code is 1.
@@ -32,6 +33,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -44,6 +46,7 @@ from .exits import EXIT_DIR_VARIABLE, TRAINER_EXITS, job_exit_code, recorded_exi
 
 AGENT_LOGGER = "torch.distributed"  # torchrun's agent, rendezvous and launcher log under this name
 TEARDOWN_SIGNALS = (-signal.SIGTERM, -signal.SIGKILL)  # how the agent stops the workers left
+SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's own wait for its workers after a signal, unless --shutdown-timeout
 
 
 class HeldRecords(logging.Handler):
@@ -120,6 +123,27 @@ def signalled_stop_code(recorded: Mapping[int, int], workers: int) -> int | None
     return job_exit_code(codes)
 
 
+def ignore_stop_signals() -> None:
+    """The agent is done: a further SIGTERM / SIGINT must not cut short the verdict (torchrun's
+    handlers would raise one more SignalException)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def wait_for_codes(folder: Path, workers: int, timeout_s: float) -> dict[int, int]:
+    """The recorded codes once `workers` ranks left one, or at the timeout.
+
+    Normally the agent has waited for its workers already. A second signal during that wait
+    ends the agent's wait early while the workers still finish their step and checkpoint.
+    """
+    deadline = time.monotonic() + timeout_s
+    codes = recorded_exit_codes(folder)
+    while len(codes) < workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        codes = recorded_exit_codes(folder)
+    return codes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs torchrun's agent on `argv` (torchrun's command line); the exit code (module docstring)."""
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -127,14 +151,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             torchrun.run(args)
         except ChildFailedError as failed:
+            ignore_stop_signals()
             code = clean_stop_code(failed.failures, recorded_exit_codes(folder))
             if code is None:
                 held.show()
                 raise
             return code
         except SignalException:
+            ignore_stop_signals()
             workers = torchrun.determine_local_world_size(args.nproc_per_node)
-            code = signalled_stop_code(recorded_exit_codes(folder), workers)
+            codes = wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S)
+            code = signalled_stop_code(codes, workers)
             if code is None:
                 held.show()
                 raise
