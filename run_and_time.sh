@@ -153,9 +153,9 @@ done
 MLPERF_BERT_FLAG_VARIABLES="${names[*]}"
 export MLPERF_BERT_FLAG_VARIABLES
 
-# torchrun runs through mlperf_bert.runtime.launch: torchrun's flags and agent, but a rank's own stop
-# (its one line, its exit code) reaches the user without torchrun's ChildFailedError report, which
-# stays for a crash.
+# torchrun runs through pytorch/launch.py (mlperf_bert.runtime.launch): torchrun's flags and agent,
+# but a rank's own stop (its one line, its exit code) reaches the user without torchrun's
+# ChildFailedError report, which stays for a crash.
 trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
 if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && $((10#$DGXNGPU * 10#$DGXNNODES)) -gt 1 ]]; then
   # Not started per task: start one process per GPU (or CPU worker) on this node.
@@ -169,11 +169,11 @@ if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && $
   elif [[ "$DGXNNODES" -gt 1 ]]; then
     # Once per node (run_with_docker.sh on every node): torchrun meets node 0 at MASTER_ADDR.
     require NODE_RANK MASTER_ADDR
-    trainer=("$PYTHON" -m mlperf_bert.runtime.launch --nnodes="$DGXNNODES" --node_rank="$NODE_RANK" \
+    trainer=("$PYTHON" "$here/pytorch/launch.py" --nnodes="$DGXNNODES" --node_rank="$NODE_RANK" \
       --nproc_per_node="$DGXNGPU" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}" \
       "$here/pytorch/run_pretraining.py")
   else
-    trainer=("$PYTHON" -m mlperf_bert.runtime.launch --standalone --nproc_per_node="$DGXNGPU" \
+    trainer=("$PYTHON" "$here/pytorch/launch.py" --standalone --nproc_per_node="$DGXNGPU" \
       "$here/pytorch/run_pretraining.py")
   fi
 fi

@@ -28,6 +28,7 @@ from mlperf_bert.runtime.exits import (
 )
 from mlperf_bert.runtime.launch import clean_stop_code, signalled_stop_code, wait_for_codes
 
+LAUNCHER = REPO / "pytorch" / "launch.py"
 TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "torch/distributed/", "FAILED", "Root Cause")
 
 
@@ -101,10 +102,10 @@ def test_exit_codes_and_lines_go_through_the_exit_folder(tmp_path, capsys):
 
 
 def _launch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`python -m mlperf_bert.runtime.launch` as run_and_time.sh starts it (its own exit folder)."""
+    """`pytorch/launch.py` as run_and_time.sh starts it, without an exit folder (it makes its own)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MLPERF_BERT_EXIT_DIR", None)
-    command = [sys.executable, "-m", "mlperf_bert.runtime.launch", "--standalone", "--nproc_per_node=2", *args]
+    command = [sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2", *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -135,7 +136,7 @@ def test_preempted_under_the_launcher_is_the_trainers_line_and_75(demo_data, tmp
     flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "100000",
                          "--eval_iter_samples", "800000")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    command = [sys.executable, "-m", "mlperf_bert.runtime.launch", "--standalone", "--nproc_per_node=2",
+    command = [sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2",
                *worker_command(flags, tmp_path / "rec", "--step_sleep", "0.05")[1:]]
     with open(tmp_path / "err.txt", "w") as err:
         proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)

@@ -129,10 +129,10 @@ class LogTail:
         return self
 
 
-def eval_open(events: Sequence[dict[str, Any]]) -> bool:
-    """An eval started and not finished in these events."""
-    keys = [e["key"] for e in events if e["key"] in ("eval_start", "eval_stop")]
-    return bool(keys) and keys[-1] == "eval_start"
+def open_eval(events: Sequence[dict[str, Any]]) -> int | None:
+    """The sample count of an eval started and not finished in these events, or None."""
+    marks = [e for e in events if e["key"] in ("eval_start", "eval_stop")]
+    return int(marks[-1]["metadata"]["epoch_num"]) if marks and marks[-1]["key"] == "eval_start" else None
 
 
 def moment(run_dir: Path, log_offset: int, stale: set[str]) -> str:
@@ -146,7 +146,7 @@ def moment(run_dir: Path, log_offset: int, stale: set[str]) -> str:
         return "launch"
     if not keys & {"block_start", "eval_start"}:
         return "init"
-    return "eval" if eval_open(events) else "step"
+    return "eval" if open_eval(events) is not None else "step"
 
 
 def eval_accuracies(log: Path) -> dict[int, list[float]]:
@@ -374,13 +374,15 @@ class Pace:
     eval_s: float
     samples: int  # where the run ends
     kill_span: int  # the last eval point before the end: the kills are spread up to it
+    eval_points: tuple[int, ...]  # the evals up to kill_span, the ones a kill may aim at
 
 
 @dataclass
 class Kill:
     index: int
-    target: str
+    target: str  # what the kill waited for (an eval already passed for good turns into a step)
     signal: str
+    planned: str = ""  # the plan's target
     moment: str = ""
     exit_code: int | None = None
     after_s: float = 0.0  # from the launch to the signal
@@ -461,7 +463,8 @@ class Soak:
             return self._wait_checkpoint_write(job, floor, timeout)
         tail = LogTail(log, offset)
         if target == "eval":
-            if not self._wait(job, lambda: self._progress() >= floor and eval_open(tail.update().events), timeout):
+            point = self.eval_point(floor)
+            if not self._wait(job, lambda: open_eval(tail.update().events) == point, timeout):
                 return False
             delay = self.rng.uniform(0, 0.8 * self.pace.eval_s)
         else:
@@ -471,6 +474,20 @@ class Soak:
             delay = self.rng.uniform(0, self.pace.step_s)
         time.sleep(delay)
         return job.alive()
+
+    def eval_point(self, floor: int) -> int | None:
+        """The eval a kill with this floor aims at: the first eval point at or after it."""
+        return next((p for p in self.pace.eval_points if p >= floor), None)
+
+    def aim(self, planned: str, floor: int) -> str:
+        """The target for this attempt: an eval the run has passed for good (its newest checkpoint
+        lies beyond it, so no resume repeats it) or none left before the end makes it a step, so
+        that the run does not race ahead of the kills still to come."""
+        if planned == "eval":
+            point = self.eval_point(floor)
+            if point is None or self._progress() > point:
+                return "step"
+        return planned
 
     def _wait_checkpoint_write(self, job: Job, floor: int, timeout_s: float) -> bool:
         watch = DirWatch(self.ckpt_dir)
@@ -506,7 +523,8 @@ class Soak:
 
     def run(self) -> int:
         """Kills, resumes, and finally lets the run end; the last attempt's exit code."""
-        for index, (target, sig) in enumerate(self.plan(), start=1):
+        for index, (planned, sig) in enumerate(self.plan(), start=1):
+            target = self.aim(planned, self.floor(index))
             while True:
                 job, offset, resumed_from = self.launch()
                 if self.reach(job, target, self.floor(index), offset):
@@ -516,7 +534,7 @@ class Soak:
                 raise RuntimeError(f"kill {index} ({target}): the run ended (exit {code}) before the moment "
                                    f"came; see {self.args.work}/attempt_{self.attempts:03d}.err")
             kill = self.kill(job, index, target, sig, offset)
-            kill.resumed_from = resumed_from
+            kill.resumed_from, kill.planned = resumed_from, planned
             self.kills.append(kill)
             print(f"kill {index:3d}: {sig.name:7s} aimed at {target:10s} hit {kill.moment:16s} "
                   f"{kill.after_s:6.2f} s after launch, exit {kill.exit_code}", flush=True)
@@ -553,7 +571,7 @@ def run_baseline(args: argparse.Namespace, overrides: dict[str, str]) -> Pace:
     before_end = [p for p in points if p < end[0]]
     return Pace(startup_s=first["block_start"] - launched, step_s=max(train_s / steps, 0.001),
                 eval_s=sum(eval_s) / max(len(eval_s), 1), samples=end[0],
-                kill_span=before_end[-1] if before_end else end[0])
+                kill_span=before_end[-1] if before_end else end[0], eval_points=tuple(before_end))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,7 +677,8 @@ def summary(args: argparse.Namespace, soak: Soak, pace: Pace, baseline_s: float,
     evals = eval_accuracies(args.work / "baseline" / "mlperf.log")
     return {
         "kills": len(soak.kills), "planned_kills": args.kills, "attempts": soak.attempts,
-        "signals": Counter(k.signal for k in soak.kills), "targets": Counter(k.target for k in soak.kills),
+        "signals": Counter(k.signal for k in soak.kills), "planned": Counter(k.planned for k in soak.kills),
+        "targets": Counter(k.target for k in soak.kills),
         "moments": Counter(k.moment for k in soak.kills),
         "exit_codes": Counter(str(k.exit_code) for k in soak.kills),
         "resumes": soak.resumes,

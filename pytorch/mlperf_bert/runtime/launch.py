@@ -1,6 +1,7 @@
 """torchrun for the trainer: its workers' own exit codes and lines, without torchrun's report.
 
-    python -m mlperf_bert.runtime.launch <torchrun's flags> pytorch/run_pretraining.py <flags>
+    python pytorch/launch.py <torchrun's flags> pytorch/run_pretraining.py <flags>
+    (or python -m mlperf_bert.runtime.launch ...)
 
 takes torchrun's flags (`torch.distributed.run`) and runs its agent in this process. torchrun
 alone answers any failed worker with its own exit code 1, a 30-line `ChildFailedError`
