@@ -76,9 +76,10 @@ def test_wait_for_codes_outwaits_workers_still_writing_their_checkpoint(tmp_path
     late = threading.Timer(0.3, lambda: (tmp_path / "11.code").write_text("75\n"))
     (tmp_path / "10.code").write_text("75\n")
     late.start()
-    assert wait_for_codes(tmp_path, workers=2, timeout_s=30) == {10: 75, 11: 75}
+    assert wait_for_codes(tmp_path, workers=2, timeout_s=30, running=lambda: [11]) == {10: 75, 11: 75}
     started = time.monotonic()
-    assert wait_for_codes(tmp_path / "none", workers=2, timeout_s=0.3) == {}  # a worker that died silently
+    assert wait_for_codes(tmp_path / "none", workers=2, timeout_s=30, running=lambda: []) == {}  # all gone
+    assert wait_for_codes(tmp_path / "none", workers=2, timeout_s=0.3, running=lambda: [11]) == {}  # hung
     assert time.monotonic() - started < 5
 
 
@@ -129,6 +130,30 @@ def test_a_missing_training_script_is_torchruns_to_report(tmp_path):
     """Python's own exit 2 ("can't open file") is no stop of the trainer: the report stays."""
     done = _launch([str(tmp_path / "missing.py")], tmp_path)
     assert done.returncode == 1 and "can't open file" in done.stderr and "ChildFailedError" in done.stderr
+
+
+def test_sigterm_while_the_ranks_start_is_143_without_a_traceback(demo_data, tmp_path):
+    """The ranks die of the forwarded signal before they can checkpoint: that is the signal's doing,
+    not a crash (exit 128 + 15, as a shell says it), and nothing was trained."""
+    flags = trainer_args(demo_data, tmp_path / "out", "--do_train")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLPERF_BERT_EXIT_DIR", None)
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2",
+                             str(REPO / "pytorch" / "run_pretraining.py"), *flags], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _children_of(proc.pid) and time.monotonic() < deadline:  # the agent has started its workers
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "launch: stopped by SIGTERM before every rank stopped on its own (0 of 2" in stderr, stderr
+    assert "Traceback" not in stderr and not (tmp_path / "out" / "checkpoints").exists()
+
+
+def _children_of(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in children.read_text().split()] if children.exists() else []
 
 
 def test_preempted_under_the_launcher_is_the_trainers_line_and_75(demo_data, tmp_path):

@@ -20,7 +20,9 @@ preemption, a lost rank: `runtime/exits.py`). Here:
   (`exits.job_exit_code`: the lowest that is not a lost rank);
 - the agent itself got SIGTERM / SIGINT (preemption, Ctrl-C): it forwards the signal and waits for
   its workers (a second signal cuts that wait short: then this process waits, up to torchrun's
-  shutdown timeout); when every worker left a code, that is a clean stop too;
+  shutdown timeout); when every worker left a code, that is a clean stop too; otherwise (a
+  worker still starting dies of the signal) torchrun's log lines and one line of ours follow,
+  exit 128 + the signal, as a shell reports a death by signal;
 - anything else is a **crash** (an uncaught exception exits 1 without a code, a signal kills a
   worker first): the held records and torchrun's report with its traceback are printed, as
   torchrun prints them, and the exit code is 1.
@@ -28,6 +30,7 @@ preemption, a lost rank: `runtime/exits.py`). Here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -37,7 +40,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -131,15 +134,28 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def wait_for_codes(folder: Path, workers: int, timeout_s: float) -> dict[int, int]:
-    """The recorded codes once `workers` ranks left one, or at the timeout.
+def live_children() -> list[int]:
+    """This process's children that still run (the workers, as the agent runs here)."""
+    found = []
+    for task in Path("/proc/self/task").glob("*"):
+        for pid in (task / "children").read_text().split() if (task / "children").exists() else []:
+            stat = Path(f"/proc/{pid}/stat")
+            with contextlib.suppress(OSError, IndexError):
+                if stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(pid))
+    return found
+
+
+def wait_for_codes(folder: Path, workers: int, timeout_s: float,
+                   running: Callable[[], list[int]] = live_children) -> dict[int, int]:
+    """The recorded codes once `workers` ranks left one, no worker runs any more, or at the timeout.
 
     Normally the agent has waited for its workers already. A second signal during that wait
     ends the agent's wait early while the workers still finish their step and checkpoint.
     """
     deadline = time.monotonic() + timeout_s
     codes = recorded_exit_codes(folder)
-    while len(codes) < workers and time.monotonic() < deadline:
+    while len(codes) < workers and running() and time.monotonic() < deadline:
         time.sleep(0.1)
         codes = recorded_exit_codes(folder)
     return codes
@@ -158,14 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 held.show()
                 raise
             return code
-        except SignalException:
+        except SignalException as signalled:
             ignore_stop_signals()
             workers = torchrun.determine_local_world_size(args.nproc_per_node)
             codes = wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S)
             code = signalled_stop_code(codes, workers)
-            if code is None:
+            if code is None:  # some worker went before it could say why: torchrun's lines, then ours
                 held.show()
-                raise
+                print(f"launch: stopped by {signal.Signals(signalled.sigval).name} before every rank stopped on its "
+                      f"own ({len(codes)} of {workers} left an exit code): a rank still starting has no "
+                      "checkpoint to leave; any rank's own traceback is above", file=sys.stderr)
+                return 128 + int(signalled.sigval)
             return code
         held.show()
     return 0
