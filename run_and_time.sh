@@ -160,8 +160,11 @@ done
 MLPERF_BERT_FLAG_VARIABLES="${names[*]}"
 export MLPERF_BERT_FLAG_VARIABLES
 
+# torchrun runs through pytorch/launch.py (mlperf_bert.runtime.launch): torchrun's flags and agent,
+# but a rank's own stop (its one line, its exit code) reaches the user without torchrun's
+# ChildFailedError report, which stays for a crash.
 trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
-if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "$DGXNGPU" -gt 1 ]]; then
+if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && $((10#$DGXNGPU * 10#$DGXNNODES)) -gt 1 ]]; then
   # Not started per task: start one process per GPU (or CPU worker) on this node.
   if [[ "${BALANCE:-none}" == cpu_exchange ]]; then
     # The CPU exchange talks MPI, so an MPI launcher starts the ranks (mpiexec next to $PYTHON
@@ -173,11 +176,11 @@ if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && "
   elif [[ "$DGXNNODES" -gt 1 ]]; then
     # Once per node (run_with_docker.sh on every node): torchrun meets node 0 at MASTER_ADDR.
     require NODE_RANK MASTER_ADDR
-    trainer=("$PYTHON" -m torch.distributed.run --nnodes="$DGXNNODES" --node_rank="$NODE_RANK" \
+    trainer=("$PYTHON" "$here/pytorch/launch.py" --nnodes="$DGXNNODES" --node_rank="$NODE_RANK" \
       --nproc_per_node="$DGXNGPU" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}" \
       "$here/pytorch/run_pretraining.py")
   else
-    trainer=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$DGXNGPU" \
+    trainer=("$PYTHON" "$here/pytorch/launch.py" --standalone --nproc_per_node="$DGXNGPU" \
       "$here/pytorch/run_pretraining.py")
   fi
 fi
@@ -185,28 +188,24 @@ fi
 # SIGUSR1 / SIGTERM are for the trainer (it checkpoints and exits 75, which this script passes
 # on); this shell only waits for it instead of dying first.
 trap ':' USR1 TERM
-MLPERF_BERT_EXIT_DIR=$(mktemp -d)
+# The ranks' exit folder: run.sub hands every task of a run the same one (on the shared LOGDIR);
+# otherwise this launch has its own.
+if [[ -z "${MLPERF_BERT_EXIT_DIR:-}" ]]; then
+  MLPERF_BERT_EXIT_DIR=$(mktemp -d)
+  trap 'rm -rf "$MLPERF_BERT_EXIT_DIR"' EXIT
+fi
+mkdir -p "$MLPERF_BERT_EXIT_DIR"
 export MLPERF_BERT_EXIT_DIR
-trap 'rm -rf "$MLPERF_BERT_EXIT_DIR"' EXIT
-
-# The trainer's code: a launcher's own code (torchrun and mpiexec say 1 for any failed rank)
-# replaced by the lowest code the ranks recorded, 76 (a lost rank) only when it is all they saw.
-trainer_code() {
-  local launcher=$1 codes
-  codes=$(cat "$MLPERF_BERT_EXIT_DIR"/*.code 2>/dev/null | sort -n | uniq) || true
-  if [[ -z "$codes" ]]; then
-    echo "$launcher"
-  else
-    grep -vx 76 <<<"$codes" | head -n 1 | grep . || echo 76
-  fi
-}
+# shellcheck source=/dev/null
+source "$here/tools/job_exit_code.sh"
 
 start=$(date +%s)
 start_fmt=$(date +%Y-%m-%d\ %r)
 echo "STARTING TIMING RUN AT $start_fmt"
 status=0
 "${trainer[@]}" "${flags[@]}" || status=$?
-if [[ $status -ne 0 ]]; then status=$(trainer_code "$status"); fi
+# A launcher's own code (torchrun and mpiexec say 1 for any failed rank) becomes the trainer's.
+if [[ $status -ne 0 ]]; then status=$(job_exit_code "$MLPERF_BERT_EXIT_DIR" "$status"); fi
 end=$(date +%s)
 echo "ENDING TIMING RUN AT $(date +%Y-%m-%d\ %r)"
 [[ $status -eq 0 ]] || exit "$status"

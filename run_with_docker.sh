@@ -25,6 +25,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly here
 readonly CONT_REPO=/workspace/bert CONT_DATA=/workspace/data_phase2 CONT_EVAL=/workspace/evaldata
 readonly CONT_PHASE1=/workspace/phase1 CONT_LOGS=/results
+readonly EXIT_BAD_INPUT=2  # the trainer's code for a config or data it refuses (runtime/exits.py)
 
 die() { echo "run_with_docker.sh: $*" >&2; exit 2; }
 
@@ -151,7 +152,7 @@ check_log() {
 }
 
 main() {
-  local index failed=0
+  local index status failed=0 first_code=0 first_failed=0
   trap cleanup EXIT
   start_container
   for ((index = 1; index <= NEXP; index++)); do
@@ -161,15 +162,28 @@ main() {
       check_log "$index"
       continue
     fi
-    if ! run_one "$index" 2>&1 | tee "$LOGDIR/${DATESTAMP}_${index}.log"; then
-      echo "run $index FAILED (log: $LOGDIR/${DATESTAMP}_${index}.log)" >&2
+    status=0
+    run_one "$index" 2>&1 | tee "$LOGDIR/${DATESTAMP}_${index}.log" || status=$?
+    if [[ $status != 0 ]]; then
+      # The trainer's line is in the log above; its code is run_and_time.sh's (docs/FAULTS.md).
+      echo "run $index FAILED with exit code $status (log: $LOGDIR/${DATESTAMP}_${index}.log)" >&2
       failed=$((failed + 1))
+      [[ $first_code != 0 ]] || first_code=$status first_failed=$index
+      if [[ $status == "$EXIT_BAD_INPUT" ]]; then
+        echo "run_with_docker.sh: bad input fails every run the same way: not starting the other runs" >&2
+        break
+      fi
     elif ! check_log "$index"; then
       echo "run $index does not comply: see $LOGDIR/${DATESTAMP}_${index}.compliance.txt" >&2
       failed=$((failed + 1))
     fi
   done
-  [[ $failed == 0 ]] || die "$failed of $NEXP runs failed or do not comply"
+  # The first failed run's code is the trainer's (2 bad input, 3 blow-up, 75 preempted, 76 lost rank).
+  if [[ $first_code != 0 ]]; then
+    echo "run_with_docker.sh: $failed of $NEXP runs failed or do not comply; exit code $first_code (run $first_failed's)" >&2
+    exit "$first_code"
+  fi
+  [[ $failed == 0 ]] || die "$failed of $NEXP runs do not comply"
 }
 
 main

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,8 +61,19 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                _kill(p)
                 p.wait()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process, or to its whole group when it leads one (a launcher and its children)."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+    except ProcessLookupError:
+        return
+    proc.kill()
 
 
 def run_ranks(command: list[str], world: int, logs: Path, timeout: float = 300) -> list[int]:

@@ -6,7 +6,9 @@
                ({"step", "samples", "loss"}; the loss as the exact float) and writes its pid to
                DIR/pid_rank<R> before training starts;
 --step_sleep S sleeps S seconds after every step (an idle wait that leaves time to send a signal);
---nan_at_step  makes the loss of that training step (1-based) NaN on rank --nan_rank (default 0).
+--nan_at_step  makes the loss of that training step (1-based) NaN on rank --nan_rank (default 0);
+--crash_at_step N raises an unexpected RuntimeError after training step N on rank --crash_rank (a
+               bug, not a stop of the trainer's own: the process exits 1 with a traceback).
 
 The instruments are hooks (`mlperf_bert.hooks.events.Hook`) handed to run_pretraining.main: a recorder
 at every step's end, and a fault that makes the model's masked-LM logits NaN in one training
@@ -69,6 +71,17 @@ class NaNLoss(Hook):
         return dataclasses.replace(output, mlm_logits=output.mlm_logits * math.nan)
 
 
+class Crash(Hook):
+    """Raises an exception the trainer does not expect after one training step on one rank."""
+
+    def __init__(self, at_step: int, rank: int) -> None:
+        self.at_step, self.rank = at_step, rank
+
+    def step_end(self, event: StepEnd) -> None:
+        if event.step == self.at_step and _rank() == self.rank:
+            raise RuntimeError(f"injected crash after step {event.step} on rank {self.rank}")
+
+
 def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
@@ -77,12 +90,16 @@ def main() -> int:
     parser.add_argument("--step_sleep", type=float, default=0.0)
     parser.add_argument("--nan_at_step", type=int)
     parser.add_argument("--nan_rank", type=int, default=0)
+    parser.add_argument("--crash_at_step", type=int)
+    parser.add_argument("--crash_rank", type=int, default=0)
     args = parser.parse_args(argv[:split])
     hooks: list[Hook] = []
     if args.record is not None:
         hooks.append(StepRecorder(args.record, args.step_sleep))
     if args.nan_at_step is not None:
         hooks.append(NaNLoss(args.nan_at_step, args.nan_rank))
+    if args.crash_at_step is not None:
+        hooks.append(Crash(args.crash_at_step, args.crash_rank))
     return run_pretraining.main(argv[split + 1:], stop=StopRequest().install(), hooks=hooks)
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Mapping
 
 import pytest
 
@@ -62,3 +64,21 @@ def trainer_args(data: Path, out: Path, *extra: str) -> list[str]:
         "--train_batch_size", "8", "--learning_rate", "1e-2", "--max_steps", "6", "--eval_iter_samples", "32",
         "--submission_division", "open", "--log_freq", "2", *extra,
     ]
+
+
+# config_CPU_1x2.sh's sizes shrunk to the session's demo data (64 tokens, 200 eval samples).
+DEMO_CONFIG_TEST_SIZES = {"BATCHSIZE": "8", "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10",
+                          "NUM_EVAL_EXAMPLES": "200", "EVAL_BATCH_SIZE": "100", "SEED": "1", "INIT_CHECKPOINT": "none"}
+
+
+def config_exports(path: Path) -> dict[str, str]:
+    """The `export NAME=VALUE` lines of a config_<SYSTEM>.sh file."""
+    return dict(re.findall(r"^export (\w+)=(\S*)", path.read_text(), re.M))
+
+
+def demo_config_env(data: Path, base: Mapping[str, str] = os.environ, **overrides: str) -> dict[str, str]:
+    """`base` and the variables run_and_time.sh gets from config_CPU_1x2.sh, at the test data's sizes,
+    on `data`."""
+    return {**base, **config_exports(REPO / "config_CPU_1x2.sh"), **DEMO_CONFIG_TEST_SIZES,
+            "PYTHON": sys.executable, "DATADIR_PHASE2": str(data / "train"), "EVALDIR": str(data / "eval"),
+            "BERT_CONFIG": str(data / "bert_config.json"), "OMP_NUM_THREADS": "1", **overrides}

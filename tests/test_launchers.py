@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 
 import fake_trainer
-from conftest import require_tool
+from conftest import DEMO_CONFIG_TEST_SIZES, config_exports, demo_config_env, require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 FAKES = REPO / "tests" / "fakes"
@@ -40,9 +40,7 @@ def _config_file(shipped: Path | None, tmp_path: Path) -> tuple[Path, str]:
     return tmp_path, "SAMPLE_1x8"
 
 
-def _exports(path: Path) -> dict[str, str]:
-    pairs = re.findall(r"^export (\w+)=(\S*)", path.read_text(), re.M)
-    return dict(pairs)
+_exports = config_exports
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 120
@@ -167,15 +165,9 @@ def test_container_requirements_resolve_for_the_base_image_python(tmp_path):
 
 
 def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
-    """config_CPU_1x2.sh on the test's demo data (64 tokens, 200 eval samples), as a user runs it."""
-    env = {**_base_env(tmp_path), **_exports(REPO / "config_CPU_1x2.sh"), "PYTHON": sys.executable,
-           "DATADIR_PHASE2": str(data / "train"), "EVALDIR": str(data / "eval"),
-           "BERT_CONFIG": str(data / "bert_config.json"), "INIT_CHECKPOINT": "none",
-           "OUTPUT_DIR": str(tmp_path / "out"), "SEED": "1", "OMP_NUM_THREADS": "1", "BATCHSIZE": "8",
-           "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10", "NUM_EVAL_EXAMPLES": "200",
-           "EVAL_BATCH_SIZE": "100", "MASTER_PORT": str(_free_port())}
-    env.update(overrides)
-    return env
+    """config_CPU_1x2.sh on the test's demo data, as a user runs it."""
+    return demo_config_env(data, _base_env(tmp_path), OUTPUT_DIR=str(tmp_path / "out"),
+                           MASTER_PORT=str(_free_port()), **overrides)
 
 
 @pytest.mark.parametrize("name, value, says", [
@@ -251,9 +243,9 @@ def test_bad_input_under_torchrun_exits_2_through_run_and_time(demo_data, tmp_pa
     env = _rat_env(tmp_path, demo_data, BERT_CONFIG=str(tmp_path / "bert_config.json"))
     done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path, timeout=300)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
-    errors = {line for line in done.stderr.splitlines() if line.startswith("error:")}
-    assert errors == {f"error: {tmp_path / 'bert_config.json'}: hidden_dropout_prob must be a number in [0, 1); "
-                      "got 1.5"}, done.stderr[-3000:]
+    # Both ranks refuse it; the user reads it once, and nothing of torchrun's.
+    assert done.stderr.splitlines() == [f"error: {tmp_path / 'bert_config.json'}: hidden_dropout_prob must be a "
+                                        "number in [0, 1); got 1.5"], done.stderr[-3000:]
     assert "RESULT" not in done.stdout
 
 
@@ -283,6 +275,7 @@ def test_a_preempted_run_under_torchrun_exits_75_through_run_and_time(demo_data,
     stderr = (tmp_path / "stderr.txt").read_text()
     assert code == 75, stderr[-3000:]
     assert "stopped (preempted)" in stderr and "RESULT" not in (tmp_path / "stdout.txt").read_text()
+    assert not [noise for noise in ("Traceback", "ChildFailedError", "torch/distributed/") if noise in stderr], stderr
     # Its stdout is the run's log for run_with_docker.sh and run.sub: the MLPerf lines are echoed there.
     echoed = [line for line in (tmp_path / "stdout.txt").read_text().splitlines() if line.startswith(":::MLLOG ")]
     assert echoed == (tmp_path / "out" / "mlperf.log").read_text().splitlines()
@@ -345,9 +338,75 @@ def test_run_with_docker_reports_a_failed_run(tmp_path):
     failing.chmod(0o755)
     scripts, env = _docker_setup(tmp_path, failing)
     done = _run(["bash", str(scripts / "run_with_docker.sh")], env, tmp_path)
-    assert done.returncode == 2
-    assert "run 1 FAILED" in done.stderr and "2 of 2 runs failed" in done.stderr
+    assert done.returncode == 3  # the trainer's code (a numeric blow-up), not the script's own
+    assert "run 1 FAILED with exit code 3" in done.stderr and "2 of 2 runs failed" in done.stderr
     assert _calls(tmp_path / "docker_calls.jsonl")[-1][:2] == ["container", "rm"]
+
+
+def _cpu_test_config(folder: Path, system: str) -> None:
+    """config_<system>.sh: the CPU demo config at the test data's sizes."""
+    sizes = "".join(f"export {name}={value}\n" for name, value in DEMO_CONFIG_TEST_SIZES.items())
+    (folder / f"config_{system}.sh").write_text((REPO / "config_CPU_1x2.sh").read_text() + sizes)
+
+
+def _bad_phase1(demo_data: Path, tmp_path: Path) -> Path:
+    """A phase-1 folder whose bert_config.json every rank refuses (exit 2)."""
+    phase1 = tmp_path / "phase1"
+    phase1.mkdir()
+    config = json.loads((demo_data / "bert_config.json").read_text())
+    (phase1 / "bert_config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 1.5}))
+    return phase1
+
+
+def _trainer_refusal(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "hidden_dropout_prob must be a number" in line]
+
+
+def test_run_with_docker_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
+    """The real run_and_time.sh in the (fake) container: two torchrun workers refuse the model config.
+    The user reads the trainer's line once, gets its exit code 2, and no second run is started."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(REPO / "run_with_docker.sh", scripts)
+    _cpu_test_config(scripts, "CPUTEST_1x2")
+    inner = tmp_path / "rat.sh"  # the container's run_and_time.sh: this checkout's trainer
+    inner.write_text(f"#!/bin/sh\nexport PYTHONPATH={REPO / 'pytorch'}:{REPO} OMP_NUM_THREADS=1\n"
+                     f"exec bash {REPO / 'run_and_time.sh'}\n")
+    inner.chmod(0o755)
+    env = {**_base_env(tmp_path), "CONT": "mlperf-bert:test", "DGXSYSTEM": "CPUTEST_1x2", "NEXP": "2",
+           "DATADIR_PHASE2": str(demo_data / "train"), "EVALDIR": str(demo_data / "eval"),
+           "CHECKPOINTDIR_PHASE1": str(_bad_phase1(demo_data, tmp_path)), "LOGDIR": str(tmp_path / "logs"),
+           "DATESTAMP": "261125", "FAKE_RUN_AND_TIME": str(inner), "CLEAR_CACHES": "0"}
+    done = _run(["bash", str(scripts / "run_with_docker.sh")], env, tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(_trainer_refusal(done.stdout + done.stderr)) == 1, done.stdout + done.stderr
+    assert "run 1 FAILED with exit code 2" in done.stderr and "not starting the other runs" in done.stderr
+    assert "Beginning trial 2" not in done.stdout and not (tmp_path / "logs" / "261125_2.log").exists()
+    assert not [noise for noise in ("Traceback", "ChildFailedError", "torch/distributed/")
+                if noise in done.stdout + done.stderr], done.stdout + done.stderr
+
+
+def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
+    """run.sub under (fake) srun, one task per rank, the real run_and_time.sh and trainer: both ranks
+    refuse the model config, the shared exit folder makes it one line, srun's code becomes the trainer's."""
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    shutil.copy(REPO / "run.sub", submit)
+    for name in ("run_and_time.sh", "pytorch", "tools"):
+        (submit / name).symlink_to(REPO / name)
+    _cpu_test_config(submit, "CPUTEST_1x2")
+    env = {**_base_env(tmp_path), "DGXSYSTEM": "CPUTEST_1x2", "NEXP": "2", "PYTHON": sys.executable,
+           "DATADIR_PHASE2": str(demo_data / "train"), "EVALDIR": str(demo_data / "eval"),
+           "CHECKPOINTDIR_PHASE1": str(_bad_phase1(demo_data, tmp_path)), "DATESTAMP": "261125",
+           "CLEAR_CACHES": "0", "SLURM_JOB_ID": "78", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_SUBMIT_DIR": str(submit), "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}"}
+    done = _run(["bash", str(submit / "run.sub"), "--no-container"], env, submit, timeout=300)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(_trainer_refusal(done.stdout + done.stderr)) == 1, done.stdout + done.stderr
+    assert "run 1 FAILED with exit code 2" in done.stderr and "not starting the other runs" in done.stderr
+    assert "Beginning trial 2" not in done.stdout and "Traceback" not in done.stdout + done.stderr
+    assert not list((submit / "results").glob(".exits_*")) and not (submit / "results" / ".resume_78").exists()
 
 
 @pytest.mark.parametrize("shipped", _config_params(), ids=lambda p: p.name if p else "sample")
@@ -403,7 +462,7 @@ def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:
     submit = tmp_path / "submit"
     (submit / "tools").mkdir(parents=True)
     shutil.copy(REPO / "run.sub", submit)
-    for tool in ("package_results.py", "compare.py"):
+    for tool in ("package_results.py", "compare.py", "job_exit_code.sh"):
         shutil.copy(REPO / "tools" / tool, submit / "tools")
     (submit / f"config_TEST_1x{gpus}.sh").write_text(fake_trainer.sample_config(f"TEST_1x{gpus}", gpus))
     _fake_run_and_time(submit / "run_and_time.sh")

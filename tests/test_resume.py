@@ -69,6 +69,24 @@ def test_resumed_run_matches_the_uninterrupted_run_bitwise(demo_data, tmp_path):
     assert event["value"] == str(start) and event["metadata"]["epoch_num"] == 48 and event["metadata"]["step"] == 6
 
 
+@pytest.mark.slow
+def test_resuming_a_run_that_reached_its_target_trains_no_further(demo_data, tmp_path):
+    """A job killed after its run ended (its end checkpoint written) and started again with `auto`."""
+    done, again = tmp_path / "done", tmp_path / "again"
+    flags = _flags(demo_data, done, "--target_mlm_accuracy", "0.0001")  # the first eval (24 samples) succeeds
+    assert run_ranks(worker_command(flags, done / "rec"), 1, done / "logs") == [0]
+    end = list_checkpoints(done / "checkpoints")[-1]
+    assert end.name == "ckpt-000000000024.pt" and len(losses(done / "rec")) == 3
+    resumed = _flags(demo_data, again, "--target_mlm_accuracy", "0.0001", "--resume_from_checkpoint", str(end))
+    assert run_ranks(worker_command(resumed, again / "rec"), 1, again / "logs") == [0]
+    assert losses(again / "rec") == []  # not one more step
+    assert [p.name for p in list_checkpoints(again / "checkpoints")] == [end.name]
+    for part in ("model", "optimizer", "train_state", "data"):
+        assert_same_tensors(load_checkpoint(end)[part], load_checkpoint(again / "checkpoints" / end.name)[part])
+    stops = [e for e in mllog_events(again / "mlperf.log") if e["key"] == "run_stop"]
+    assert [(e["metadata"]["status"], e["metadata"]["epoch_num"]) for e in stops] == [("success", 24)]
+
+
 def _parts(seed: int = 0) -> TrainingParts:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)

@@ -7,18 +7,24 @@ other exit codes (preemption, lost rank, numeric blow-up) are listed in `mlperf_
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from .model.init_checkpoint import CheckpointError
 from .config.cli import build_parser, config_from_args, launcher_flag_variables
 from .config.settings import ConfigError
 from .data.dataset import DataError
 from .runtime.distributed import dist_env_from, init_distributed, shutdown
-from .runtime.exits import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_IO_ERROR, EXIT_PREEMPTED
+from .runtime.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_IO_ERROR,
+    EXIT_PREEMPTED,
+    record_exit_code,
+    say_once,
+)
 from .train.faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
 from .build import resolve_device
@@ -27,7 +33,6 @@ from .outputs import describe_write_error, own_output_dir
 from .startup import check_environment
 from .trainer import run
 
-EXIT_DIR_VARIABLE = "MLPERF_BERT_EXIT_DIR"
 USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
 
 
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: 
     try:
         names = launcher_flag_variables(os.environ)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        say_once(f"error: {err}")
         return EXIT_BAD_INPUT
 
     def annotate(message: str) -> str:
@@ -71,14 +76,13 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
         with own_output_dir(cfg, denv), watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop, hooks)
     except USER_ERRORS as err:
-        print(f"error: {annotate(str(err))}", file=sys.stderr)
+        say_once(f"error: {annotate(str(err))}")
         return EXIT_BAD_INPUT
     except OSError as err:  # the MLPerf log, a checkpoint, resolved_config.json: nothing is skipped silently
-        print(f"error: {describe_write_error(err)}", file=sys.stderr)
+        say_once(f"error: {describe_write_error(err)}")
         return EXIT_IO_ERROR
     except KeyboardInterrupt:
-        print("error: interrupted by a second Ctrl-C before the checkpoint; no checkpoint was written",
-              file=sys.stderr)
+        say_once("error: interrupted by a second Ctrl-C before the checkpoint; no checkpoint was written")
         return EXIT_INTERRUPTED
     except TrainingStopped as stopped:
         if denv.is_main:
@@ -87,7 +91,7 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
         return stopped.exit_code
     except LostRank as lost:
         group_broken = True  # tearing down a group with a dead member can hang: leave it to the exit
-        print(f"error: {lost}", file=sys.stderr)
+        say_once(f"error: {lost}")
         return lost.exit_code
     finally:
         if not group_broken:
@@ -96,18 +100,6 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
         print(f"run_stop status={result.status} samples={result.samples} "
               f"mlm_accuracy={result.accuracy:.4f} seconds={result.seconds:.1f}", file=sys.stderr)
     return 0
-
-
-def record_exit_code(code: int, environ: Mapping[str, str] = os.environ) -> None:
-    """Leaves `code` in $MLPERF_BERT_EXIT_DIR/<pid>.code for the launcher, when it asked for it.
-
-    torchrun and mpiexec replace their workers' exit codes by 1; run_and_time.sh reads these
-    files to exit with the trainer's own code instead (docs/FAULTS.md, "Exit codes").
-    """
-    folder = environ.get(EXIT_DIR_VARIABLE)
-    if code != 0 and folder:
-        with contextlib.suppress(OSError):  # the exit code itself still goes out; the launcher falls back to it
-            Path(folder, f"{os.getpid()}.code").write_text(f"{code}\n")
 
 
 def exit_now(code: int) -> None:

@@ -50,10 +50,26 @@ def limit_reached(cfg: TrainConfig, state: TrainState) -> bool:
     return state.samples >= stop_samples(cfg) or state.step >= cfg.schedule.max_steps
 
 
+def ended(cfg: TrainConfig, state: TrainState) -> str | None:
+    """The status of a run that was over when its state was saved, else None.
+
+    The checkpoint a run writes at its end holds its last eval; a job killed after that (while it
+    writes its summary, say) and resumed must not train past the finish.
+    """
+    if not state.evals or state.evals[-1][0] != state.samples:
+        return None
+    if state.evals[-1][1] >= cfg.eval.target_mlm_accuracy:
+        return "success"
+    return "aborted" if limit_reached(cfg, state) else None
+
+
 def train_loop(run: Run) -> str:
     """Blocks of steps, each followed by an eval, until the target or a limit: the status."""
     cfg, state = run.cfg, run.state
     evals = eval_schedule(cfg)
+    status = ended(cfg, state)
+    if status is not None:
+        return status
     while True:
         if not eval_pending(cfg, evals, state):
             point = min(evals.next_point(state.samples) or stop_samples(cfg), stop_samples(cfg))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence, cast
 
 from .settings import GROUPS, TrainConfig, flag_name, is_flag, settings_fields
 from .flag_variables import FlagVariables
+from ..runtime.exits import say_once
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -39,7 +40,8 @@ class _Parser(argparse.ArgumentParser):
     annotate: Callable[[str], str] = staticmethod(lambda message: message)
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"error: {self.annotate(f'{message} ({self.prog} --help lists the flags)')}\n")
+        say_once(f"error: {self.annotate(f'{message} ({self.prog} --help lists the flags)')}")
+        self.exit(2)
 
 
 def _value_type(kind: Any) -> type:

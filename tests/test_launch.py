@@ -1,0 +1,178 @@
+"""mlperf_bert.runtime.launch: torchrun for the trainer. A rank's own stop reaches the user as its one
+line and its exit code; a crash keeps torchrun's report and its traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from _fault_launch import free_port, wait_for_steps, worker_command
+from conftest import REPO, trainer_args
+from mlperf_bert.runtime.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_LOST_RANK,
+    EXIT_PREEMPTED,
+    job_exit_code,
+    record_exit_code,
+    recorded_exit_codes,
+    say_once,
+)
+from mlperf_bert.runtime.launch import clean_stop_code, signalled_stop_code, wait_for_codes
+
+LAUNCHER = REPO / "pytorch" / "launch.py"
+TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "torch/distributed/", "FAILED", "Root Cause")
+
+
+def _failures(*entries: tuple[int, int, int]) -> dict[int, ProcessFailure]:
+    """(pid, exit code, second) per global rank, as torchrun's agent reports its failed workers."""
+    failures = {}
+    for rank, (pid, code, second) in enumerate(entries):
+        failure = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file="<N/A>")
+        failure.timestamp = second
+        failures[rank] = failure
+    return failures
+
+
+@pytest.mark.parametrize("failures, recorded, expected", [
+    # rank 1 refused the input first; the agent then stopped rank 0 with SIGTERM
+    (_failures((10, -signal.SIGTERM, 6), (11, EXIT_BAD_INPUT, 5)), {11: EXIT_BAD_INPUT}, EXIT_BAD_INPUT),
+    # both stopped after their checkpoint
+    (_failures((10, EXIT_PREEMPTED, 5), (11, EXIT_PREEMPTED, 5)), {10: 75, 11: 75}, EXIT_PREEMPTED),
+    # rank 0 blew up; rank 1 saw a lost rank: the cause wins
+    (_failures((10, EXIT_DIVERGED, 5), (11, EXIT_LOST_RANK, 8)), {10: 3, 11: 76}, EXIT_DIVERGED),
+    (_failures((10, EXIT_LOST_RANK, 5), (11, EXIT_LOST_RANK, 5)), {10: 76, 11: 76}, EXIT_LOST_RANK),
+    # an uncaught exception: exit 1, no code left
+    (_failures((10, 1, 5), (11, EXIT_LOST_RANK, 8)), {11: 76}, None),
+    # killed first (the OOM killer, a segfault): the survivors' 76 does not make it clean
+    (_failures((10, -signal.SIGKILL, 5), (11, EXIT_LOST_RANK, 8)), {11: 76}, None),
+    (_failures((10, -signal.SIGSEGV, 5),), {}, None),
+    # exit 2 without a code left: Python's own "can't open file", not the trainer's refusal
+    (_failures((10, EXIT_BAD_INPUT, 5),), {}, None),
+    # a code left by another process of the same number does not count for this one
+    (_failures((10, EXIT_BAD_INPUT, 5),), {12: EXIT_BAD_INPUT}, None),
+    ({}, {}, None),
+])
+def test_clean_stop_code(failures, recorded, expected):
+    assert clean_stop_code(failures, recorded) == expected
+
+
+def test_signalled_stop_code_needs_a_code_from_every_worker():
+    assert signalled_stop_code({10: 75, 11: 75}, workers=2) == EXIT_PREEMPTED
+    assert signalled_stop_code({10: 75}, workers=2) is None  # one worker died without a word
+    assert signalled_stop_code({10: 75, 11: 1}, workers=2) is None
+
+
+def test_wait_for_codes_outwaits_workers_still_writing_their_checkpoint(tmp_path):
+    """A second signal to the agent ends its own wait early; the launcher then waits for the codes."""
+    late = threading.Timer(0.3, lambda: (tmp_path / "11.code").write_text("75\n"))
+    (tmp_path / "10.code").write_text("75\n")
+    late.start()
+    assert wait_for_codes(tmp_path, workers=2, timeout_s=30, running=lambda: [11]) == {10: 75, 11: 75}
+    started = time.monotonic()
+    assert wait_for_codes(tmp_path / "none", workers=2, timeout_s=30, running=lambda: []) == {}  # all gone
+    assert wait_for_codes(tmp_path / "none", workers=2, timeout_s=0.3, running=lambda: [11]) == {}  # hung
+    assert time.monotonic() - started < 5
+
+
+def test_job_exit_code_prefers_the_cause_over_a_lost_rank():
+    assert job_exit_code([76, 3, 76]) == 3
+    assert job_exit_code([76, 76]) == 76
+    assert job_exit_code([75, 2]) == 2
+    assert job_exit_code([]) == 0
+
+
+def test_exit_codes_and_lines_go_through_the_exit_folder(tmp_path, capsys):
+    env = {"MLPERF_BERT_EXIT_DIR": str(tmp_path)}
+    record_exit_code(75, env)
+    assert recorded_exit_codes(tmp_path) == {os.getpid(): 75}
+    for _ in range(3):  # three ranks with the same refusal print it once
+        say_once("error: --foo is bad", env)
+    say_once("error: rank 1 was lost", env)
+    assert capsys.readouterr().err.splitlines() == ["error: --foo is bad", "error: rank 1 was lost"]
+    say_once("error: --foo is bad", {})  # no launcher folder: every rank prints
+    assert capsys.readouterr().err == "error: --foo is bad\n"
+
+
+def _launch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`pytorch/launch.py` as run_and_time.sh starts it, without an exit folder (it makes its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLPERF_BERT_EXIT_DIR", None)
+    command = [sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_refused_input_is_one_line_and_exit_2(demo_data, tmp_path):
+    flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--warmup_steps", "99")
+    done = _launch([str(REPO / "pytorch" / "run_pretraining.py"), *flags], tmp_path)
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
+    assert done.stderr.splitlines() == ["error: --warmup_steps must be an integer in [0, 6]; got 99"], done.stderr
+
+
+def test_a_crash_keeps_its_traceback_and_torchruns_report(demo_data, tmp_path):
+    flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "50",
+                         "--collective_timeout_s", "20")
+    done = _launch(worker_command(flags, None, "--crash_at_step", "2", "--crash_rank", "1")[1:], tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "RuntimeError: injected crash after step 2 on rank 1" in done.stderr  # the worker's own traceback
+    assert "ChildFailedError" in done.stderr and "Root Cause" in done.stderr  # torchrun's report
+
+
+def test_a_missing_training_script_is_torchruns_to_report(tmp_path):
+    """Python's own exit 2 ("can't open file") is no stop of the trainer: the report stays."""
+    done = _launch([str(tmp_path / "missing.py")], tmp_path)
+    assert done.returncode == 1 and "can't open file" in done.stderr and "ChildFailedError" in done.stderr
+
+
+def test_sigterm_while_the_ranks_start_is_143_without_a_traceback(demo_data, tmp_path):
+    """The ranks die of the forwarded signal before they can checkpoint: that is the signal's doing,
+    not a crash (exit 128 + 15, as a shell says it), and nothing was trained."""
+    flags = trainer_args(demo_data, tmp_path / "out", "--do_train")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLPERF_BERT_EXIT_DIR", None)
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2",
+                             str(REPO / "pytorch" / "run_pretraining.py"), *flags], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _children_of(proc.pid) and time.monotonic() < deadline:  # the agent has started its workers
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "launch: stopped by SIGTERM before every rank stopped on its own (0 of 2" in stderr, stderr
+    assert "Traceback" not in stderr and not (tmp_path / "out" / "checkpoints").exists()
+
+
+def _children_of(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in children.read_text().split()] if children.exists() else []
+
+
+def test_preempted_under_the_launcher_is_the_trainers_line_and_75(demo_data, tmp_path):
+    """SIGTERM to the agent (as scancel sends it): it forwards it; the workers checkpoint and exit 75."""
+    flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "100000",
+                         "--eval_iter_samples", "800000")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2",
+               *worker_command(flags, tmp_path / "rec", "--step_sleep", "0.05")[1:]]
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_steps(tmp_path / "rec", 0, 2, [proc], timeout=180)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = (tmp_path / "err.txt").read_text()
+    assert code == EXIT_PREEMPTED, stderr[-3000:]
+    assert "stopped (preempted): SIGTERM arrived" in stderr
+    assert not [noise for noise in TORCHRUN_NOISE if noise in stderr], stderr[-3000:]
