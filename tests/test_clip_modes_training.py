@@ -176,18 +176,24 @@ class Published:
     balance: str
     clip: str
     cuda_graphs: bool
+    precision: str = "bf16"  # FP8 from H100 on (NVIDIA's TransformerEngine; here torchao)
+    sharded: bool = False  # NVIDIA's DistributedFusedLAMB at scale (here --distributed_optimizer)
 
 
-# H100/H200: NVIDIA trained in FP8, which this trainer lacks; every NVIDIA config here runs bf16.
+# H100 to GB200: NVIDIA trained the encoder's GEMMs in FP8, and so do these configs (--precision fp8).
 PUBLISHED = {
     "config_DGXA100_1x8.sh": Published(8, 56, 448, 0.000425, (0.9, 0.999), 0.01, 6700, (0, 0), 150_000,
                                        "unpadded", "global_presort", "before_allreduce", False),
     "config_DGXA100_128x8.sh": Published(1024, 2, 4096, 0.00255, (0.71, 0.88), 0.0166629, 820, (256, -76), 175_000,
-                                         "packed", "none", "after_allreduce", True),
+                                         "packed", "none", "after_allreduce", True, sharded=True),
     "config_DGXH100_1x8.sh": Published(8, 48, 768, 0.00096, (0.60466, 0.85437), 0.1, 3680, (0, 0), 150_000,
-                                       "packed", "none", "before_allreduce", True),
+                                       "packed", "none", "before_allreduce", True, "fp8"),
     "config_DGXH200_1x8.sh": Published(8, 48, 768, 0.00096, (0.60466, 0.85437), 0.1, 3680, (0, 0), 150_000,
-                                       "packed", "none", "before_allreduce", True),
+                                       "packed", "none", "before_allreduce", True, "fp8"),
+    "config_DGXB200_1x8.sh": Published(8, 48, 768, 0.00096, (0.60466, 0.85437), 0.1, 3680, (0, 0), 150_000,
+                                       "packed", "none", "before_allreduce", True, "fp8"),
+    "config_GB200_2x4.sh": Published(8, 48, 768, 0.00096, (0.60466, 0.85437), 0.1, 3680, (0, 0), 150_000,
+                                     "packed", "none", "before_allreduce", True, "fp8"),
 }
 
 
@@ -205,7 +211,8 @@ def test_nvidia_configs_give_the_published_hyperparameters(tmp_path, config):
     assert (cfg.data.input_layout, cfg.data.balance) == (want.layout, want.balance)
     assert cfg.eval.eval_iter_samples == cfg.eval.eval_iter_start_samples == want.interval
     assert eval_interval_samples(cfg.global_batch_size) == want.interval
-    assert (cfg.run.precision, cfg.run.cuda_graphs) == ("bf16", want.cuda_graphs)
+    assert (cfg.run.precision, cfg.run.cuda_graphs) == (want.precision, want.cuda_graphs)
+    assert cfg.optim.distributed == want.sharded
 
 
 # ---------------------------------------------------------------------------------------------
