@@ -32,7 +32,7 @@ from data_prep.model_files import MLPERF_VOCAB_SIZE, MODEL_SIZES, model_config, 
 from data_prep.pack import PackParams, pack_dataset
 from data_prep.reshard import ReshardParams, reshard, shard_dir_name
 from data_prep.samples import SampleParams, create_samples
-from mlperf_bert.data.shards import list_shards
+from mlperf_bert.data.shards import REFUSED_NAME, list_shards
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.tfrecords import import_tfrecords
 from data_prep.vocab import load_vocab
@@ -177,8 +177,9 @@ def _verify(directories: list[Path], vocab: Path | None, args: argparse.Namespac
     namespace = argparse.Namespace(directory=directories, vocab=vocab, vocab_size=None,
                                    max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
                                    expect_samples=None, no_checksums=False, workers=args.workers)
-    if verify_dataset.run(namespace) != 0:
-        raise DataPrepError("verification failed (problems listed above)")
+    if verify_dataset.run(namespace, refuse=True) != 0:
+        raise DataPrepError(f"verification failed (problems listed above); each refused folder holds "
+                            f"{REFUSED_NAME} and no step or run will read it")
 
 
 def cmd_all(args: argparse.Namespace) -> None:

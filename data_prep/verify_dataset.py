@@ -35,11 +35,12 @@ from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NA
 from data_prep.parallel import run_jobs
 from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
+from mlperf_bert.runtime.files import write_text_atomic
 from mlperf_bert.data.integrity import (
     ShardDigest, duplicate_groups, duplicate_message, eval_hashes, leakage_message, same_bytes,
 )
 from mlperf_bert.data.shards import (
-    FORMAT_KEYS, MANIFEST_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
+    FORMAT_KEYS, MANIFEST_NAME, REFUSED_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
     from_varlength, layout_checks, offsets, open_shard,
 )
 
@@ -407,8 +408,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
 
 
-def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None, eval_sets: EvalSets | None) -> bool:
-    """Checks one folder, prints its problems and an OK / FAILED line; True when it is valid."""
+def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None,
+                eval_sets: EvalSets | None) -> list[str]:
+    """Checks one folder, prints its problems and an OK / FAILED line; the problems (none: valid)."""
     try:
         limits, origin = limits_for(directory, args, vocab)
         problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples,
@@ -422,11 +424,22 @@ def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None, 
     status = "FAILED" if problems else "OK"
     print(f"{status}: {directory}: {len(reports)} shards ({', '.join(formats)}), {sequences} samples, {origin}"
           + (f", {len(problems)} problems" if problems else ""))
-    return not problems
+    return problems
 
 
-def run(args: argparse.Namespace) -> int:
-    """Verifies every folder of `args.directory`; prints problems; 0 when all are valid."""
+def mark_refused(directory: Path, problems: list[str]) -> None:
+    """Leaves REFUSED_NAME in a folder this verification refused: the trainer, verify_dataset and every
+    data_prep step that reads the folder then refuse it too (`shards.folder_problems`), so a set that
+    failed is never taken for a finished one."""
+    write_text_atomic(directory / REFUSED_NAME, "\n".join(problems) + "\n")
+
+
+def run(args: argparse.Namespace, refuse: bool = False) -> int:
+    """Verifies every folder of `args.directory`; prints problems; 0 when all are valid.
+
+    refuse: the caller just wrote these folders (`prepare.py`): the old verdicts (REFUSED_NAME) are
+    dropped first, and each folder that fails is marked refused.
+    """
     try:
         vocab = load_vocab(args.vocab) if args.vocab else None
     except DataPrepError as err:
@@ -440,8 +453,16 @@ def run(args: argparse.Namespace) -> int:
     except DataPrepError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    results = [_verify_one(d, args, vocab, None if d in eval_folders else eval_sets) for d in directories]
-    return 0 if all(results) else 1
+    if refuse:
+        for directory in directories:
+            (directory / REFUSED_NAME).unlink(missing_ok=True)
+    failed = False
+    for directory in directories:
+        problems = _verify_one(directory, args, vocab, None if directory in eval_folders else eval_sets)
+        if problems and refuse and directory.is_dir():
+            mark_refused(directory, problems)
+        failed = failed or bool(problems)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

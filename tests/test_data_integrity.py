@@ -17,8 +17,10 @@ from data_prep import prepare, verify_dataset
 from data_prep.packing import pack_index_table
 from mlperf_bert.data.integrity import PROBE_ROWS, check_integrity, eval_hashes, leaked, sequence_hashes
 from mlperf_bert.data.shards import (
-    DataError, Samples, decode, list_shards, read_samples, to_fixed, to_packed, to_varlength, write_samples,
+    REFUSED_NAME, DataError, Samples, decode, folder_problems, list_shards, read_samples, to_fixed, to_packed,
+    to_varlength, write_samples,
 )
+from mlperf_bert.data.validate import DataLimits, check_dataset
 
 L, P = 64, 10
 
@@ -181,6 +183,24 @@ def test_prepare_verify_refuses_a_leaky_set(demo_data, tmp_path, capsys):
     with pytest.raises(DataError, match="verification failed"):
         prepare._verify([root / "train", root / "eval"], None, args)
     assert verify_dataset.is_eval_folder(root / "eval") and not verify_dataset.is_eval_folder(root / "train")
+    # The refused training folder is marked, so neither the trainer nor a data_prep step takes it for a
+    # finished dataset; the eval folder passed and is not marked.
+    marker = root / "train" / REFUSED_NAME
+    assert "5 eval samples" in marker.read_text() and not (root / "eval" / REFUSED_NAME).exists()
+    refused = folder_problems(root / "train")
+    assert len(refused) == 1 and "data_prep's verification refused this folder" in refused[0]
+    with pytest.raises(DataError, match="verification refused this folder"):
+        check_dataset(root / "train", DataLimits(512, 76, 1 << 15))
+
+
+def test_a_set_fixed_and_verified_again_loses_its_refusal(demo_data, tmp_path):
+    """prepare.py's verification drops the old verdict first: once the cause is gone, the folder is valid."""
+    root = _copy(demo_data, tmp_path)
+    (root / "train" / REFUSED_NAME).write_text("an earlier verification found 5 eval samples in part_0\n")
+    assert folder_problems(root / "train")
+    args = argparse.Namespace(max_seq_length=None, max_predictions=None, workers=1)
+    prepare._verify([root / "train", root / "eval"], None, args)
+    assert not (root / "train" / REFUSED_NAME).exists() and folder_problems(root / "train") == []
 
 
 def test_leaked_marks_exactly_the_members():

@@ -51,6 +51,7 @@ SHARD_SUFFIXES = (".hdf5", ".h5")
 MANIFEST_NAME = "MANIFEST.json"
 STRATA_NAME = "strata.json"  # the last file `stratify` writes
 PACKING_REPORT_NAME = "packing_report.json"  # the last file `pack` writes
+REFUSED_NAME = "VERIFICATION_FAILED.txt"  # data_prep verified the folder and refused it; the problems inside
 CHUNK_BYTES = 1 << 19  # ~512 KiB hdf5 chunks for appended datasets
 REGENERATE = "regenerate the shard with data_prep"
 CORRUPT = "the file is truncated or corrupt; re-copy it or rerun the step that made it"
@@ -552,19 +553,31 @@ def _manifest_problems(directory: Path, manifest: dict, shards: list[Path], fix:
     return problems
 
 
+def refused_problems(directory: Path) -> list[str]:
+    """The folder's REFUSED_NAME marker as a problem line: data_prep wrote the folder, then its
+    verification refused it (copied shards, leaked eval samples, bad rows), so it is no dataset."""
+    marker = directory / REFUSED_NAME
+    if not marker.is_file():
+        return []
+    reason = next(iter(marker.read_text(errors="replace").splitlines()), "") or "no reason recorded"
+    return [f"{directory}: data_prep's verification refused this folder ({reason}; all problems in {marker}); "
+            f"fix the cause and rerun the data_prep step, which verifies again and removes {REFUSED_NAME}"]
+
+
 def folder_problems(directory: Path | str) -> list[str]:
-    """Why a dataset folder is incomplete, from names, sizes and MANIFEST.json alone (no data read).
+    """Why a dataset folder is incomplete or refused, from names, sizes and MANIFEST.json alone (no data read).
 
     Catches what an interrupted or partly deleted folder looks like: temporary files, shards
     listed in the manifest but missing or of another size, shards it does not list, gaps in
-    part_i_of_N numbering, and a pack / stratify step without its final report.
+    part_i_of_N numbering, and a pack / stratify step without its final report; and a folder
+    that data_prep's own verification refused (`refused_problems`).
     """
     directory = Path(directory)
     if not directory.is_dir():
         return []
     fix = f"rerun the data_prep step that writes {directory} to complete it (it resumes), or re-copy the folder"
     shards = folder_shards(directory)
-    problems = _temp_problems(directory, fix)
+    problems = refused_problems(directory) + _temp_problems(directory, fix)
     manifest = read_manifest(directory)
     if manifest is not None:
         problems += _manifest_problems(directory, manifest, shards, fix)
