@@ -14,6 +14,15 @@ WORKDIR /workspace/bert
 COPY requirements-container.txt .
 RUN pip install --no-cache-dir -r requirements-container.txt
 
+# --precision fp8 (the H100, H200, B200 and GB200 configs) needs torchao, which NGC images do not
+# carry: give a release built for the base image's torch (torchao's compatibility table), e.g.
+# --build-arg TORCHAO_SPEC=torchao==0.18.0 on a base with a matching torch. Empty: no FP8; the
+# fp8 configs then stop at start-up with one line saying how to install it.
+ARG TORCHAO_SPEC=""
+# The pin is the build argument itself (package==version), which the linter cannot see.
+# hadolint ignore=DL3013
+RUN if [ -n "${TORCHAO_SPEC}" ]; then pip install --no-cache-dir "${TORCHAO_SPEC}"; fi
+
 COPY . .
 # The project itself (editable, so /workspace/bert is the code that runs and that logs name);
 # --no-deps: its dependencies are the pins above plus the base image.

@@ -18,7 +18,7 @@
 # DistributedFusedLAMB, which clips each GPU's gradient before the reduction; this trainer graphs
 # the whole step with DDP and LAMB, clipping before the all-reduce the same way.
 # Image: Blackwell needs a newer base than the Dockerfile's default (NVIDIA's v5.0 used
-# nvcr.io/nvidia/pytorch:25.04-py3: --build-arg FROM_IMAGE_NAME=...), with torchao installed for FP8.
+# nvcr.io/nvidia/pytorch:25.04-py3: --build-arg FROM_IMAGE_NAME=...), with torchao for FP8 (--build-arg TORCHAO_SPEC=...).
 export DGXSYSTEM=DGXB200_1x8
 export DGXNNODES=1
 export DGXNGPU=8
