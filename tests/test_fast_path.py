@@ -19,7 +19,7 @@ from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_l
 from mlperf_bert.optim.optimizers import ForeachLamb, ReferenceLamb, parameter_groups
 from mlperf_bert.optim.schedule import set_lr
 from mlperf_bert.model.compiling import compile_model
-from mlperf_bert.model.fp8 import convert_to_fp8
+from mlperf_bert.model.fp8 import convert_to_fp8, fp8_unavailable
 from mlperf_bert.optim.capturable import capturable, device_lr
 from mlperf_bert.input.device_input import DevicePrefetcher
 from mlperf_bert.train.metrics import StepMetrics
@@ -291,16 +291,19 @@ def test_graphed_step_refuses_fp16_without_a_device_scaler_and_plain_optimizers(
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+# FP8 on a GPU needs its tensor cores; a GPU without them refuses FP8 at start-up (test_fp8.py).
+needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or fp8_unavailable(torch.device("cuda")) is not None,
+                                   reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+GRAPH_CASES = [("cpu", "fp32"), ("cpu", "fp8"),
+               pytest.param("cuda", "fp32", marks=[pytest.mark.gpu, needs_cuda]),
+               pytest.param("cuda", "fp8", marks=[pytest.mark.gpu, needs_fp8_gpu])]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp8"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, precision", GRAPH_CASES)
 def test_graphed_step_matches_the_eager_step(device, precision):
     """On a GPU the captured graph replayed; on the CPU the same step run uncaptured (cuda_graphs.Replay).
     fp8: the FP8 layers' scales come from each step's own tensors, so the warm-up the capture undoes leaves
     nothing behind (on the CPU their GEMMs are emulated)."""
-    if precision == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9")
     batches = static_batches(11, 4)
     convert = (lambda m: convert_to_fp8(m, torch.device(device))) if precision == "fp8" else (lambda m: m)
     eager_model, graph_model = convert(tiny_model()).to(device), convert(tiny_model()).to(device)
