@@ -207,11 +207,12 @@ def test_padded_layout_unpads_with_host_reads(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags, world_size", [
     (["--input_layout", "unpadded"], 2),
     (["--input_layout", "packed", "--cuda_graphs", "--sync_every", "3"], 1),
+    (["--input_layout", "packed", "--cuda_graphs", "--sync_every", "3", "--distributed_optimizer"], 8),
 ])
 def test_fp8_steps_reach_scaled_mm_on_fake_cuda(tmp_path: Path, flags: list[str], world_size: int) -> None:
     """torchao's Float8Linear on 'cuda' (capability 9.0) calls torch._scaled_mm, not its emulation, in
     eager steps of any token count and inside the captured step, on one rank and many (the shipped fp8
-    configs add graphed steps at 8 ranks)."""
+    configs add graphed steps at 8 ranks), the sharded optimizer's step captured with them."""
     code, output = _dry_run(tmp_path, "--precision", "fp8", *flags, world_size=world_size)
     assert code == 0, output
     gemms = [int(n) for n in re.findall(r"step \d+: .* (\d+) FP8 GEMM", output)]
@@ -222,6 +223,7 @@ def test_fp8_steps_reach_scaled_mm_on_fake_cuda(tmp_path: Path, flags: list[str]
     else:
         assert gemms == [FP8_GEMMS_PER_STEP] * 3 and captured == 0, output
     assert re.search(rf"eval: .* {FP8_GEMMS_PER_EVAL_BATCH} FP8 GEMM", output), output  # one eval batch
+    assert ("(CapturableShardedLamb)" in output) == ("--distributed_optimizer" in flags), output
 
 
 def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tmp_path: Path) -> None:

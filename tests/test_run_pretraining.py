@@ -269,14 +269,17 @@ def test_packed_layout_trains_on_packed_shards(demo_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_two_process_run_equals_the_unsharded_run(demo_data, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_distributed_optimizer_two_process_run_equals_the_unsharded_run(demo_data, tmp_path, precision):
     """The trainer as a user starts it, 2 gloo processes, with and without --distributed_optimizer:
-    the same eval accuracies, and the sharded run's checkpoint holds the whole (unsharded) state."""
+    the same eval accuracies, and the sharded run's checkpoint holds the whole (unsharded) state.
+    Under fp8 (torchao's emulation on the CPU) the FP8 layers' weights are the optimizer's flat
+    buffer views like any other: their per-tensor scales are taken from the all-gathered weights."""
     accuracies, optimizer_states = {}, {}
     for flag in ("", "--distributed_optimizer"):
         out = tmp_path / (flag or "unsharded")
         extra = ["--do_train", "--train_batch_size", "4", "--gradient_accumulation_steps", "2", "--optimizer_impl",
-                 "foreach", "--checkpoint_every_samples", "48", *([flag] if flag else [])]
+                 "foreach", "--checkpoint_every_samples", "48", "--precision", precision, *([flag] if flag else [])]
         result = run_cli([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(TRAINER), *trainer_args(demo_data, out, *extra)])
         assert result.returncode == 0, result.stderr[-3000:]
