@@ -181,6 +181,9 @@ def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
     ("LR", "fast", "is not a number"),
     ("START_WARMUP_STEP", "-2.5", "is not an integer"),
     ("MAX_STEPS", "1_000", "is not a whole number"),
+    ("RDZV_BACKEND", "etcd", "is not static or c10d"),
+    ("RDZV_ENDPOINT", "node000", "is not host:port"),
+    ("RDZV_ID", "job 7", "is not a run id"),
 ])
 def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
     dirs = _data_dirs(tmp_path)
@@ -455,6 +458,21 @@ def test_run_sub_dry_run_with_pyxis_for_each_config(shipped, tmp_path):
     assert "--container-image=registry/mlperf-bert:1" in train and "--container-name=mlperf_bert_4242" in train
     assert r"/data/phase2:/workspace/data_phase2:ro\," in train and "--kill-on-bad-exit=1" in train
     assert f"MASTER_ADDR={hosts[0]}" in done.stdout
+
+
+def test_run_sub_dry_run_with_c10d_starts_one_task_per_node(tmp_path):
+    """RDZV_BACKEND=c10d: srun starts run_and_time.sh once per node (it starts torchrun there), with
+    a rendezvous id of the job and run."""
+    env = {**_base_env(tmp_path), "DGXSYSTEM": "DGXA100_128x8", "NEXP": "2", "DATADIR_PHASE2": "/data/phase2",
+           "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NUM_NODES": "128", "SLURM_SUBMIT_DIR": str(REPO),
+           "SLURM_JOB_NODELIST": ",".join(f"node{i:03d}" for i in range(1, 129)),
+           "RDZV_BACKEND": "c10d"}
+    done = _run(["bash", str(REPO / "run.sub"), "--dry-run", "--no-container"], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    trains = [line for line in done.stdout.splitlines() if "run_and_time.sh" in line]
+    assert len(trains) == 2 and all("--nodes=128 --ntasks-per-node=1 " in line for line in trains)
+    assert "RDZV_ID=4242_1" in trains[0] and "RDZV_ID=4242_2" in trains[1]
 
 
 def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:
