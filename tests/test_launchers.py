@@ -195,6 +195,17 @@ def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
     assert "--" not in done.stderr and "RESULT" not in done.stdout and not (tmp_path / "out").exists()
 
 
+def test_run_and_time_refuses_c10d_under_an_srun_step_of_one_task_per_rank(tmp_path):
+    dirs = _data_dirs(tmp_path)
+    (tmp_path / "bert_config.json").write_text("{}")
+    env = _rat_env(tmp_path, tmp_path, **dirs, BERT_CONFIG=str(tmp_path / "bert_config.json"), RDZV_BACKEND="c10d",
+                   SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2")
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "run_and_time.sh: RDZV_BACKEND=c10d starts torchrun once per node: run one task per node "
+        "(srun --ntasks-per-node=1), not 2 tasks for DGXNNODES=1"], done.stderr
+
+
 # Combinations the trainer refuses: the error line names each config variable with its value.
 # CUDA_VISIBLE_DEVICES="" keeps DEVICE unset (auto) on the CPU on any machine.
 @pytest.mark.parametrize("overrides, says", [
@@ -389,9 +400,11 @@ def test_run_with_docker_passes_on_the_trainers_line_and_code(demo_data, tmp_pat
                 if noise in done.stdout + done.stderr], done.stdout + done.stderr
 
 
-def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
-    """run.sub under (fake) srun, one task per rank, the real run_and_time.sh and trainer: both ranks
-    refuse the model config, the shared exit folder makes it one line, srun's code becomes the trainer's."""
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path, rdzv):
+    """run.sub under (fake) srun, the real run_and_time.sh and trainer: one task per rank, or under c10d
+    one task per node that starts torchrun. Both ranks refuse the model config, the shared exit folder
+    makes it one line, srun's (or torchrun's) code becomes the trainer's."""
     submit = tmp_path / "submit"
     submit.mkdir()
     shutil.copy(REPO / "run.sub", submit)
@@ -403,9 +416,11 @@ def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
            "CHECKPOINTDIR_PHASE1": str(_bad_phase1(demo_data, tmp_path)), "DATESTAMP": "261125",
            "CLEAR_CACHES": "0", "SLURM_JOB_ID": "78", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
            "SLURM_SUBMIT_DIR": str(submit), "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}"}
+           "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}", "RDZV_BACKEND": rdzv}
     done = _run(["bash", str(submit / "run.sub"), "--no-container"], env, submit, timeout=300)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    train = next(c for c in _calls(tmp_path / "srun_calls.jsonl") if c[-1].endswith("run_and_time.sh"))
+    assert f"--ntasks-per-node={2 if rdzv == 'static' else 1}" in train
     assert len(_trainer_refusal(done.stdout + done.stderr)) == 1, done.stdout + done.stderr
     assert "run 1 FAILED with exit code 2" in done.stderr and "not starting the other runs" in done.stderr
     assert "Beginning trial 2" not in done.stdout and "Traceback" not in done.stdout + done.stderr
