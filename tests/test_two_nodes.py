@@ -1,6 +1,7 @@
 """Two nodes for real: two run_and_time.sh launches on this machine, each with its own NODE_RANK,
 their torchrun agents meeting at MASTER_ADDR:MASTER_PORT (gloo), as the 128x8 configs run on 128
-nodes with run_with_docker.sh on each."""
+nodes with run_with_docker.sh on each: under the static rendezvous (node ranks from NODE_RANK) and
+under c10d (node ranks in join order). Then a node that vanishes, and a torchrun agent killed alone."""
 
 from __future__ import annotations
 
