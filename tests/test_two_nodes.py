@@ -112,17 +112,20 @@ def _listens_on(pid: int, port: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rdzv", ["static", "c10d"])
-def test_a_killed_agent_stops_its_worker_and_ends_the_other_node_with_76(demo_data, tmp_path, rdzv):
-    """One node's torchrun agent alone is SIGKILLed mid-run: under static node 1's, under c10d the
-    one serving the rendezvous store (the other agent loses it). Its worker, in a session of its
-    own, would train on as an orphan; it stops with one line and 76 instead, so its launch exits 76
-    and the other node names the lost rank and exits 76, as when the whole node vanishes."""
+@pytest.mark.parametrize("rdzv, killed", [("static", "node 1"), ("static", "node 0"), ("c10d", "store host")])
+def test_a_killed_agent_stops_its_worker_and_ends_the_other_node_with_76(demo_data, tmp_path, rdzv, killed):
+    """One node's torchrun agent alone is SIGKILLed mid-run: node 1's, node 0's (it serves the
+    workers' store), or under c10d the one serving the rendezvous store (the other agent loses it).
+    Its worker, in a session of its own, would train on as an orphan; it stops with one line and 76
+    instead, so its launch exits 76 and the other node names the lost rank and exits 76, as when
+    the whole node vanishes."""
     out, logs, port = tmp_path / "two", tmp_path / "logs", free_port()
     nodes = _two_nodes(demo_data, out, logs, RDZV_BACKEND=rdzv, MASTER_PORT=str(port), **LONG_RUN)
     _wait_for_step(nodes, out, logs)
     processes = [_worker_of(node) for node in nodes]
-    lost = 1 if rdzv == "static" else next(n for n, (agent, _, _) in enumerate(processes) if _listens_on(agent, port))
+    lost = {"node 1": 1, "node 0": 0}.get(killed)
+    if lost is None:
+        lost = next(n for n, (agent, _, _) in enumerate(processes) if _listens_on(agent, port))
     agent, worker, rank = processes[lost]
     os.kill(agent, signal.SIGKILL)
     killed_at = time.monotonic()
