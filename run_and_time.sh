@@ -204,7 +204,7 @@ if [[ ( "$RDZV_BACKEND" == c10d || -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${
       rendezvous=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}")
     fi
     agent="$here/pytorch/launch.py"
-    main_rank_file=main-rank.$(hostname).$$
+    main_rank_file=main-rank.${HOSTNAME:-$(uname -n)}.$$
     trainer=("$PYTHON" "$agent" --nnodes="$DGXNNODES" --nproc_per_node="$DGXNGPU" "${rendezvous[@]}" \
       "$here/pytorch/run_pretraining.py")
   else
