@@ -2,6 +2,9 @@
 # Runs one MLPerf BERT phase-2 training run from the variables of a config_<SYSTEM>.sh file
 # and prints the MLPerf RESULT line. Launch it once per node (it starts DGXNGPU processes
 # with torchrun) or once per task under srun (the trainer then reads SLURM's variables).
+# Several nodes meet through torchrun's rendezvous: RDZV_BACKEND=static (default; NODE_RANK,
+# MASTER_ADDR, MASTER_PORT) or c10d (RDZV_ENDPOINT, default MASTER_ADDR:MASTER_PORT; RDZV_ID,
+# default SLURM_JOB_ID; node ranks in join order, also under srun with one task per node).
 #
 #   source config_CPU_1x2.sh
 #   DATADIR_PHASE2=... EVALDIR=... OUTPUT_DIR=... ./run_and_time.sh
@@ -52,6 +55,10 @@ check "an integer" "$signed_int_re" START_WARMUP_STEP
 check "a number" "$number_re" LR OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 WEIGHT_DECAY_RATE TARGET_MLM_ACCURACY \
   WARMUP_PROPORTION END_LEARNING_RATE OPT_EPSILON MAX_GRAD_NORM CHECKPOINT_EVERY_MINUTES COLLECTIVE_TIMEOUT_S
 check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG DIST_OPTIMIZER
+# torchrun's rendezvous when it starts the ranks of several nodes (docs/FAULTS.md, "Several nodes").
+check "static or c10d" '^(static|c10d)$' RDZV_BACKEND
+check "host:port" '^([^][:space:]:]+|\[[0-9A-Fa-f:.]+\]):[0-9]+$' RDZV_ENDPOINT
+check "a run id (letters, digits, '.', '_', '-')" '^[A-Za-z0-9._-]+$' RDZV_ID
 for name in DGXNGPU DGXNNODES; do
   (( 10#${!name} >= 1 )) || die "$name=${!name} must be at least 1"
 done
@@ -164,8 +171,17 @@ export MLPERF_BERT_FLAG_VARIABLES
 # but a rank's own stop (its one line, its exit code) reaches the user without torchrun's
 # ChildFailedError report, which stays for a crash.
 trainer=("$PYTHON" "$here/pytorch/run_pretraining.py")
-if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && $((10#$DGXNGPU * 10#$DGXNNODES)) -gt 1 ]]; then
-  # Not started per task: start one process per GPU (or CPU worker) on this node.
+RDZV_BACKEND=${RDZV_BACKEND:-static}
+agent=""  # torchrun's agent, when this script starts one (pytorch/launch.py)
+main_rank_file=""  # made by global rank 0 when this launch is one node of several
+if [[ "$RDZV_BACKEND" == c10d && -n "${SLURM_STEP_NUM_TASKS:-}" && "$SLURM_STEP_NUM_TASKS" != "$DGXNNODES" ]]; then
+  die "RDZV_BACKEND=c10d starts torchrun once per node: run one task per node (srun --ntasks-per-node=1)," \
+    "not $SLURM_STEP_NUM_TASKS tasks for DGXNNODES=$DGXNNODES"
+fi
+if [[ ( "$RDZV_BACKEND" == c10d || -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" ) \
+      && $((10#$DGXNGPU * 10#$DGXNNODES)) -gt 1 ]]; then
+  # Not started per task (or under c10d, one task per node): start one process per GPU (or CPU
+  # worker) on this node.
   if [[ "${BALANCE:-none}" == cpu_exchange ]]; then
     # The CPU exchange talks MPI, so an MPI launcher starts the ranks (mpiexec next to $PYTHON
     # when there is one, as the mpich wheel installs it); torch.distributed meets at MASTER_PORT.
@@ -174,14 +190,26 @@ if [[ -z "${RANK:-}${SLURM_PROCID:-}${PMI_RANK:-}${OMPI_COMM_WORLD_RANK:-}" && $
     export MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
     trainer=("${MPIEXEC:-mpiexec}" -n "$DGXNGPU" "$PYTHON" "$here/pytorch/run_pretraining.py")
   elif [[ "$DGXNNODES" -gt 1 ]]; then
-    # Once per node (run_with_docker.sh on every node): torchrun meets node 0 at MASTER_ADDR.
-    require NODE_RANK MASTER_ADDR
-    trainer=("$PYTHON" "$here/pytorch/launch.py" --nnodes="$DGXNNODES" --node_rank="$NODE_RANK" \
-      --nproc_per_node="$DGXNGPU" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}" \
+    # Once per node (run_with_docker.sh on every node, or run.sub's one task per node under c10d).
+    if [[ "$RDZV_BACKEND" == c10d ]]; then
+      # The agents meet at RDZV_ENDPOINT (the agent on that host serves the store) and take node
+      # ranks in the order they join: NODE_RANK is not used.
+      [[ -n "${RDZV_ENDPOINT:-}${MASTER_ADDR:-}" ]] || die "RDZV_BACKEND=c10d needs RDZV_ENDPOINT=host:port" \
+        "(or MASTER_ADDR, with MASTER_PORT): the address of one of the nodes, the same on every node"
+      rendezvous=(--rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:-$MASTER_ADDR:${MASTER_PORT:-29500}}"
+        --rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-mlperf_bert}}")
+    else
+      # Static: node NODE_RANK's ranks are NODE_RANK * DGXNGPU + local rank; node 0's agent serves the store.
+      require NODE_RANK MASTER_ADDR
+      rendezvous=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}")
+    fi
+    agent="$here/pytorch/launch.py"
+    main_rank_file=main-rank.${HOSTNAME:-$(uname -n)}.$$
+    trainer=("$PYTHON" "$agent" --nnodes="$DGXNNODES" --nproc_per_node="$DGXNGPU" "${rendezvous[@]}" \
       "$here/pytorch/run_pretraining.py")
   else
-    trainer=("$PYTHON" "$here/pytorch/launch.py" --standalone --nproc_per_node="$DGXNGPU" \
-      "$here/pytorch/run_pretraining.py")
+    agent="$here/pytorch/launch.py"
+    trainer=("$PYTHON" "$agent" --standalone --nproc_per_node="$DGXNGPU" "$here/pytorch/run_pretraining.py")
   fi
 fi
 
@@ -196,6 +224,10 @@ if [[ -z "${MLPERF_BERT_EXIT_DIR:-}" ]]; then
 fi
 mkdir -p "$MLPERF_BERT_EXIT_DIR"
 export MLPERF_BERT_EXIT_DIR
+if [[ -n "$main_rank_file" ]]; then
+  main_rank_file=$MLPERF_BERT_EXIT_DIR/$main_rank_file
+  export MLPERF_BERT_MAIN_RANK_FILE=$main_rank_file
+fi
 # shellcheck source=/dev/null
 source "$here/tools/job_exit_code.sh"
 
@@ -204,12 +236,25 @@ start_fmt=$(date +%Y-%m-%d\ %r)
 echo "STARTING TIMING RUN AT $start_fmt"
 status=0
 "${trainer[@]}" "${flags[@]}" || status=$?
+if [[ -n "$agent" && $status -gt 128 ]]; then
+  # The agent itself died of a signal (killed outright: it had no say): its workers stop on their
+  # own within moments and leave their codes (runtime/orphan.py); wait for them, up to 10 s.
+  for ((tries = 0; tries < 50; tries++)); do
+    [[ $(find "$MLPERF_BERT_EXIT_DIR" -name '*.code' | wc -l) -lt $((10#$DGXNGPU)) ]] || break
+    sleep 0.2
+  done
+fi
 # A launcher's own code (torchrun and mpiexec say 1 for any failed rank) becomes the trainer's.
 if [[ $status -ne 0 ]]; then status=$(job_exit_code "$MLPERF_BERT_EXIT_DIR" "$status"); fi
 end=$(date +%s)
 echo "ENDING TIMING RUN AT $(date +%Y-%m-%d\ %r)"
 [[ $status -eq 0 ]] || exit "$status"
-if [[ "${SLURM_PROCID:-${RANK:-${NODE_RANK:-0}}}" != 0 ]]; then
+# Global rank 0's launch prints the RESULT line: the rank itself when started per task; one node of
+# several learns it from rank 0's file (under c10d any node may get rank 0).
+ran_rank_0() {
+  if [[ -n "$main_rank_file" ]]; then [[ -e "$main_rank_file" ]]; else [[ "${SLURM_PROCID:-${RANK:-${NODE_RANK:-0}}}" == 0 ]]; fi
+}
+if ! ran_rank_0; then
   exit 0
 elif [[ -n "${RESUME_FROM_CHECKPOINT:-}" ]]; then
   echo "no RESULT line: a run started with RESUME_FROM_CHECKPOINT is not a timing result"

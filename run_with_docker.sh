@@ -17,8 +17,9 @@
 # run_and_time.sh, all into $LOGDIR/<DATESTAMP>_<i>.log; then run the MLPerf compliance checker
 # on that log (its report goes to $LOGDIR/<DATESTAMP>_<i>.compliance.txt).
 # --dry-run prints the docker commands instead of running them. A multi-node system runs this
-# script on every node with NODE_RANK (0..DGXNNODES-1) and MASTER_ADDR (node 0) set; under SLURM
-# use run.sub instead.
+# script on every node with NODE_RANK (0..DGXNNODES-1) and MASTER_ADDR (node 0) set, or with
+# RDZV_BACKEND=c10d and MASTER_ADDR (any one node; RDZV_ENDPOINT, RDZV_ID: docs/FAULTS.md);
+# under SLURM use run.sub instead.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -126,6 +127,9 @@ exec_env() {
   if [[ "$CLEAR_CACHES" == 1 ]]; then printf '%s\0' --env MLPERF_CACHE_CLEARED=1; fi
   if [[ "${DGXNNODES:-1}" != 1 ]]; then
     printf '%s\0' --env "NODE_RANK=$NODE_RANK" --env "MASTER_ADDR=$MASTER_ADDR" --env "MASTER_PORT=$MASTER_PORT"
+    for name in RDZV_BACKEND RDZV_ENDPOINT RDZV_ID; do
+      if [[ -n "${!name:-}" ]]; then printf '%s\0' --env "$name=${!name}"; fi
+    done
   fi
 }
 
@@ -145,7 +149,13 @@ run_one() {
 
 check_log() {
   local index=$1
-  [[ "$NODE_RANK" == 0 ]] || return 0  # the MLPerf log is written by global rank 0, on node 0
+  # The MLPerf log lines are in global rank 0's run log: node 0's under the static rendezvous, under
+  # c10d the one with the RESULT line (run_and_time.sh prints it where global rank 0 ran).
+  if [[ "${RDZV_BACKEND:-static}" == c10d ]]; then
+    [[ $DRY_RUN == 1 ]] || grep -q '^RESULT,' "$LOGDIR/${DATESTAMP}_${index}.log" || return 0
+  else
+    [[ "$NODE_RANK" == 0 ]] || return 0
+  fi
   quiet dock exec "$CONT_NAME" python -m mlperf_logging.compliance_checker --usage training \
     --ruleset "$MLPERF_RULESET" --log_output "$CONT_LOGS/${DATESTAMP}_${index}.compliance.txt" \
     "$CONT_LOGS/${DATESTAMP}_${index}.log" 2>/dev/null

@@ -6,9 +6,16 @@ torchrun's agent, but a rank's own stop reaches the user as its one line and its
 Like run_pretraining.py, it imports the `mlperf_bert` package beside it.
 """
 
+import os
 import sys
 
-from mlperf_bert.runtime.launch import main
+# torch's C++ log lines (not its Python warnings) at ERROR, read as torch loads, for the agent and
+# its workers, unless TORCH_CPP_LOG_LEVEL is set: when a node dies, each client of a rendezvous
+# store it served (an agent under c10d, a rank's heartbeat) prints 15 lines of C++ frames per call
+# before Python hears of it and says in one line what was lost.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from mlperf_bert.runtime.launch import main  # noqa: E402  (after the log level)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,8 @@ entry point the MLPerf layout and the launchers name.
 
 from mlperf_bert.train.faults import StopRequest
 from mlperf_bert.main import exit_now, main
+from mlperf_bert.runtime.orphan import stop_with_launcher
 
 if __name__ == "__main__":
+    stop_with_launcher()  # under pytorch/launch.py: stop if the launcher dies (runtime/orphan.py)
     exit_now(main(stop=StopRequest().install()))  # the handlers stay installed until the end

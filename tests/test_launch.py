@@ -27,6 +27,7 @@ from mlperf_bert.runtime.exits import (
     say_once,
 )
 from mlperf_bert.runtime.launch import clean_stop_code, signalled_stop_code, wait_for_codes
+from mlperf_bert.runtime.orphan import LAUNCHER_PID_VARIABLE
 
 LAUNCHER = REPO / "pytorch" / "launch.py"
 TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "torch/distributed/", "FAILED", "Root Cause")
@@ -100,6 +101,29 @@ def test_exit_codes_and_lines_go_through_the_exit_folder(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == ["error: --foo is bad", "error: rank 1 was lost"]
     say_once("error: --foo is bad", {})  # no launcher folder: every rank prints
     assert capsys.readouterr().err == "error: --foo is bad\n"
+
+
+def _armed(launcher: int, folder: Path) -> subprocess.CompletedProcess[str]:
+    """A process that arms the launcher watch (`runtime/orphan.py`) for pid `launcher`, then says so."""
+    code = "from mlperf_bert.runtime.orphan import stop_with_launcher; print(stop_with_launcher())"
+    env = {**os.environ, LAUNCHER_PID_VARIABLE: str(launcher), "MLPERF_BERT_EXIT_DIR": str(folder)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_worker_whose_launcher_died_before_it_asked_stops_with_76_and_one_line(tmp_path):
+    """The launcher's pid is no longer the worker's parent when it arms: no signal would come."""
+    done = _armed(os.getpid() + 10**6, tmp_path)  # a pid that is not this process's (the parent's)
+    assert done.returncode == EXIT_LOST_RANK and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"error: the launcher of this node's ranks (torchrun agent, pid {os.getpid() + 10**6}) died; its ranks stop "
+        "with exit code 76 instead of training on without it (no checkpoint); resume from the newest checkpoint, if any"]
+    assert list(recorded_exit_codes(tmp_path).values()) == [EXIT_LOST_RANK]
+
+
+def test_a_worker_of_a_live_launcher_trains_on(tmp_path):
+    done = _armed(os.getpid(), tmp_path)  # this process is the parent
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", "")
+    assert not recorded_exit_codes(tmp_path)
 
 
 def _launch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -181,6 +181,9 @@ def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
     ("LR", "fast", "is not a number"),
     ("START_WARMUP_STEP", "-2.5", "is not an integer"),
     ("MAX_STEPS", "1_000", "is not a whole number"),
+    ("RDZV_BACKEND", "etcd", "is not static or c10d"),
+    ("RDZV_ENDPOINT", "node000", "is not host:port"),
+    ("RDZV_ID", "job 7", "is not a run id"),
 ])
 def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
     dirs = _data_dirs(tmp_path)
@@ -190,6 +193,17 @@ def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [done.stderr.strip()] and f"{name}={value} {says}" in done.stderr
     assert "--" not in done.stderr and "RESULT" not in done.stdout and not (tmp_path / "out").exists()
+
+
+def test_run_and_time_refuses_c10d_under_an_srun_step_of_one_task_per_rank(tmp_path):
+    dirs = _data_dirs(tmp_path)
+    (tmp_path / "bert_config.json").write_text("{}")
+    env = _rat_env(tmp_path, tmp_path, **dirs, BERT_CONFIG=str(tmp_path / "bert_config.json"), RDZV_BACKEND="c10d",
+                   SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2")
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "run_and_time.sh: RDZV_BACKEND=c10d starts torchrun once per node: run one task per node "
+        "(srun --ntasks-per-node=1), not 2 tasks for DGXNNODES=1"], done.stderr
 
 
 # Combinations the trainer refuses: the error line names each config variable with its value.
@@ -386,9 +400,11 @@ def test_run_with_docker_passes_on_the_trainers_line_and_code(demo_data, tmp_pat
                 if noise in done.stdout + done.stderr], done.stdout + done.stderr
 
 
-def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
-    """run.sub under (fake) srun, one task per rank, the real run_and_time.sh and trainer: both ranks
-    refuse the model config, the shared exit folder makes it one line, srun's code becomes the trainer's."""
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path, rdzv):
+    """run.sub under (fake) srun, the real run_and_time.sh and trainer: one task per rank, or under c10d
+    one task per node that starts torchrun. Both ranks refuse the model config, the shared exit folder
+    makes it one line, srun's (or torchrun's) code becomes the trainer's."""
     submit = tmp_path / "submit"
     submit.mkdir()
     shutil.copy(REPO / "run.sub", submit)
@@ -400,9 +416,11 @@ def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
            "CHECKPOINTDIR_PHASE1": str(_bad_phase1(demo_data, tmp_path)), "DATESTAMP": "261125",
            "CLEAR_CACHES": "0", "SLURM_JOB_ID": "78", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
            "SLURM_SUBMIT_DIR": str(submit), "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}"}
+           "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}", "RDZV_BACKEND": rdzv}
     done = _run(["bash", str(submit / "run.sub"), "--no-container"], env, submit, timeout=300)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    train = next(c for c in _calls(tmp_path / "srun_calls.jsonl") if c[-1].endswith("run_and_time.sh"))
+    assert f"--ntasks-per-node={2 if rdzv == 'static' else 1}" in train
     assert len(_trainer_refusal(done.stdout + done.stderr)) == 1, done.stdout + done.stderr
     assert "run 1 FAILED with exit code 2" in done.stderr and "not starting the other runs" in done.stderr
     assert "Beginning trial 2" not in done.stdout and "Traceback" not in done.stdout + done.stderr
@@ -455,6 +473,21 @@ def test_run_sub_dry_run_with_pyxis_for_each_config(shipped, tmp_path):
     assert "--container-image=registry/mlperf-bert:1" in train and "--container-name=mlperf_bert_4242" in train
     assert r"/data/phase2:/workspace/data_phase2:ro\," in train and "--kill-on-bad-exit=1" in train
     assert f"MASTER_ADDR={hosts[0]}" in done.stdout
+
+
+def test_run_sub_dry_run_with_c10d_starts_one_task_per_node(tmp_path):
+    """RDZV_BACKEND=c10d: srun starts run_and_time.sh once per node (it starts torchrun there), with
+    a rendezvous id of the job and run."""
+    env = {**_base_env(tmp_path), "DGXSYSTEM": "DGXA100_128x8", "NEXP": "2", "DATADIR_PHASE2": "/data/phase2",
+           "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NUM_NODES": "128", "SLURM_SUBMIT_DIR": str(REPO),
+           "SLURM_JOB_NODELIST": ",".join(f"node{i:03d}" for i in range(1, 129)),
+           "RDZV_BACKEND": "c10d"}
+    done = _run(["bash", str(REPO / "run.sub"), "--dry-run", "--no-container"], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    trains = [line for line in done.stdout.splitlines() if "run_and_time.sh" in line]
+    assert len(trains) == 2 and all("--nodes=128 --ntasks-per-node=1 " in line for line in trains)
+    assert "RDZV_ID=4242_1" in trains[0] and "RDZV_ID=4242_2" in trains[1]
 
 
 def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:

@@ -6,8 +6,9 @@ vanished without closing its sockets), NCCL waits for its watchdog. Neither says
 went. `RankWatch` adds that fact.
 
 Each rank opens its own client connection to the TCP store every launcher already runs (rank 0
-hosts it under a direct or MPI launch, torchrun's agent under torchrun; MASTER_ADDR:MASTER_PORT
-in both cases) and runs a daemon thread that, every `interval_s`:
+hosts it under a direct or MPI launch, node 0's torchrun agent under torchrun; MASTER_ADDR:MASTER_PORT
+in both cases, under torchrun's c10d rendezvous a store of that agent's on a free port) and runs
+a daemon thread that, every `interval_s`:
 - adds 1 to its counter `beat/<rank>` (a counter, not a time stamp, so node clocks never matter);
 - reads the counter of its ring neighbour (rank + 1) mod W. One write and one read per rank and
   interval keep the store's load linear in W (every rank reading every counter would be W^2).

@@ -22,6 +22,7 @@ from .runtime.exits import (
     EXIT_INTERRUPTED,
     EXIT_IO_ERROR,
     EXIT_PREEMPTED,
+    mark_main_rank,
     record_exit_code,
     say_once,
 )
@@ -69,6 +70,8 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
     group_broken = False
     try:
         denv = dist_env_from(os.environ)
+        if denv.is_main:
+            mark_main_rank()
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
         check_environment(cfg, os.environ, device)

@@ -18,7 +18,7 @@ EXIT_BAD_INPUT = 2  # a config, flag, dataset or checkpoint that cannot give a c
 EXIT_DIVERGED = 3  # a numeric blow-up the run cannot step over
 EXIT_IO_ERROR = 74  # sysexits EX_IOERR: an output could not be written
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped by SIGTERM / SIGUSR1 / Ctrl-C after a checkpoint
-EXIT_LOST_RANK = 76  # sysexits EX_PROTOCOL: another rank died or stopped answering
+EXIT_LOST_RANK = 76  # sysexits EX_PROTOCOL: another rank died or stopped answering, or this rank's launcher died
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: the shell's code for death by SIGINT
 
 # The trainer's own exit codes after a stop it chose (it printed one line saying why); any other
@@ -30,6 +30,20 @@ TRAINER_EXITS = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO_ERROR, EXIT_PR
 # <pid>.code (torchrun, mpiexec and srun replace the ranks' codes by their own), and writes each
 # distinct error line there once, so that N ranks hitting the same bad input print it once.
 EXIT_DIR_VARIABLE = "MLPERF_BERT_EXIT_DIR"
+
+
+# A launch that started ranks on one node of several (torchrun once per node) learns through this
+# file whether global rank 0 was among them: with torchrun's c10d rendezvous any node may get it,
+# and that node's launch holds the MLPerf log lines and prints the RESULT line.
+MAIN_RANK_FILE_VARIABLE = "MLPERF_BERT_MAIN_RANK_FILE"
+
+
+def mark_main_rank(environ: Mapping[str, str] = os.environ) -> None:
+    """Creates $MLPERF_BERT_MAIN_RANK_FILE (global rank 0 calls this), when the launch named one."""
+    path = environ.get(MAIN_RANK_FILE_VARIABLE)
+    if path:
+        with contextlib.suppress(OSError):  # without it the launch prints no RESULT line; the run goes on
+            Path(path).touch()
 
 
 def exit_dir(environ: Mapping[str, str] = os.environ) -> Path | None:

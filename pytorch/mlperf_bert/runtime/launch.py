@@ -9,6 +9,8 @@ traceback and a per-rank table, also when the trainer stopped on purpose and has
 printed the one line that says why (bad input, a numeric blow-up, a write failure, a
 preemption, a lost rank: `runtime/exits.py`). Here:
 
+- each worker stops at once, with one line and exit code 76, if this process dies without
+  stopping it (killed outright: torchrun's workers run in sessions of their own; `orphan.py`);
 - the workers' stdout and stderr are untouched (they inherit this process's), so the trainer's
   lines and the MLPerf log lines arrive as they are written;
 - torchrun's own log records (they are about the agent and its workers, not about the run) are
@@ -23,6 +25,9 @@ preemption, a lost rank: `runtime/exits.py`). Here:
   shutdown timeout); when every worker left a code, that is a clean stop too; otherwise (a
   worker still starting dies of the signal) torchrun's log lines and one line of ours follow,
   exit 128 + the signal, as a shell reports a death by signal;
+- the rendezvous store stopped answering mid-run (c10d: the agent that serves it, on the
+  endpoint's node, died) and the agent stopped its workers: when each left a code (they saw a
+  lost rank), that is a clean stop too; otherwise it is a crash;
 - anything else is a **crash** (an uncaught exception exits 1 without a code, a signal kills a
   worker first): the held records and torchrun's report with its traceback are printed, as
   torchrun prints them, and the exit code is 1.
@@ -38,6 +43,7 @@ import signal
 import sys
 import tempfile
 import time
+from argparse import Namespace
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -45,8 +51,10 @@ from typing import Callable, Iterator, Mapping, Sequence
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from .exits import EXIT_DIR_VARIABLE, TRAINER_EXITS, job_exit_code, recorded_exit_codes
+from .orphan import LAUNCHER_PID_VARIABLE
 
 AGENT_LOGGER = "torch.distributed"  # torchrun's agent, rendezvous and launcher log under this name
 TEARDOWN_SIGNALS = (-signal.SIGTERM, -signal.SIGKILL)  # how the agent stops the workers left
@@ -99,6 +107,21 @@ def exit_folder(environ: Mapping[str, str] = os.environ) -> Iterator[Path]:
     finally:
         del os.environ[EXIT_DIR_VARIABLE]
         shutil.rmtree(made, ignore_errors=True)
+
+
+@contextmanager
+def launcher_pid_exported() -> Iterator[None]:
+    """This process's pid in the workers' environment while the block runs: a worker stops when
+    its launcher dies (`orphan.py`)."""
+    previous = os.environ.get(LAUNCHER_PID_VARIABLE)
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[LAUNCHER_PID_VARIABLE]
+        else:
+            os.environ[LAUNCHER_PID_VARIABLE] = previous
 
 
 def clean_stop_code(failures: Mapping[int, ProcessFailure], recorded: Mapping[int, int]) -> int | None:
@@ -161,10 +184,16 @@ def wait_for_codes(folder: Path, workers: int, timeout_s: float,
     return codes
 
 
+def codes_after_teardown(folder: Path, args: Namespace) -> tuple[dict[int, int], int]:
+    """The workers' recorded codes once the agent has stopped them itself, and how many it ran."""
+    workers = torchrun.determine_local_world_size(args.nproc_per_node)
+    return wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S), workers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs torchrun's agent on `argv` (torchrun's command line); the exit code (module docstring)."""
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
-    with exit_folder() as folder, held_agent_logs() as held:
+    with exit_folder() as folder, launcher_pid_exported(), held_agent_logs() as held:
         try:
             torchrun.run(args)
         except ChildFailedError as failed:
@@ -174,10 +203,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 held.show()
                 raise
             return code
+        except RendezvousConnectionError:
+            ignore_stop_signals()
+            code = signalled_stop_code(*codes_after_teardown(folder, args))
+            if code is None:
+                held.show()
+                raise
+            return code
         except SignalException as signalled:
             ignore_stop_signals()
-            workers = torchrun.determine_local_world_size(args.nproc_per_node)
-            codes = wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S)
+            codes, workers = codes_after_teardown(folder, args)
             code = signalled_stop_code(codes, workers)
             if code is None:  # some worker went before it could say why: torchrun's lines, then ours
                 held.show()

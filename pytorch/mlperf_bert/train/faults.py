@@ -10,7 +10,8 @@ Exit codes of `run_pretraining.py` (docs/FAULTS.md has the user's view):
   75  preempted (EX_TEMPFAIL, "try again"): SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) arrived, a
       checkpoint was written; rerun with `--resume_from_checkpoint auto`
  130  a second SIGINT (Ctrl-C) before the first one's checkpoint: stopped at once, no checkpoint
-  76  a rank was lost (EX_PROTOCOL): another process died or stopped answering (`liveness.py`)
+  76  a rank was lost (EX_PROTOCOL): another process died or stopped answering (`liveness.py`),
+      or this rank's launcher died (`runtime/orphan.py`)
 
 Agreement. A decision that changes what the ranks do next (stop for a signal, stop for a
 non-finite loss, write a time-based checkpoint) must be taken at the same step by every rank,
