@@ -4,7 +4,9 @@ The shard format lives in `shards`, validation in `data_validate`; this module d
 rank uses which item when.
 
 Order of the training data. Let n shards hold T items (rows) in all, W ranks each take
-b items per step (one micro-batch), seed s:
+b items per step (one micro-batch), seed s. (The trainer's "ranks" here are the micro-batch
+slots of a step, ranks x accumulation steps, `input/slots.py`; at one micro-batch per step,
+the ranks.)
 - Pass e orders the shards by a permutation drawn from (s, e) and the rows of each shard by
   a permutation drawn from (s, e, shard). G_e is the resulting sequence of all T items.
 - The stream is G_0 G_1 G_2 ... . Epoch e's steps cover X_e = (the tail of G_{e-1} that
