@@ -39,7 +39,7 @@ def test_a_nan_loss_on_one_rank_stops_both_before_the_update_with_a_checkpoint(d
     assert_same_tensors(last["model"], good["model"])  # the poisoned update was never applied
     assert_same_tensors(last["optimizer"]["state"], good["optimizer"]["state"])  # moments (the lr is per step)
     assert [g["step"] for g in last["optimizer"]["param_groups"]] == [2, 2]
-    assert last["data"]["step"] == good["data"]["step"] + 1  # a resume starts after the bad batch
+    assert last["data"]["stream"]["step"] == good["data"]["stream"]["step"] + 1  # a resume starts after the bad batch
     events = mllog_events(tmp_path / "mlperf.log")
     assert [e["key"] for e in events][-4:] == ["numeric_blowup", "run_stop", "train_samples", "eval_samples"]
     assert events[-3]["metadata"]["status"] == "aborted"

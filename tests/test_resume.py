@@ -19,6 +19,7 @@ from mlperf_bert.train.checkpoint import (
     ResumeError,
     TrainingParts,
     choose_resume,
+    derived_rng_seed,
     list_checkpoints,
     read_checkpoint,
     restore,
@@ -145,18 +146,33 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
-def test_a_checkpoint_restores_into_a_fresh_run_and_refuses_other_world_sizes(tmp_path):
+def test_a_checkpoint_restores_into_a_fresh_run_at_any_world_size(tmp_path):
     parts = _parts(seed=1)
     checkpointer = Checkpointer(tmp_path, 3, SINGLE, torch.device("cpu"))
     path = _save(checkpointer, parts, 16)
     fresh = _parts(seed=2)
     ckpt = read_checkpoint(path)
-    restore(fresh, ckpt, path, SINGLE, torch.device("cpu"))
+    restore(fresh, ckpt, path, SINGLE, torch.device("cpu"), seed=9)
     assert_same_tensors(fresh.model.state_dict(), parts.model.state_dict())
     assert_same_tensors(fresh.optimizer.state_dict()["state"], parts.optimizer.state_dict()["state"])
-    two = DistEnv(0, 2, 0, 2, "127.0.0.1", 0)
-    with pytest.raises(ResumeError, match="written by 1 ranks, this run has 2"):
-        restore(fresh, ckpt, path, two, torch.device("cpu"))
+    saved = torch.rand(3)  # rank 0 continues its own generator
+    # Rank 1 of two: no saved entry; a state from the seed, its rank and the samples, the same every time.
+    draws = []
+    for _ in range(2):
+        restore(_parts(seed=3), ckpt, path, DistEnv(1, 2, 1, 2, "127.0.0.1", 0), torch.device("cpu"), seed=9)
+        draws.append((torch.rand(3), np.random.rand(), random.random()))
+    assert torch.equal(draws[0][0], draws[1][0]) and draws[0][1:] == draws[1][1:]
+    assert not torch.equal(draws[0][0], saved)
+    assert derived_rng_seed(9, 1, 16) not in (derived_rng_seed(9, 2, 16), derived_rng_seed(9, 1, 24),
+                                              derived_rng_seed(8, 1, 16))
+
+
+def test_a_version_1_checkpoint_is_refused_naming_why(tmp_path):
+    path = tmp_path / "ckpt-000000000008.pt"
+    torch.save({"format": FORMAT, "version": 1}, path)
+    with pytest.raises(ResumeError, match="version 1, written by an older trainer whose data position depends on "
+                                          "the number of ranks"):
+        read_checkpoint(path)
 
 
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):

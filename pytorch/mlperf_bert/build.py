@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -47,7 +45,8 @@ from .input.sources import BatchSource
 from .data.static_batch import StaticShape, packed_shape
 from .train.step import EagerStep, GraphedStep, Step
 from .train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
-from .train.checkpoint import Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore
+from .train.checkpoint import (Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore,
+                               seed_generators)
 from .hooks.live import LiveView
 from .hooks.report import RunReport
 from .hooks.train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
@@ -141,13 +140,6 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def seed_everything(seed: int) -> None:
-    """The same seed on every rank, so every rank initialises the same weights."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
 
 
 def data_limits(cfg: TrainConfig, bert: BertConfig) -> DataLimits:
@@ -261,7 +253,7 @@ def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
     supplied = supplied or Supplied()
     write_resolved_config(cfg, denv)
     logger = open_logger(cfg, denv)
-    seed_everything(cfg.run.seed)
+    seed_generators(cfg.run.seed)  # the same on every rank, so every rank initialises the same weights
     model = build_model(cfg, device, supplied.model)
     log_preamble(logger, cfg, model)
     items = supplied.eval_items if supplied.eval_items is not None else load_eval_set(
@@ -315,13 +307,31 @@ def resume(cfg: TrainConfig, denv: DistEnv, device: torch.device, parts: Trainin
             print(f"no checkpoint in {cfg.checkpoint_dir}: starting a fresh run", file=sys.stderr, flush=True)
         return []
     ckpt = read_checkpoint(path)
-    restore(parts, ckpt, path, denv, device)
-    state.load_state_dict(ckpt["train_state"])
     try:
-        source.load_state_dict(ckpt["data"])
+        source.load_state_dict(ckpt["data"])  # first: a layout that does not fit is the likeliest refusal
     except ValueError as err:
         raise ResumeError(f"{path}: {err}") from err
+    restore(parts, ckpt, path, denv, device, cfg.run.seed)
+    state.load_state_dict(ckpt["train_state"])
+    note = other_world_note(cfg, int(ckpt["run"]["world_size"]), path)
+    if note and denv.is_main:
+        print(note, file=sys.stderr, flush=True)
     return [Resumed(path, dict(ckpt["run"]))]
+
+
+def other_world_note(cfg: TrainConfig, saved_world: int, path: Path) -> str | None:
+    """The line a resume at another number of ranks prints: what stays equal and what does not."""
+    world = cfg.world_size
+    if saved_world == world:
+        return None
+    note = (f"{path.name}: written at {saved_world} ranks, resumed at {world} x {cfg.gradient_accumulation_steps} "
+            "micro-batches: every step trains on the same samples (with dropout the steps are equivalent, not equal)")
+    if world > 1 and cfg.data.balance != "none":
+        note += f"; --balance {cfg.data.balance} groups them into other micro-batches over {world} ranks"
+    if world > 1 and cfg.optim.clip_mode in ("before_allreduce", "bucketwise"):
+        note += (f"; --clip_mode {cfg.optim.clip_mode} clips each rank's gradient, now the sum of "
+                 f"{cfg.gradient_accumulation_steps} micro-batches")
+    return note
 
 
 def static_shape(cfg: TrainConfig, supplied: StaticShape | None) -> StaticShape | None:

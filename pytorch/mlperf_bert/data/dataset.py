@@ -4,7 +4,9 @@ The shard format lives in `shards`, validation in `data_validate`; this module d
 rank uses which item when.
 
 Order of the training data. Let n shards hold T items (rows) in all, W ranks each take
-b items per step (one micro-batch), seed s:
+b items per step (one micro-batch), seed s. (The trainer's "ranks" here are the micro-batch
+slots of a step, ranks x accumulation steps, `input/slots.py`; at one micro-batch per step,
+the ranks.)
 - Pass e orders the shards by a permutation drawn from (s, e) and the rows of each shard by
   a permutation drawn from (s, e, shard). G_e is the resulting sequence of all T items.
 - The stream is G_0 G_1 G_2 ... . Epoch e's steps cover X_e = (the tail of G_{e-1} that
@@ -39,7 +41,8 @@ from .shards import DataError, folder_problems, list_shards, shard_info
 discover_shards = list_shards  # the trainer's name: the sorted shards of --input_dir / --eval_dir
 
 __all__ = [
-    "DataError", "DataLimits", "DataPosition", "Piece", "PretrainingDataset", "StreamLayout",
+    "DataError", "DataLimits", "DataPosition", "Piece", "PretrainingDataset", "ShardReader", "ShardReaders",
+    "StreamLayout",
     "discover_shards", "load_eval_set", "read_shard",
 ]
 
@@ -143,14 +146,22 @@ class DataPosition:
     step: int
 
 
-class _ShardCache:
-    """Shards as lists of items, read on one background thread so the next shard is ready early."""
+class ShardReader:
+    """A list of shards: their row counts (hdf5 metadata, read once) and the shards loaded as lists
+    of items, read on one background thread so the next shard is ready early.
+
+    Several streams over the same shards (a rank's micro-batch slots, `input/slots.py`) may share
+    one: one thread, one copy of a shard that several of them read. Each user says which shards
+    it still needs (`keep_only`); a shard stays loaded while any user needs it.
+    """
 
     def __init__(self, paths: Sequence[Path], limits: DataLimits):
-        self.paths = list(paths)
+        self.paths = [Path(p) for p in paths]
         self.limits = limits
+        self.counts = [shard_info(p)[1] for p in self.paths]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-reader")
         self._loaded: dict[int, Future] = {}
+        self._needed: dict[int, set[int]] = {}  # id of a user -> the shards it keeps
 
     def request(self, shard: int) -> None:
         if shard not in self._loaded:
@@ -160,13 +171,33 @@ class _ShardCache:
         self.request(shard)
         return self._loaded[shard].result()
 
-    def keep_only(self, shards: set[int]) -> None:
-        for shard in [s for s in self._loaded if s not in shards]:
+    def keep_only(self, user: object, shards: set[int]) -> None:
+        """`user` needs only `shards` from now on; shards no user needs are dropped."""
+        self._needed[id(user)] = set(shards)
+        kept = set().union(*self._needed.values())
+        for shard in [s for s in self._loaded if s not in kept]:
             self._loaded.pop(shard).cancel()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._loaded.clear()
+
+
+class ShardReaders:
+    """One `ShardReader` per list of shards, for streams that share them; closed by its maker after them."""
+
+    def __init__(self) -> None:
+        self._readers: dict[tuple[tuple[Path, ...], DataLimits], ShardReader] = {}
+
+    def get(self, paths: Sequence[Path], limits: DataLimits) -> ShardReader:
+        key = (tuple(Path(p) for p in paths), limits)
+        if key not in self._readers:
+            self._readers[key] = ShardReader(key[0], limits)
+        return self._readers[key]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
 
 
 class PretrainingDataset:
@@ -176,23 +207,28 @@ class PretrainingDataset:
     shard is validated by `read_shard` when it is first read; row counts are read up front
     from metadata. `read_ahead` loads the next shard on a background thread. Iteration never
     ends; the caller stops after its step budget. `position` is the next step to yield.
+    readers: where to get the shard reader when several streams share one (their maker closes
+    it); None: the stream reads on its own.
     """
 
     def __init__(
         self, shards: Sequence[Path], limits: DataLimits, *, rank: int, world_size: int,
-        items_per_rank_step: int, seed: int, read_ahead: bool = True,
+        items_per_rank_step: int, seed: int, read_ahead: bool = True, readers: ShardReaders | None = None,
     ):
         _check_stream_args(shards, rank, world_size, items_per_rank_step, seed)
         self.rank = rank
         self.read_ahead = read_ahead
-        self.layout = StreamLayout([shard_info(p)[1] for p in shards], world_size, items_per_rank_step, seed)
+        self._own_reader = readers is None
+        self._reader = ShardReader(shards, limits) if readers is None else readers.get(shards, limits)
+        self.layout = StreamLayout(self._reader.counts, world_size, items_per_rank_step, seed)
         if self.layout.total_items < self.layout.global_step_items:
+            self.close()
             raise DataError(
                 f"{Path(shards[0]).parent}: {self.layout.total_items} items in {len(shards)} shards, fewer than "
-                f"one global step ({world_size} ranks x {items_per_rank_step}); use more data or a smaller batch"
+                f"one global step ({world_size} micro-batches of {items_per_rank_step}); use more data or a "
+                "smaller batch"
             )
         self.position = DataPosition(0, 0)
-        self._cache = _ShardCache([Path(p) for p in shards], limits)
         self._prefetch()
 
     @property
@@ -203,7 +239,7 @@ class PretrainingDataset:
         return self.layout.steps_in_epoch(epoch)
 
     def _take(self, piece: Piece) -> list[Item]:
-        items = self._cache.items(piece.shard)
+        items = self._reader.items(piece.shard)
         rows = self.layout.row_order(piece.order_epoch, piece.shard)[piece.start:piece.stop]
         return [items[i] for i in rows]
 
@@ -225,10 +261,10 @@ class PretrainingDataset:
         """Keeps only the shards of the next step and starts loading them plus the shard after."""
         needed = [p.shard for p in self.layout.step_pieces(self.position.epoch, self.rank, self.position.step)]
         ahead = [s for s in self._upcoming_shards() if s not in needed][:1]
-        self._cache.keep_only(set(needed) | set(ahead))
+        self._reader.keep_only(self, set(needed) | set(ahead))
         if self.read_ahead:
             for shard in needed + ahead:
-                self._cache.request(shard)
+                self._reader.request(shard)
 
     def next_batch(self) -> list[Item]:
         """The items of the current step; then moves on one step (into the next epoch at its end)."""
@@ -268,7 +304,10 @@ class PretrainingDataset:
         self._prefetch()
 
     def close(self) -> None:
-        self._cache.close()
+        if self._own_reader:
+            self._reader.close()
+        else:
+            self._reader.keep_only(self, set())
 
     def __enter__(self) -> "PretrainingDataset":
         return self

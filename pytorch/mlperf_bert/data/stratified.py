@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .batch import Item
-from .dataset import DataError, DataLimits, PretrainingDataset, discover_shards
+from .dataset import DataError, DataLimits, PretrainingDataset, ShardReaders, discover_shards
 
 STRATA_FILE = "strata.json"
 STRATUM_BOUNDS = (128, 256, 384, 512)  # upper bounds of the length strata, tokens
@@ -117,11 +117,13 @@ class StratifiedDataset:
     """This rank's stream of stratified micro-batches; the `PretrainingDataset` interface.
 
     Stratum k's stream uses seed `seed * S + k` (S strata), so the strata shuffle independently
-    and the same seed gives the same batches.
+    and the same seed gives the same batches. readers: shared by several streams over the folder
+    (`PretrainingDataset`).
     """
 
     def __init__(self, input_dir: Path | str, limits: DataLimits, *, rank: int, world_size: int,
-                 items_per_rank_step: int, seed: int, read_ahead: bool = True) -> None:
+                 items_per_rank_step: int, seed: int, read_ahead: bool = True,
+                 readers: ShardReaders | None = None) -> None:
         self.strata = Strata.read(input_dir)
         self.per_batch = self.strata.per_batch(items_per_rank_step)
         num = len(self.per_batch)
@@ -130,7 +132,8 @@ class StratifiedDataset:
             for k in (k for k in range(num) if self.per_batch[k] > 0):
                 self.streams[k] = PretrainingDataset(
                     discover_shards(stratum_dir(input_dir, k)), limits, rank=rank, world_size=world_size,
-                    items_per_rank_step=self.per_batch[k], seed=seed * num + k, read_ahead=read_ahead)
+                    items_per_rank_step=self.per_batch[k], seed=seed * num + k, read_ahead=read_ahead,
+                    readers=readers)
                 _check_total(input_dir, k, self.streams[k].total_items, self.strata.counts[k])
         except BaseException:
             self.close()

@@ -1,9 +1,10 @@
 """Which `BatchSource` a run's --balance builds, over which stream, after which data check.
 
 `open_batch_source` is the one entry: it checks the training folder on every rank
-(`check_input_data`), opens the rank's stream (plain shards or a stratified folder) and wraps
-it in the source of the configured policy (`sources.py` says what each policy does). The
-MPI-backed `cpu_exchange` source is imported only when chosen: mpi4py starts MPI on import.
+(`check_input_data`), opens the rank's stream (its micro-batch slots, `slots.py`, over plain
+shards or a stratified folder) and wraps it in the source of the configured policy
+(`sources.py` says what each policy does). The MPI-backed `cpu_exchange` source is imported
+only when chosen: mpi4py starts MPI on import.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ..config.settings import TrainConfig
-from ..data.dataset import DataError, DataLimits, PretrainingDataset, discover_shards
+from ..data.dataset import DataError, DataLimits, PretrainingDataset, ShardReaders, discover_shards
 from ..data.stratified import StratifiedDataset, is_stratified
 from ..data.integrity import check_integrity
 from ..data.validate import check_dataset
 from ..runtime.distributed import DistEnv
 from .exchange import TorchCollectives
+from .slots import SlotLayout, SlotStream
 from .sources import BatchSource, ExchangeSource, ItemStream, LocalSource, TokenMeter
 
 
@@ -47,13 +49,25 @@ def check_input_data(input_dir: str, limits: DataLimits, denv: DistEnv, eval_dir
         raise problem
 
 
-def open_stream(input_dir: str, limits: DataLimits, denv: DistEnv, micro_batch: int, seed: int) -> ItemStream:
-    """The rank's stream: stratified when `input_dir` holds strata.json, else plain shards."""
+def open_stream(input_dir: str, limits: DataLimits, denv: DistEnv, micro_batch: int, seed: int,
+                accumulation: int = 1) -> ItemStream:
+    """The rank's micro-batch slots (`slots.py`) over stratified folders (strata.json) or plain shards.
+
+    accumulation: micro-batches per optimizer step (--gradient_accumulation_steps).
+    """
+    layout = SlotLayout(denv.world_size, accumulation, micro_batch)
+    readers = ShardReaders()
     if is_stratified(input_dir):
-        return StratifiedDataset(input_dir, limits, rank=denv.rank, world_size=denv.world_size,
-                                 items_per_rank_step=micro_batch, seed=seed)
-    return PretrainingDataset(discover_shards(input_dir), limits, rank=denv.rank, world_size=denv.world_size,
-                              items_per_rank_step=micro_batch, seed=seed)
+        def make(slot: int) -> ItemStream:
+            return StratifiedDataset(input_dir, limits, rank=slot, world_size=layout.slots,
+                                     items_per_rank_step=micro_batch, seed=seed, readers=readers)
+    else:
+        shards = discover_shards(input_dir)
+
+        def make(slot: int) -> ItemStream:
+            return PretrainingDataset(shards, limits, rank=slot, world_size=layout.slots,
+                                      items_per_rank_step=micro_batch, seed=seed, readers=readers)
+    return SlotStream.open(make, layout, denv.rank, readers)
 
 
 def world_group() -> dist.ProcessGroup:
@@ -83,7 +97,8 @@ def open_batch_source(cfg: TrainConfig, denv: DistEnv, limits: DataLimits) -> Ba
     """Builds the configured source; the caller closes it. Every rank calls it at the same point."""
     assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
     check_input_data(cfg.data.input_dir, limits, denv, cfg.data.eval_dir, cfg.eval.num_eval_examples)
-    stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed)
+    stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed,
+                         cfg.gradient_accumulation_steps)
     try:
         return _balanced(stream, cfg, denv)
     except BaseException:

@@ -1,8 +1,9 @@
 """Where a rank's training micro-batches come from: the data stream plus load balancing.
 
 A `BatchSource` hands the trainer this rank's items for the next micro-batch. The stream
-under it is the rank's own slice of the shuffled data (`data.PretrainingDataset`), or of each
-length stratum when --input_dir is a stratified folder (`stratified.StratifiedDataset`).
+under it is the rank's micro-batch slots (`slots.SlotStream`), each its own slice of the
+shuffled data (`data.PretrainingDataset`), or of each length stratum when --input_dir is a
+stratified folder (`stratified.StratifiedDataset`).
 The policies (`--balance`, deal order `--balance_deal`) redistribute the samples of each
 step across ranks; every rank keeps B samples and the step's samples stay the same:
 
@@ -37,7 +38,7 @@ from .exchange import Collectives, exchange
 
 
 class ItemStream(Protocol):
-    """A rank's stream of micro-batches: `PretrainingDataset` or `StratifiedDataset`."""
+    """A rank's stream of micro-batches: `PretrainingDataset`, `StratifiedDataset`, `slots.SlotStream`."""
 
     def next_batch(self) -> list[Item]: ...
 

@@ -16,11 +16,12 @@ a checkpoint cannot run code.
   sharded optimizer gathers its moments on every rank, so the file does not depend on sharding
   or on the number of ranks that shared the state), `scaler` (fp16 only, else None);
 - `train_state`: `TrainState.state_dict()` (steps, samples, skipped steps, evals so far);
-- `data`: `BatchSource.state_dict()`: the stream position (epoch, step) plus the seed, world
-  size, items per rank step and total items it depends on. The shard order of an epoch, the
-  shard a rank reads and the offset in it are pure functions of (seed, epoch, step) (data/dataset.py),
-  so these integers are the whole data position; a resume with other data, seed, ranks or
-  batch size is refused.
+- `data`: `BatchSource.state_dict()`: the micro-batch slots of a step (M = ranks x accumulation
+  steps, each of b items; input/slots.py) and the stream position (epoch, step) plus the seed
+  and total items it depends on. The shard order of an epoch, the shard a slot reads and the
+  offset in it are pure functions of (seed, epoch, step) (data/dataset.py), so these integers
+  are the whole data position, the same for every rank; a resume with other data, seed, M or b
+  is refused (the message says which flags give the saved M and b at this run's rank count).
 - `rng`: one entry per rank (index = rank): torch's CPU generator, the CUDA generator of the
   rank's device, numpy's and Python's global generators. Gathered to rank 0 at every checkpoint
   (about 8 KB per rank, 8 MB at 1,024 ranks) so that one file, published by one rename, holds the
@@ -32,6 +33,17 @@ Resume: rank 0 picks the file (`auto`: the newest in the folder, or none) and te
 every rank reads it (memory-mapped, so ranks on one node share the pages), loads the model,
 optimizer and scaler, and takes its own RNG entry. The trainer restores the train state and
 the data position.
+
+Another number of ranks: everything but `rng` is free of the world size, so a run saved at W
+ranks resumes at W' ranks when the slots stay the same (W' x A' = W x A, same micro-batch): every
+later step trains on the same samples, and with dropout 0 the weights equal the uninterrupted
+run's up to the order of the gradient sums (tests/test_resume_world_size.py). A rank without a
+saved RNG entry gets a state derived from the run seed, its rank and the samples consumed
+(`derived_rng_seed`), and each rank's generator now draws for other slots than before: dropout
+masks differ, so with dropout the steps are equivalent, not equal.
+
+VERSION 2: the data position counts micro-batch slots; version 1's depended on the rank count
+and is refused.
 """
 
 from __future__ import annotations
@@ -55,7 +67,7 @@ from ..optim.loss_scale import LossScaler
 from ..runtime.files import TEMP_MARK, atomic_file
 
 FORMAT = "mlperf_bert.run_checkpoint"
-VERSION = 1
+VERSION = 2
 NAME = re.compile(r"ckpt-(\d{12,})\.pt")
 REQUIRED_KEYS = ("model", "optimizer", "scaler", "train_state", "data", "rng", "run")
 
@@ -248,18 +260,22 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ResumeError(f"{path}: not a run checkpoint of this trainer (an init checkpoint goes to "
                           "--init_checkpoint)")
+    if ckpt.get("version") == 1:
+        raise ResumeError(f"{path}: checkpoint version 1, written by an older trainer whose data position depends "
+                          "on the number of ranks; resume it with that trainer, or start a fresh run")
     if ckpt.get("version") != VERSION or any(k not in ckpt for k in REQUIRED_KEYS):
         raise ResumeError(f"{path}: checkpoint version {ckpt.get('version')} or its keys do not match this "
                           f"trainer (version {VERSION}); resume with the trainer that wrote it")
     return ckpt
 
 
-def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEnv, device: torch.device) -> None:
-    """Loads model, optimizer, scaler and this rank's generators (train state and data: the caller)."""
-    saved_world = ckpt["run"].get("world_size")
-    if saved_world != denv.world_size:
-        raise ResumeError(f"{path}: written by {saved_world} ranks, this run has {denv.world_size}; "
-                          "resume with the same number of ranks")
+def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEnv, device: torch.device,
+            seed: int) -> None:
+    """Loads model, optimizer, scaler and this rank's generators (train state and data: the caller).
+
+    Any number of ranks: a rank the checkpoint has no RNG entry for (more ranks than the run that
+    wrote it) seeds its generators from `derived_rng_seed(seed, rank, samples)`.
+    """
     try:
         parts.model.load_state_dict(ckpt["model"], strict=True)
         parts.optimizer.load_state_dict(ckpt["optimizer"])
@@ -268,4 +284,20 @@ def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEn
                           "--bert_config_path and --optimizer") from err
     if parts.scaler is not None and ckpt["scaler"]:
         parts.scaler.load_state_dict(ckpt["scaler"])
-    set_rng_state(ckpt["rng"][denv.rank], device)
+    if denv.rank < len(ckpt["rng"]):
+        set_rng_state(ckpt["rng"][denv.rank], device)
+    else:
+        seed_generators(derived_rng_seed(seed, denv.rank, int(ckpt["train_state"]["samples"])))
+
+
+def derived_rng_seed(seed: int, rank: int, samples: int) -> int:
+    """A 64-bit seed for a rank the checkpoint has no RNG state of: the same at every resume of that
+    checkpoint, different for each rank and each point of the run."""
+    return int(np.random.SeedSequence([seed, rank, samples]).generate_state(1, np.uint64)[0])
+
+
+def seed_generators(seed: int) -> None:
+    """torch (CPU and every CUDA device), numpy's and Python's global generators from one seed."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
