@@ -44,7 +44,7 @@ from mlperf_bert.data.shards import (
     from_varlength, layout_checks, offsets, open_shard,
 )
 
-BLOCK_ROWS = 1 << 15
+BLOCK_ROWS = 4096  # rows per read: a few MB per array, so the passes over a block run from the CPU cache
 NO_EVAL = np.zeros(0, np.uint64)
 MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token each in A and B
 
@@ -135,35 +135,61 @@ def _packed_layout_checks(a: dict[str, np.ndarray], limits: Limits) -> list[tupl
     ]
 
 
-def _per_sequence(bad: np.ndarray, owner: np.ndarray, count: int) -> np.ndarray:
-    """[count] True where sequence owner[i] has a bad entry i."""
-    return np.bincount(owner[bad], minlength=count)[:count] > 0
+def _per_sequence(bad: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """[N] True where a sequence holds a bad entry; bounds: [N+1] its entries' offsets (`offsets`).
+
+    Only the bad entries are looked up, so a clean block costs one pass over `bad` and no
+    per-entry owner array.
+    """
+    out = np.zeros(bounds.shape[0] - 1, bool)
+    out[np.searchsorted(bounds, np.flatnonzero(bad), side="right") - 1] = True
+    return out
 
 
-def _structure_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str]]:
+def _outside(values: np.ndarray, upper: int) -> np.ndarray:
+    """values < 0 or values >= upper, in one pass: a negative integer read as unsigned is >= upper."""
+    if values.dtype.kind != "i" or upper > np.iinfo(values.dtype).max:
+        return (values < 0) | (values >= upper)
+    return np.asarray(values.view(values.dtype.str.replace("i", "u")) >= upper)
+
+
+def _segment_a_lengths(s: Samples, bounds: np.ndarray) -> np.ndarray:
+    """[N] tokens with segment id 0 per sequence: [CLS] A [SEP] in a valid one."""
+    prefix = np.zeros(s.segment_ids.shape[0] + 1, np.int64)
+    np.cumsum(s.segment_ids == 0, out=prefix[1:])
+    return prefix[bounds[1:]] - prefix[bounds[:-1]]
+
+
+def _sequence_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str]]:
+    """(bad sequences, problem) for every per-sequence rule; the A-segment lengths are shared."""
+    bounds = offsets(s.lengths)
+    a_len = _segment_a_lengths(s, bounds)
+    return _structure_checks(s, limits, bounds, a_len) + _prediction_checks(s, limits, a_len)
+
+
+def _structure_checks(s: Samples, limits: Limits, bounds: np.ndarray,
+                      a_len: np.ndarray) -> list[tuple[np.ndarray, str]]:
     """(bad sequences, problem): lengths, [CLS]/[SEP] layout, segments, ids, labels."""
-    count, n = len(s), s.lengths
-    token_owner = np.repeat(np.arange(count), n)
-    start = offsets(n)[:-1]
+    n, start = s.lengths, bounds[:-1]
     nonempty = n > 0
     first, last = start[nonempty], (start + n - 1)[nonempty]
-    seg = s.segment_ids.astype(np.int64)
-    in_seq = np.ones(seg.shape[0], bool)
-    in_seq[start[nonempty]] = False  # a segment may only grow inside a sequence
+    seg = s.segment_ids
+    decreases = np.zeros(seg.shape[0], bool)
+    np.less(seg[1:], seg[:-1], out=decreases[1:])
+    decreases[first] = False  # a segment may only grow inside a sequence
     checks = [
         (n < MIN_LENGTH, f"sequence shorter than {MIN_LENGTH} tokens ([CLS] A [SEP] B [SEP])"),
         (n > limits.max_seq_length, f"sequence longer than max_seq_length={limits.max_seq_length}"),
         (s.num_predictions > limits.max_predictions, f"more than max_predictions={limits.max_predictions} predictions"),
         ((s.next_sentence_labels != 0) & (s.next_sentence_labels != 1), "next_sentence_labels is not 0 or 1"),
-        (_per_sequence((seg != 0) & (seg != 1), token_owner, count), "segment_ids other than 0 and 1"),
-        (_per_sequence(in_seq & (np.diff(seg, prepend=0) < 0), token_owner, count), "segment_ids decrease (1 then 0)"),
+        (_per_sequence(_outside(seg, 2), bounds), "segment_ids other than 0 and 1"),
+        (_per_sequence(decreases, bounds), "segment_ids decrease (1 then 0)"),
         (_scatter(nonempty, (seg[first] != 0) | (seg[last] != 1)), "segment_ids do not start with 0 and end with 1"),
     ]
     if limits.vocab_size is not None:
-        outside = (s.input_ids < 0) | (s.input_ids >= limits.vocab_size)
-        checks.append((_per_sequence(outside, token_owner, count), f"input_ids outside [0, {limits.vocab_size})"))
+        checks.append((_per_sequence(_outside(s.input_ids, limits.vocab_size), bounds),
+                       f"input_ids outside [0, {limits.vocab_size})"))
     if limits.cls_id is not None and limits.sep_id is not None:
-        a_len = np.bincount(token_owner, weights=(seg == 0), minlength=count).astype(np.int64)
         sep_a = (start + np.maximum(a_len, 1) - 1)[nonempty]
         wrong = (s.input_ids[first] != limits.cls_id) | (s.input_ids[last] != limits.sep_id) | (
             s.input_ids[sep_a] != limits.sep_id)
@@ -177,22 +203,20 @@ def _scatter(where: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _prediction_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str]]:
+def _prediction_checks(s: Samples, limits: Limits, a_len: np.ndarray) -> list[tuple[np.ndarray, str]]:
     """(bad sequences, problem): masked positions inside the sequence, ascending; labels in vocab."""
-    count = len(s)
-    owner = np.repeat(np.arange(count), s.num_predictions)
+    bounds = offsets(s.num_predictions)
+    owner = np.repeat(np.arange(len(s)), s.num_predictions)
     pos = s.masked_lm_positions.astype(np.int64)
-    a_len = np.bincount(np.repeat(np.arange(count), s.lengths), weights=(s.segment_ids == 0), minlength=count)
-    sep_a = a_len.astype(np.int64)[owner] - 1
+    sep_a = a_len[owner] - 1
     same = np.concatenate([[False], owner[1:] == owner[:-1]])
     checks = [
-        (_per_sequence((pos < 1) | (pos >= s.lengths[owner] - 1) | (pos == sep_a), owner, count),
+        (_per_sequence((pos < 1) | (pos >= s.lengths[owner] - 1) | (pos == sep_a), bounds),
          "a masked position outside the sequence or on [CLS]/[SEP]"),
-        (_per_sequence(same & (np.diff(pos, prepend=0) <= 0), owner, count), "masked positions not ascending"),
+        (_per_sequence(same & (np.diff(pos, prepend=0) <= 0), bounds), "masked positions not ascending"),
     ]
     if limits.vocab_size is not None:
-        ids = s.masked_lm_ids
-        checks.append((_per_sequence((ids < 0) | (ids >= limits.vocab_size), owner, count),
+        checks.append((_per_sequence(_outside(s.masked_lm_ids, limits.vocab_size), bounds),
                        f"masked_lm_ids outside [0, {limits.vocab_size})"))
     return checks
 
@@ -227,7 +251,7 @@ def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, 
             return
         samples, local_rows = from_packed(arrays)
         seq_rows = rows[local_rows]
-    for bad, what in _structure_checks(samples, limits) + _prediction_checks(samples, limits):
+    for bad, what in _sequence_checks(samples, limits):
         report.flag(bad, seq_rows, what)
     seen.add(samples, seq_rows, eval_set)
     report.sequences += len(samples)

@@ -172,3 +172,60 @@ def test_missing_key_and_non_hdf5_file(folders, tmp_path, capsys):
     assert code == 1
     assert f"{shard}: key 'masked_lm_ids' missing" in out
     assert f"{folder / 'notes.hdf5'}: cannot be opened as hdf5" in out
+
+
+def _rules_one_by_one(s: Samples, limits) -> dict[str, set[int]]:
+    """Every per-sequence rule written plainly, one sequence at a time: the reference for the
+    vectorised checks. Keys are words of the problem line each rule prints."""
+    found: dict[str, set[int]] = {}
+    token_at, pred_at = np.r_[0, np.cumsum(s.lengths)], np.r_[0, np.cumsum(s.num_predictions)]
+    for i in range(len(s)):
+        n = int(s.lengths[i])
+        ids = s.input_ids[token_at[i]:token_at[i + 1]].tolist()
+        seg = s.segment_ids[token_at[i]:token_at[i + 1]].tolist()
+        pos = s.masked_lm_positions[pred_at[i]:pred_at[i + 1]].tolist()
+        labels = s.masked_lm_ids[pred_at[i]:pred_at[i + 1]].tolist()
+        a_len = seg.count(0)
+        broken = {
+            "shorter than": n < 5,
+            "longer than": n > limits.max_seq_length,
+            "more than max_predictions": len(pos) > limits.max_predictions,
+            "next_sentence_labels": int(s.next_sentence_labels[i]) not in (0, 1),
+            "other than 0 and 1": any(v not in (0, 1) for v in seg),
+            "decrease": any(b < a for a, b in zip(seg, seg[1:])),
+            "start with 0": n > 0 and (seg[0] != 0 or seg[-1] != 1),
+            "input_ids outside": any(not 0 <= v < limits.vocab_size for v in ids),
+            "special tokens": n > 0 and (ids[0] != CLS or ids[-1] != SEP or ids[max(a_len, 1) - 1] != SEP),
+            "outside the sequence": any(p < 1 or p >= n - 1 or p == a_len - 1 for p in pos),
+            "not ascending": any(b <= a for a, b in zip(pos, pos[1:])),
+            "masked_lm_ids outside": any(not 0 <= v < limits.vocab_size for v in labels),
+        }
+        for word, bad in broken.items():
+            if bad:
+                found.setdefault(word, set()).add(i)
+    return found
+
+
+def test_vectorised_sequence_rules_equal_the_rules_applied_one_sequence_at_a_time():
+    from data_prep.verify_dataset import Limits, _sequence_checks
+
+    rng = np.random.default_rng(7)
+    s = valid_samples(400, seed=3)
+    # Damage a random fifth of every column with values around each rule's edges (negatives,
+    # the vocabulary's end, segment ids 2 and -1, positions 0 and past the end), and empty and
+    # over-long sequences by moving lengths between neighbours (the token total stays).
+    for column, low, high in ((s.input_ids, -3, VOCAB + 3), (s.segment_ids, -1, 3), (s.masked_lm_ids, -3, VOCAB + 3),
+                              (s.masked_lm_positions, -2, 520), (s.next_sentence_labels, -1, 3)):
+        hit = rng.random(column.shape[0]) < 0.2
+        column[hit] = rng.integers(low, high, int(hit.sum()))
+    for i in rng.choice(len(s) - 1, 20, replace=False):
+        moved = int(s.lengths[i])
+        s.lengths[i], s.lengths[i + 1] = 0, s.lengths[i + 1] + moved
+    limits = Limits(300, 40, VOCAB, CLS, SEP)
+    got = {message: set(np.flatnonzero(bad).tolist()) for bad, message in _sequence_checks(s, limits)}
+    expected = _rules_one_by_one(s, limits)
+    assert len(got) == 12
+    for word in expected.keys() | {"decrease", "special tokens"}:
+        message = next(m for m in got if word in m)
+        assert got[message] == expected.get(word, set()), message
+    assert all(expected.get(word) for word in ("decrease", "special tokens", "outside the sequence", "longer than"))

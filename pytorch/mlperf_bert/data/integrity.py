@@ -63,14 +63,6 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _segment_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[N] uint64 sums (mod 2^64) of consecutive runs of `values` of the given lengths (0 allowed)."""
-    prefix = np.zeros(values.shape[0] + 1, dtype=np.uint64)
-    np.cumsum(values, dtype=np.uint64, out=prefix[1:])
-    bounds = offsets(lengths)
-    return prefix[bounds[1:]] - prefix[bounds[:-1]]
-
-
 def _weighted(keys: np.ndarray, lengths: np.ndarray, table: np.ndarray) -> np.ndarray:
     """[N] sum over each sequence of key * table[position in the sequence], mod 2^64.
 
@@ -79,17 +71,23 @@ def _weighted(keys: np.ndarray, lengths: np.ndarray, table: np.ndarray) -> np.nd
     no real entry has: a token key holds its id (never 0, [PAD]) and a prediction its position
     (never 0, [CLS]), and lengths are hashed apart.
     """
+    bounds = offsets(lengths)
     within = np.arange(keys.shape[0], dtype=np.int64)
-    within -= np.repeat(offsets(lengths)[:-1], lengths)
-    keys *= table[within]
-    return _segment_sums(keys, lengths)
+    within -= np.repeat(bounds[:-1], lengths)
+    np.multiply(keys, table[within], out=keys)
+    prefix = np.zeros(keys.shape[0] + 1, dtype=np.uint64)
+    np.cumsum(keys, dtype=np.uint64, out=prefix[1:])
+    return prefix[bounds[1:]] - prefix[bounds[:-1]]
 
 
 def _packed(high: np.ndarray, low: np.ndarray, shift: int) -> np.ndarray:
-    """uint64 keys high << shift | low (low non-negative and below 2^shift in valid data)."""
-    keys = high.astype(np.uint64)
-    keys <<= np.uint64(shift)
-    keys += low.astype(np.int64).view(np.uint64)
+    """uint64 keys high << shift | low (low non-negative and below 2^shift in valid data).
+
+    Each ufunc casts as it goes (a negative low wraps, as int64 viewed as uint64 would), so the
+    keys cost two passes and no temporary.
+    """
+    keys = np.left_shift(high, shift, dtype=np.uint64, casting="unsafe")
+    np.add(keys, low, out=keys, dtype=np.uint64, casting="unsafe")
     return keys
 
 

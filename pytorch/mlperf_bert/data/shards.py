@@ -201,8 +201,9 @@ def to_varlength(samples: Samples) -> dict[str, np.ndarray]:
 
 
 def _join_rows(rows: np.ndarray, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=rows.shape[0])
-    flat: np.ndarray = np.concatenate(list(rows)).astype(dtype) if rows.shape[0] else np.zeros(0, dtype)
+    # map(len) and concatenate's own cast: one pass over the rows each (h5py hands one array per row)
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=rows.shape[0])
+    flat: np.ndarray = np.concatenate(list(rows), dtype=dtype) if rows.shape[0] else np.zeros(0, dtype)
     return flat, lengths
 
 
