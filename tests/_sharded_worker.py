@@ -122,15 +122,18 @@ def fp16(rank: int) -> dict:
             scaler = DeviceLossScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
             step = GraphedStep(ddp, capturable(optimizer(net, "lamb", mode, sharded), SCHEDULE), examples(rank),
                                "fp32", scaler=scaler, clip=clip)
-            scales = []
+            scales, before, path = [], flat(net), torch.zeros_like(flat(net))
             for i in range(STEPS):
                 index[0] = i
                 step([rows(rank, i, m) for m in range(ACCUMULATION)], 0.0)  # the device schedule sets the lr
                 scales.append(float(scaler.scale_tensor))
+                after = flat(net)
+                path += (after - before).abs()
+                before = after
             reading = scaler.read()
             run["sharded" if sharded else "unsharded"] = {
                 "scales": scales, "applied": reading.applied_steps, "skipped": reading.skipped_steps,
-                "weights": flat(net)}
+                "weights": before, "path": path}
         out[mode.value] = run
     return out
 

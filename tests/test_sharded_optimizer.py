@@ -126,14 +126,15 @@ def test_distributed_optimizer_step_makes_one_reduce_scatter_one_all_gather_and_
 def test_sharded_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(records, mode):
     """Device loss scaling, graphed step: infinite activations on rank 1 at steps 2 and 3 only. Every
     rank skips both (the reduced gradient carries the inf to whichever rank owns it, and the sharded
-    step agrees), the scale backs off and grows as unsharded, and the weights stay equal."""
+    step agrees), the scale backs off and grows as unsharded, and the weights stay equal within the
+    roundings of the module docstring (a weight near 1.0, a LayerNorm's, may land one ulp apart)."""
     ranks = records["fp16-w2"]
     for record in ranks:
         unsharded, sharded = record[mode]["unsharded"], record[mode]["sharded"]
         assert sharded["skipped"] == unsharded["skipped"] == 2
         assert sharded["applied"] == unsharded["applied"] == 4
         assert sharded["scales"] == unsharded["scales"]
-        torch.testing.assert_close(sharded["weights"], unsharded["weights"], rtol=0, atol=1e-7)
+        assert_within_rounding(sharded["weights"], unsharded["weights"], unsharded["path"], STEPS)
     assert torch.equal(ranks[0][mode]["sharded"]["weights"], ranks[1][mode]["sharded"]["weights"])
 
 
