@@ -207,3 +207,21 @@ def test_leaked_marks_exactly_the_members():
     eval_set = np.array([3, 9, 27], np.uint64)
     assert leaked(np.array([1, 3, 27, 28, 9], np.uint64), eval_set).tolist() == [False, True, True, False, True]
     assert not leaked(np.array([5], np.uint64), np.zeros(0, np.uint64)).any()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 97])
+def test_a_sequence_hash_does_not_depend_on_how_the_tokens_are_chunked(demo_data, monkeypatch, chunk):
+    """Runs of CHUNK_TOKENS tokens are hashed together: a run may end inside a long sequence's
+    neighbour or hold only empty sequences; each sequence's hash is still its own."""
+    samples = read_samples(list_shards(demo_data / "train")[0]).slice(0, 40)
+    # Empty sequences (first, last and in the middle): their tokens move to a neighbour.
+    for empty, neighbour in ((0, 1), (20, 21), (39, 38)):
+        samples.lengths[neighbour] += samples.lengths[empty]
+        samples.num_predictions[neighbour] += samples.num_predictions[empty]
+        samples.lengths[empty] = samples.num_predictions[empty] = 0
+    whole = sequence_hashes(samples)
+    monkeypatch.setattr("mlperf_bert.data.integrity.CHUNK_TOKENS", chunk)
+    assert np.array_equal(sequence_hashes(samples), whole)
+    one_by_one = [sequence_hashes(samples.slice(i, i + 1))[0] for i in range(len(samples))]
+    assert np.array_equal(np.array(one_by_one, np.uint64), whole)
+    assert len(set(whole.tolist())) == len({_key(samples, i) for i in range(len(samples))})
