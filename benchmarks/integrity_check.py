@@ -1,7 +1,7 @@
 """Cost of the dataset integrity checks (`mlperf_bert.data.integrity`).
 
     python benchmarks/integrity_check.py quick --out /tmp/quick --json quick.json
-    python benchmarks/integrity_check.py full --gigabytes 1 --json full.json
+    python benchmarks/integrity_check.py full --gigabytes 1 --json full.json [--baseline /tmp/base]
 
 quick: the trainer's start-up check (`check_integrity`) on a folder shaped like NVIDIA's
 `hdf5_4320_shards_varlength`: 4,320 varlength shards of 36,279 or 36,280 rows (156,726,829
