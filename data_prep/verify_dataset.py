@@ -41,7 +41,7 @@ from mlperf_bert.data.integrity import (
 )
 from mlperf_bert.data.shards import (
     FORMAT_KEYS, MANIFEST_NAME, REFUSED_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
-    from_varlength, layout_checks, offsets, open_shard,
+    from_varlength, layout_checks, offsets, open_shard, segment_sums,
 )
 
 BLOCK_ROWS = 4096  # rows per read: a few MB per array, so the passes over a block run from the CPU cache
@@ -153,17 +153,10 @@ def _outside(values: np.ndarray, upper: int) -> np.ndarray:
     return np.asarray(values.view(values.dtype.str.replace("i", "u")) >= upper)
 
 
-def _segment_a_lengths(s: Samples, bounds: np.ndarray) -> np.ndarray:
-    """[N] tokens with segment id 0 per sequence: [CLS] A [SEP] in a valid one."""
-    prefix = np.zeros(s.segment_ids.shape[0] + 1, np.int64)
-    np.cumsum(s.segment_ids == 0, out=prefix[1:])
-    return prefix[bounds[1:]] - prefix[bounds[:-1]]
-
-
 def _sequence_checks(s: Samples, limits: Limits) -> list[tuple[np.ndarray, str]]:
     """(bad sequences, problem) for every per-sequence rule; the A-segment lengths are shared."""
     bounds = offsets(s.lengths)
-    a_len = _segment_a_lengths(s, bounds)
+    a_len = segment_sums(s.segment_ids == 0, s.lengths, np.int64)  # [CLS] A [SEP] in a valid sequence
     return _structure_checks(s, limits, bounds, a_len) + _prediction_checks(s, limits, a_len)
 
 

@@ -38,7 +38,8 @@ import h5py
 import numpy as np
 
 from .shards import (
-    DataError, Samples, check_keys, decode, detect_format, list_shards, offsets, open_shard, read_arrays, read_picked,
+    DataError, Samples, check_keys, concat_ranges, decode, detect_format, list_shards, offsets, open_shard, read_arrays,
+    read_picked, segment_sums,
 )
 
 PROBE_ROWS = 64  # rows read from the middle of each shard by the quick check
@@ -64,17 +65,6 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _positions(lengths: np.ndarray, total: int) -> np.ndarray:
-    """[total] each entry's place in its sequence (0 at every start): ones, a jump back at each
-    start, one cumsum (cheaper than arange minus a repeat of the starts)."""
-    starts = offsets(lengths)[:-1][lengths > 0]
-    steps = np.ones(total, dtype=np.int64)
-    if total:
-        steps[0] = 0
-        steps[starts[1:]] = 1 - np.diff(starts)  # back from the previous start's place to 0
-    return np.cumsum(steps, out=steps)
-
-
 def _weighted(keys: np.ndarray, lengths: np.ndarray, table: np.ndarray) -> np.ndarray:
     """[N] sum over each sequence of key * table[position in the sequence], mod 2^64.
 
@@ -83,12 +73,9 @@ def _weighted(keys: np.ndarray, lengths: np.ndarray, table: np.ndarray) -> np.nd
     no real entry has: a token key holds its id (never 0, [PAD]) and a prediction its position
     (never 0, [CLS]), and lengths are hashed apart.
     """
-    np.multiply(keys, np.take(table, _positions(lengths, keys.shape[0])), out=keys)
-    sums = np.zeros(lengths.shape[0], dtype=np.uint64)
-    full = lengths > 0
-    if full.any():  # reduceat sums from each start to the next; empty sequences have none
-        sums[full] = np.add.reduceat(keys, offsets(lengths)[:-1][full])
-    return sums
+    places = concat_ranges(np.zeros_like(lengths), lengths)
+    np.multiply(keys, np.take(table, places), out=keys)
+    return segment_sums(keys, lengths)
 
 
 def _packed(high: np.ndarray, low: np.ndarray, shift: int) -> np.ndarray:

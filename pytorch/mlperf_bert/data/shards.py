@@ -65,11 +65,30 @@ class DataError(ValueError):
 # ---------------------------------------------------------------- flat sequences in memory
 
 def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[sum(lengths)] int64: start_0 .. start_0+len_0-1, start_1 .. , as one vector."""
+    """[sum(lengths)] int64: start_0 .. start_0+len_0-1, start_1 .. , as one vector.
+
+    Ones with a jump at the first entry of each range, summed up: one cumsum, no repeat of the
+    starts (the per-token step of the integrity hashes and of `Samples.take`).
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    shift = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
-    return np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64) + shift
+    full = lengths > 0
+    begin, size = np.broadcast_to(np.asarray(starts, dtype=np.int64), lengths.shape)[full], lengths[full]
+    out = np.ones(int(lengths.sum()), dtype=np.int64)
+    if out.size:
+        first = offsets(size)[:-1]  # where each non-empty range begins in `out`
+        out[0] = begin[0]
+        out[first[1:]] = begin[1:] - (begin[:-1] + size[:-1] - 1)  # from the last of the previous range
+    return np.cumsum(out, out=out)
+
+
+def segment_sums(values: np.ndarray, lengths: np.ndarray, dtype: type | None = None) -> np.ndarray:
+    """[N] sums of consecutive runs of `values` of the given lengths (0 allowed), in `dtype`
+    (default: values'; unsigned integers wrap)."""
+    sums = np.zeros(lengths.shape[0], dtype=dtype or values.dtype)
+    full = lengths > 0
+    if full.any():  # reduceat sums from each start to the next; empty runs have none
+        sums[full] = np.add.reduceat(values, offsets(lengths)[:-1][full], dtype=sums.dtype)
+    return sums
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:

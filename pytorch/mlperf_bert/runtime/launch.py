@@ -43,7 +43,6 @@ import signal
 import sys
 import tempfile
 import time
-from argparse import Namespace
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -184,12 +183,6 @@ def wait_for_codes(folder: Path, workers: int, timeout_s: float,
     return codes
 
 
-def codes_after_teardown(folder: Path, args: Namespace) -> tuple[dict[int, int], int]:
-    """The workers' recorded codes once the agent has stopped them itself, and how many it ran."""
-    workers = torchrun.determine_local_world_size(args.nproc_per_node)
-    return wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S), workers
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs torchrun's agent on `argv` (torchrun's command line); the exit code (module docstring)."""
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -203,24 +196,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 held.show()
                 raise
             return code
-        except RendezvousConnectionError:
+        except (RendezvousConnectionError, SignalException) as stopped:  # the agent stopped its workers itself
             ignore_stop_signals()
-            code = signalled_stop_code(*codes_after_teardown(folder, args))
-            if code is None:
-                held.show()
-                raise
-            return code
-        except SignalException as signalled:
-            ignore_stop_signals()
-            codes, workers = codes_after_teardown(folder, args)
+            workers = torchrun.determine_local_world_size(args.nproc_per_node)
+            codes = wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S)
             code = signalled_stop_code(codes, workers)
-            if code is None:  # some worker went before it could say why: torchrun's lines, then ours
-                held.show()
-                print(f"launch: stopped by {signal.Signals(signalled.sigval).name} before every rank stopped on its "
-                      f"own ({len(codes)} of {workers} left an exit code): a rank still starting has no "
-                      "checkpoint to leave; any rank's own traceback is above", file=sys.stderr)
-                return 128 + int(signalled.sigval)
-            return code
+            if code is not None:
+                return code
+            held.show()  # some worker went before it could say why: torchrun's lines (then ours)
+            if not isinstance(stopped, SignalException):
+                raise
+            print(f"launch: stopped by {signal.Signals(stopped.sigval).name} before every rank stopped on its "
+                  f"own ({len(codes)} of {workers} left an exit code): a rank still starting has no "
+                  "checkpoint to leave; any rank's own traceback is above", file=sys.stderr)
+            return 128 + int(stopped.sigval)
         held.show()
     return 0
 
