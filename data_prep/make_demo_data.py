@@ -42,6 +42,7 @@ import numpy as np
 from mlperf_bert.data.integrity import leaked, sequence_hashes
 from mlperf_bert.data.shards import Samples, write_samples
 from mlperf_bert.runtime.files import atomic_path
+from data_prep import verify_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HISTOGRAM = REPO / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"
@@ -293,6 +294,18 @@ def generate(args: argparse.Namespace) -> None:
     write_text(out / "bert_config.json", json.dumps(bert_config(args), indent=2, sort_keys=True) + "\n")
     write_text(out / "vocab.txt", "\n".join(gen.vocab.tokens()) + "\n")
     write_text(out / "demo_data.json", json.dumps(manifest(args, gen.vocab, files), indent=2) + "\n")
+    verify(args, gen.vocab.size)
+
+
+def verify(args: argparse.Namespace, vocab_size: int) -> None:
+    """The full verification of both folders, as for real data: it writes the verification records
+    a run reads before its clock starts (mlperf_bert/data/record.py)."""
+    train, evals = args.output_dir / "train", args.output_dir / "eval"
+    code = verify_dataset.main([str(train), str(evals), "--eval_dir", str(evals), "--vocab_size", str(vocab_size),
+                                "--max_seq_length", str(args.max_seq_length),
+                                "--max_predictions", str(args.max_predictions_per_seq), "--workers", "1"])
+    if code != 0:
+        sys.exit(f"{args.output_dir}: the demo data failed its verification (the lines above); this is a bug")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

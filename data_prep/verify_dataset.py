@@ -16,12 +16,16 @@ differently or in another order), and eval samples inside training shards, count
 when an eval folder is given (as a DIRECTORY recognised as eval, or --eval_dir).
 The length limits are the flags, else the folder's manifest, else a fixed shard's widths.
 Exits 0 when everything holds, 1 otherwise, printing one line per problem that names the
-file, the first bad row and what is wrong.
+file, the first bad row and what is wrong. Each folder gets its verification record,
+VERIFIED.json (`mlperf_bert.data.record`): what was checked, each file's size, modification time,
+sha256 and rows, and the verdict; the trainer reads it before MLPerf's clock starts instead of
+the rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 from dataclasses import dataclass, field
@@ -36,8 +40,9 @@ from data_prep.parallel import run_jobs
 from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
 from mlperf_bert.runtime.files import write_text_atomic
+from mlperf_bert.data.record import RECORD_NAME, Record, record_json, FileEntry
 from mlperf_bert.data.integrity import (
-    ShardDigest, duplicate_groups, duplicate_message, eval_hashes, leakage_message, same_bytes,
+    ShardDigest, check_integrity, duplicate_groups, duplicate_message, eval_hashes, leakage_message, same_bytes, samples_digest,
 )
 from mlperf_bert.data.shards import (
     FORMAT_KEYS, MANIFEST_NAME, REFUSED_NAME, Samples, check_keys, folder_problems, folder_shards, from_fixed, from_packed,
@@ -55,13 +60,15 @@ class EvalSets:
 
     hashes: np.ndarray
     names: str
+    digests: dict[Path, str]  # each eval folder's `samples_digest`: how a verification record names it
 
     @classmethod
     def read(cls, folders: list[Path]) -> EvalSets | None:
         if not folders:
             return None
-        hashes = np.unique(np.concatenate([eval_hashes(folder) for folder in folders]))
-        return cls(hashes, ", ".join(map(str, folders)))
+        each = {folder: eval_hashes(folder) for folder in folders}
+        hashes = np.unique(np.concatenate(list(each.values())))
+        return cls(hashes, ", ".join(map(str, folders)), {f: samples_digest(h) for f, h in each.items()})
 
 
 def is_eval_folder(directory: Path) -> bool:
@@ -90,7 +97,11 @@ class ShardReport:
     sequences: int = 0
     shortest: int = MAX_SEQ_LENGTH + 1  # sequence lengths seen, for the strata check
     longest: int = 0
-    sha256: str | None = None  # computed when checksums are compared
+    sha256: str | None = None  # computed unless --no_checksums
+    stat: tuple[int, int] = (0, 0)  # (bytes, mtime_ns) before the file was read: the record's
+    max_token_id: int = 0  # largest input or masked-LM id
+    most_predictions: int = 0  # masked positions of the sequence with the most
+    packed: tuple[int, int, int] | None = None  # packed shards: (row width, K, Q)
     digest: str = ""  # order-free digest of the shard's sequences (`integrity.ShardDigest`)
     leaked: int = 0  # sequences that are eval samples
     first_leaked_row: int | None = None
@@ -251,6 +262,9 @@ def _check_block(handle: h5py.File, fmt: str, lo: int, hi: int, limits: Limits, 
     if len(samples):
         report.shortest = min(report.shortest, int(samples.lengths.min()))
         report.longest = max(report.longest, int(samples.lengths.max()))
+        report.most_predictions = max(report.most_predictions, int(samples.num_predictions.max()))
+        ids = [int(a.max()) for a in (samples.input_ids, samples.masked_lm_ids) if a.size]
+        report.max_token_id = max([report.max_token_id, *ids])
 
 
 def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS,
@@ -269,6 +283,9 @@ def verify_shard(path: Path, limits: Limits, block_rows: int = BLOCK_ROWS,
                 report.problems.append(f"{report.path}: {problem}")
                 return report
             report.fmt, report.rows = fmt, rows
+            if fmt == "packed":
+                report.packed = (int(handle["input_ids"].shape[1]), int(handle["packed_input_len"].shape[1]),
+                                 int(handle["masked_lm_positions"].shape[1]))
             for lo in range(0, rows, block_rows):
                 _check_block(handle, fmt, lo, min(lo + block_rows, rows), limits, report, seen, eval_set)
                 if len(report.problems) > 20:
@@ -352,9 +369,13 @@ class _ShardJob:
 
 
 def _verify_job(job: _ShardJob) -> ShardReport:
+    before = job.path.stat()
     report = verify_shard(job.path, job.limits, eval_set=job.eval_set)
     if job.checksum:
         report.sha256 = sha256_file(job.path)
+    report.stat = (before.st_size, before.st_mtime_ns)
+    if job.path.stat().st_mtime_ns != before.st_mtime_ns:
+        report.problems.append(f"{job.path}: changed while it was verified; verify the folder again")
     return report
 
 
@@ -371,9 +392,8 @@ def verify_directory(directory: Path | str, limits: Limits, checksums: bool = Tr
     shards = folder_shards(directory)
     if not shards:
         return [f"{directory}: no *.hdf5 shards here or in stratum_*/ folders"], {}
-    checksum = checksums and (directory / MANIFEST_NAME).is_file()
     eval_set = eval_sets.hashes if eval_sets is not None else NO_EVAL
-    jobs = [_ShardJob(p, limits, checksum, eval_set) for p in shards]
+    jobs = [_ShardJob(p, limits, checksums, eval_set) for p in shards]
     done = {r.path: r for r in run_jobs(_verify_job, jobs, workers)}
     reports = {p.relative_to(directory).as_posix(): done[p] for p in shards}
     problems = [msg for r in reports.values() for msg in r.problems]
@@ -423,17 +443,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an eval folder no training folder may hold samples of (folders given as DIRECTORY "
                              "are recognised as eval folders by MANIFEST.json kind 'eval' or part_eval_* names)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the quick integrity check (copied shards and eval samples, from a few rows per "
+                             "shard, mlperf_bert.data.integrity.check_integrity); writes no verification record")
+
+
+def _packed_widths(reports: dict[str, ShardReport]) -> tuple[int, int, int] | None:
+    """The widest packed row of a folder (row width, K, Q), each the largest over its shards: the
+    static shape of a CUDA-graphed step must hold every row (`pack` sizes Q per shard)."""
+    widths = [r.packed for r in reports.values() if r.packed is not None]
+    return tuple(max(w[i] for w in widths) for i in range(3)) if widths else None  # type: ignore[return-value]
+
+
+def verification_record(directory: Path, reports: dict[str, ShardReport], problems: list[str], own_digest: str,
+                        eval_sets: EvalSets | None) -> Record:
+    """What the trainer reads before the clock instead of the rows (`mlperf_bert.data.record`).
+
+    own_digest: the folder's `samples_digest` when it is an eval set ("" for training folders).
+    """
+    files = {name: FileEntry(r.stat[0], r.stat[1], r.sha256 or "", r.rows, r.sequences) for name, r in reports.items()}
+    formats = sorted({r.fmt for r in reports.values()})
+    packed = _packed_widths(reports)
+    return Record(
+        directory, not problems, "eval" if own_digest else "train", "/".join(formats), files,
+        sum(r.sequences for r in reports.values()), max((r.longest for r in reports.values()), default=0),
+        max((r.most_predictions for r in reports.values()), default=0),
+        max((r.max_token_id for r in reports.values()), default=0), packed, own_digest,
+        tuple(sorted(eval_sets.digests.values())) if eval_sets is not None else (), tuple(problems[:100]))
+
+
+def _write_record(record: Record, limits: Limits, eval_sets: EvalSets | None) -> None:
+    against = f"; eval samples looked for: {eval_sets.names}" if eval_sets is not None else "; no eval set given"
+    structure = ", [CLS]/[SEP] structure" if limits.cls_id is not None else ""
+    ids = "ids" if limits.vocab_size is not None else "ids (no vocabulary size given)"
+    checked = (f"every row of every shard (layout{structure}, {ids}, lengths, masked positions), "
+               f"copied shards{against}")
+    limits_seen = {"max_seq_length": limits.max_seq_length, "max_predictions": limits.max_predictions,
+                   "vocab_size": limits.vocab_size}
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    write_text_atomic(record.path, record_json(record, checked, limits_seen, stamp))
 
 
 def _verify_one(directory: Path, args: argparse.Namespace, vocab: Vocab | None,
-                eval_sets: EvalSets | None) -> list[str]:
-    """Checks one folder, prints its problems and an OK / FAILED line; the problems (none: valid)."""
+                eval_sets: EvalSets | None, own_digest: str = "") -> list[str]:
+    """Checks one folder, writes its verification record, prints its problems and an OK / FAILED line;
+    the problems (none: valid). own_digest: the folder's samples digest when it is an eval set."""
+    limits = Limits()
     try:
         limits, origin = limits_for(directory, args, vocab)
         problems, reports = verify_directory(directory, limits, not args.no_checksums, args.expect_samples,
                                              args.workers, eval_sets)
     except DataPrepError as err:
         problems, reports, origin = [str(err)], {}, "unknown lengths"
+    if directory.is_dir():
+        _write_record(verification_record(directory, reports, problems, own_digest, eval_sets), limits, eval_sets)
     for problem in problems:
         print(problem, file=sys.stderr)
     formats = sorted({r.fmt for r in reports.values()})
@@ -470,15 +533,36 @@ def run(args: argparse.Namespace, refuse: bool = False) -> int:
     except DataPrepError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if getattr(args, "quick", False):
+        return _quick(directories, eval_folders)
     if refuse:
         for directory in directories:
             (directory / REFUSED_NAME).unlink(missing_ok=True)
     failed = False
     for directory in directories:
-        problems = _verify_one(directory, args, vocab, None if directory in eval_folders else eval_sets)
+        is_eval = directory in eval_folders
+        own = eval_sets.digests[directory] if is_eval and eval_sets is not None else ""
+        problems = _verify_one(directory, args, vocab, None if is_eval else eval_sets, own)
         if problems and refuse and directory.is_dir():
             mark_refused(directory, problems)
         failed = failed or bool(problems)
+    return 1 if failed else 0
+
+
+def _quick(directories: list[Path], eval_folders: list[Path]) -> int:
+    """The probe-based integrity check of each training folder: minutes on the full set where the full
+    check takes process-hours; a pre-check, so it writes no record (docs/DATA_INTEGRITY.md)."""
+    failed = False
+    for directory in (d for d in directories if d not in eval_folders):
+        try:
+            sources: list[Path | None] = [*eval_folders] or [None]
+            for source in sources:
+                check_integrity(folder_shards(directory), source, None)
+            print(f"OK (quick): {directory}: no copied shards or eval samples found in the probed rows")
+        except DataPrepError as err:
+            print(str(err), file=sys.stderr)
+            print(f"FAILED (quick): {directory}")
+            failed = True
     return 1 if failed else 0
 
 

@@ -50,6 +50,12 @@ def make_demo_data(out: Path, *extra: str) -> Path:
     return out
 
 
+def verify_folder(folder: Path, *flags: str) -> None:
+    """data_prep's full verification of `folder`, which writes its verification record (VERIFIED.json)."""
+    done = run_cli([sys.executable, "data_prep/verify_dataset.py", str(folder), "--workers", "1", *flags])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
     return make_demo_data(tmp_path_factory.mktemp("demo_data"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TRAINER, run_cli, trainer_args
+from conftest import REPO, TRAINER, run_cli, trainer_args, verify_folder
 from mlperf_bert.config.cli import build_parser, config_from_args, parse_config
 from mlperf_bert.config.closed_division import RULES, broken_rules, config_values, eval_interval_samples
 from mlperf_bert.config.settings import ConfigError
@@ -203,6 +203,7 @@ def closed_run_inputs(demo_data: Path, tmp_path: Path) -> list[str]:
     (tmp_path / "eval").mkdir()
     tiled = Samples.concat([demo_eval] * (10_000 // len(demo_eval)))
     write_samples(tmp_path / "eval" / "part_eval_10k.hdf5", tiled, "fixed", 64, 10)
+    verify_folder(tmp_path / "eval", "--max_seq_length", "64", "--max_predictions", "10")
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "2", "--train_batch_size", "8")
     replace = {"--eval_dir": str(tmp_path / "eval"), "--bert_config_path": str(tmp_path / "bert_config.json"),
                "--max_seq_length": "512", "--max_predictions_per_seq": "76", "--num_eval_examples": "10000",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -152,24 +153,33 @@ def test_eval_samples_outside_the_probed_rows_are_left_to_the_full_check(demo_da
     assert _verify(root / "train", root / "eval")[0] == 1
 
 
-def test_the_trainer_refuses_a_leaky_training_folder_at_start_up(demo_data, tmp_path):
+def _trained_after_verifying(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """data_prep's verification of the changed folders (it writes their records), then an open-division run."""
+    verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(root / "train"), str(root / "eval"),
+                      "--workers", "1"])
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    return run_cli([sys.executable, str(TRAINER), *trainer_args(root, tmp_path / "out", "--do_train")])
+
+
+def test_the_trainer_refuses_a_leaky_training_folder_its_verification_found(demo_data, tmp_path):
     root = _copy(demo_data, tmp_path)
     rows = len(read_samples(_shards(root)[1]))
     shard = _leak(root, (rows + 20 - PROBE_ROWS) // 2, 20)
-    done = run_cli([sys.executable, str(TRAINER), *trainer_args(root, tmp_path / "out", "--do_train")])
+    done = _trained_after_verifying(root, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr
     assert f"20 eval samples of {root / 'eval'}" in errors[0] and str(shard) in errors[0]
+    assert not (tmp_path / "out" / "mlperf.log").exists()
 
 
-def test_the_trainer_refuses_copied_shards_at_start_up(demo_data, tmp_path):
+def test_the_trainer_refuses_copied_shards_its_verification_found(demo_data, tmp_path):
     root = _copy(demo_data, tmp_path)
     first, second, _ = _shards(root)
     shutil.copyfile(first, second)
-    done = run_cli([sys.executable, str(TRAINER), *trainer_args(root, tmp_path / "out", "--do_train")])
+    done = _trained_after_verifying(root, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"error: {first}, {second}: 2 byte-identical training shards" in done.stderr
+    assert f"verification failed ({first}, {second}: 2 byte-identical training shards" in done.stderr
 
 
 def test_prepare_verify_refuses_a_leaky_set(demo_data, tmp_path, capsys):

@@ -108,7 +108,7 @@ def _gradients(model: nn.Module, batch: FlatBatch, precision: str) -> tuple[floa
 
 def test_fp8_step_loss_and_gradients_stay_within_tolerance_of_bf16(trained_run) -> None:
     model = copy.deepcopy(trained_run.eval.model).eval()  # no dropout: both steps see the same network
-    batch = trained_run.eval.batches[0]
+    batch = trained_run.eval.data.batches()[0]
     loss_bf16, grads_bf16 = _gradients(model, batch, "bf16")
     loss_fp8, grads_fp8 = _gradients(convert_to_fp8(copy.deepcopy(model), CPU), batch, "fp8")
     assert abs(loss_fp8 - loss_bf16) <= LOSS_TOLERANCE * loss_bf16, (loss_fp8, loss_bf16)
@@ -134,7 +134,7 @@ def test_fp8_layers_compile_to_the_eager_step(trained_run) -> None:
     which takes minutes on the CPU."""
     eager = convert_to_fp8(copy.deepcopy(trained_run.eval.model), CPU).eval()  # no dropout
     compiled = compile_model(copy.deepcopy(eager), "default", backend="aot_eager")
-    batch = trained_run.eval.batches[0]
+    batch = trained_run.eval.data.batches()[0]
     loss_eager, grads_eager = _gradients(eager, batch, "fp8")
     loss_compiled, grads_compiled = _gradients(compiled, batch, "fp8")
     assert loss_compiled == pytest.approx(loss_eager, rel=1e-6)
@@ -148,7 +148,7 @@ def test_eval_under_fp8_scores_the_weights_as_bf16_does(trained_run) -> None:
     fp8 = dataclasses.replace(ev.cfg, run=dataclasses.replace(ev.cfg.run, precision="fp8"))
     accuracy_bf16, loss_bf16 = trainer.evaluate(dataclasses.replace(ev, cfg=bf16))
     fp8_model = convert_to_fp8(copy.deepcopy(ev.model), CPU)
-    accuracy_fp8, loss_fp8 = trainer.evaluate(Evaluation(fp8, ev.denv, ev.device, fp8_model, ev.logger, ev.batches,
+    accuracy_fp8, loss_fp8 = trainer.evaluate(Evaluation(fp8, ev.denv, ev.device, fp8_model, ev.logger, ev.data,
                                                          ev.hooks))
     assert accuracy_bf16 > 0.3  # far above chance (1/128): the comparison means something
     assert abs(accuracy_fp8 - accuracy_bf16) <= ACCURACY_TOLERANCE, (accuracy_fp8, accuracy_bf16)

@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
+from _fault_launch import mllog_events
 from conftest import TRAINER, run_cli
 from data_prep import reshard as reshard_module
 from data_prep.corpus import write_corpus
@@ -91,7 +92,7 @@ def copy_of(prepared: Path, pattern: str, tmp_path: Path) -> Path:
 
 
 def train(prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded") -> subprocess.CompletedProcess:
-    """One training step: before the start-up check, a bad shard that step does not read went unnoticed."""
+    """One training step, open division (each shard's rows are checked when the step reads it)."""
     return run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(input_dir),
                     "--eval_dir", str(only(prepared / "data", "eval_varlength")), "--bert_config_path",
                     str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"), "--input_layout", layout,
@@ -160,16 +161,21 @@ def test_temporary_file_of_a_killed_step_is_refused(prepared, tmp_path, capsys):
     ("input_ids", 10**4, "input_ids outside [0, vocab_size="),
     ("next_sentence_labels", 7, "next_sentence_labels is not 0 or 1"),
 ])
-def test_bad_row_of_any_shard_stops_the_run_at_start(prepared, tmp_path, key, value, problem):
+def test_a_bad_row_stops_the_run_when_its_shard_is_read(prepared, tmp_path, key, value, problem):
+    """An open run on a folder changed since its verification: rows are checked as they are read
+    (after run_start: no row is read before the clock), and the first bad one ends the run."""
     folder = copy_of(prepared, "hdf5_*_shards_fixed", tmp_path)
-    last = sorted(folder.glob("*.hdf5"))[-1]
-    with h5py.File(last, "r+") as handle:
-        handle[key][(5, 1) if key == "input_ids" else 5] = value
+    shards_ = sorted(folder.glob("*.hdf5"))
+    for shard in shards_:  # whichever shard the run reads first holds one
+        with h5py.File(shard, "r+") as handle:
+            handle[key][(5, 1) if key == "input_ids" else 5] = value
     result = train(prepared, folder, tmp_path, layout="padded")
     assert result.returncode == 2
-    assert error_line(result).startswith(f"error: {last}: row 5: {problem}")
-    assert not (tmp_path / "out" / "mlperf.log").is_file() or '"key": "run_start"' not in (
-        tmp_path / "out" / "mlperf.log").read_text()
+    assert "changed since it was verified" in result.stderr  # the open division's note
+    line = error_line(result)
+    assert line.startswith("error: ") and f": row 5: {problem}" in line and any(str(s) in line for s in shards_)
+    events = mllog_events(tmp_path / "out" / "mlperf.log")
+    assert [e["key"] for e in events].count("run_start") == 1 and events[-1]["metadata"]["status"] == "aborted"
 
 
 def test_verify_reads_the_lengths_from_the_manifest(prepared, tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
-from conftest import trainer_args
+from conftest import TRAINER, run_cli, trainer_args
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.train.checkpoint import (
     FORMAT,
@@ -196,3 +197,33 @@ def test_resume_needs_a_readable_run_checkpoint(tmp_path):
         read_checkpoint(init_style)
     with pytest.raises(ResumeError, match="not found on this rank"):
         read_checkpoint(tmp_path / "missing.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, says", [
+    (("--train_batch_size", "4"), "saved with items_per_rank_step=8, this run has 4"),  # the data position
+    (("--bert_config_path", "WIDER"), "does not fit this model or optimizer"),  # another model
+    (("--resume_from_checkpoint", "BAD"), "not a run checkpoint"),  # another file
+])
+def test_a_refused_resume_adds_nothing_to_the_log_it_continues(demo_data, tmp_path, change, says):
+    out = tmp_path / "run"
+    first = run_cli([sys.executable, str(TRAINER), *_flags(demo_data, out, "--max_steps", "2",
+                                                           "--checkpoint_every_samples", "16")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    log = (out / "mlperf.log").read_bytes()
+    flags = _flags(demo_data, out, "--resume_from_checkpoint", "auto")
+    flag, value = change
+    if value == "BAD":
+        (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+        value = str(tmp_path / "bad.pt")
+    if value == "WIDER":
+        bert = json.loads((demo_data / "bert_config.json").read_text())
+        (tmp_path / "wider.json").write_text(json.dumps({**bert, "intermediate_size": 2 * bert["intermediate_size"]}))
+        value = str(tmp_path / "wider.json")
+    at = flags.index(flag)
+    flags[at + 1] = value
+    done = run_cli([sys.executable, str(TRAINER), *flags])
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in done.stderr, done.stderr
+    assert (out / "mlperf.log").read_bytes() == log

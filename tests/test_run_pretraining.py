@@ -110,7 +110,8 @@ def test_sequence_longer_than_max_seq_length_is_rejected(demo_data, tmp_path):
     result = run_cli([sys.executable, str(TRAINER), *args])
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "max_seq_length" in result.stderr and ".hdf5" in result.stderr
+    assert "--max_seq_length 32" in result.stderr and "a sequence of 64 tokens" in result.stderr
+    assert str(demo_data) in result.stderr  # the folder whose verification record says so
 
 
 def test_empty_input_directory_is_rejected(demo_data, tmp_path):

@@ -1,10 +1,17 @@
 """`build_run`: every object of a training run, built once and in one fixed order.
 
-model -> training parts (optimizer, schedule, scaler, DDP, clipping) -> resume -> fast path
-(the step, the guard, CUDA graphs or sync window) -> input -> hooks. The order matters where
-one part holds on to another's tensors: a resume replaces optimizer state, so the fast path
-(which captures and snapshots those tensors) comes after it. The result, `Run`, has no
-optional parts; a run without training is an `Evaluation` alone.
+Before the clock (`prepare_run`, the untimed init phase): model -> training parts (optimizer,
+schedule, scaler, DDP, clipping) -> resume of the weights and optimizer -> fast path (the step,
+the guard, CUDA graphs or sync window). No byte of the dataset is read here: the CUDA graphs'
+static shape comes from the folder's verification record (`data.record`). After `run_start`
+(`open_run`): the training input (with the resumed data position), the eval set read in the
+background, the checkpoint writer and the hooks. MLPerf's clock "must start before any part of
+the system touches the dataset" (training_rules.adoc §11); docs/CLOSED_DIVISION.md lists what
+is read on each side of it.
+
+The order matters where one part holds on to another's tensors: a resume replaces optimizer
+state, so the fast path (which captures and snapshots those tensors) comes after it. The
+result, `Run`, has no optional parts; a run without training is an `Evaluation` alone.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .model.attention import resolve_backend
-from .data.batch import FlatBatch, Item, flatten_items, pad_items, unpad
+from .data.batch import Item, pad_items, unpad
 from .model.init_checkpoint import load_init_checkpoint
 from .optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .model.compiling import compile_model
@@ -31,6 +38,7 @@ from .optim.capturable import capturable
 from .optim.loss_scale import DeviceLossScaler, LossScaler
 from .data.dataset import DataLimits, load_eval_set
 from .input.device_input import DeviceInput, HostBuilder
+from .input.eval_input import EvalInput
 from .runtime.distributed import DistEnv
 from .train.faults import Guard, Position, StepGuard, StopRequest
 from .hooks.events import Hook, Hooks
@@ -42,7 +50,8 @@ from .optim.sharded import build_sharded_optimizer
 from .optim.schedule import LRSchedule
 from .input.source_factory import open_batch_source
 from .input.sources import BatchSource
-from .data.static_batch import StaticShape, packed_shape
+from .data.static_batch import StaticShape
+from .input.data_check import recorded_shape
 from .train.step import EagerStep, GraphedStep, Step
 from .train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 from .train.checkpoint import (Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore,
@@ -63,7 +72,7 @@ class Evaluation:
     device: torch.device
     model: BertForPreTraining
     logger: MLPerfLogger
-    batches: list[FlatBatch]  # this rank's share of the eval set, on the device
+    data: EvalInput  # this rank's share of the eval set: read once the clock runs, then on the device
     hooks: Hooks  # a run without --do_train's: its MLPerf log and eval line (a training run has its own)
 
 
@@ -96,6 +105,7 @@ class Supplied:
 class Resumed:
     path: Path
     record: dict  # the checkpoint's run facts: run_start_ms and attempt of the run that wrote it
+    data_state: dict  # the data position, loaded into the training input once it opens (after the clock)
 
 
 @dataclass
@@ -121,6 +131,7 @@ class Run:
     def close(self) -> None:
         self.data.close()
         self.source.close()
+        self.eval.data.close()
 
 
 @dataclass
@@ -244,9 +255,24 @@ def eval_shortfall_advice(cfg: TrainConfig) -> str:
     return "point --eval_dir at the full eval set, or lower --num_eval_examples"
 
 
+def eval_input(cfg: TrainConfig, denv: DistEnv, device: torch.device, bert: BertConfig,
+               supplied: Sequence[Item] | None) -> EvalInput:
+    """This rank's eval set, not read yet: `EvalInput.start` reads it once the clock runs."""
+    size = cfg.eval.eval_batch_size
+    if supplied is not None:
+        return EvalInput.of(supplied, size, device)
+    limits = data_limits(cfg, bert)
+
+    def load() -> Sequence[Item]:
+        return load_eval_set(cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size, limits,
+                             shortfall_advice=eval_shortfall_advice(cfg))
+
+    return EvalInput(load, size, device)
+
+
 def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
                      supplied: Supplied | None = None) -> Evaluation:
-    """Resolved config, MLPerf log up to the weights, the model, and this rank's eval batches.
+    """Resolved config, MLPerf log up to the weights, the model, and this rank's eval set (read later).
 
     supplied: its model and eval items replace the ones read from disk (see `Supplied`).
     """
@@ -256,13 +282,9 @@ def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
     seed_generators(cfg.run.seed)  # the same on every rank, so every rank initialises the same weights
     model = build_model(cfg, device, supplied.model)
     log_preamble(logger, cfg, model)
-    items = supplied.eval_items if supplied.eval_items is not None else load_eval_set(
-        cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size, data_limits(cfg, model.config),
-        shortfall_advice=eval_shortfall_advice(cfg))
-    size = cfg.eval.eval_batch_size
-    batches = [flatten_items(items[i : i + size]).to(device) for i in range(0, len(items), size)]
+    data = eval_input(cfg, denv, device, model.config, supplied.eval_items)
     hooks = Hooks([MLPerfLog(logger, cfg.eval.num_eval_examples), EvalLine(denv.is_main)])
-    return Evaluation(cfg, denv, device, model, logger, batches, hooks)
+    return Evaluation(cfg, denv, device, model, logger, data, hooks)
 
 
 def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model: BertForPreTraining,
@@ -298,25 +320,33 @@ def loss_scaler(cfg: TrainConfig, device: torch.device) -> LossScaler | None:
     return torch.amp.GradScaler(device.type, init_scale=cfg.run.init_loss_scale)
 
 
-def resume(cfg: TrainConfig, denv: DistEnv, device: torch.device, parts: TrainingParts, source: BatchSource,
+def resume(cfg: TrainConfig, denv: DistEnv, device: torch.device, parts: TrainingParts,
            state: TrainState) -> list[Resumed]:
-    """Loads --resume_from_checkpoint into every part of the run; [] for a fresh start."""
+    """Loads --resume_from_checkpoint into the model, optimizer and progress; [] for a fresh start.
+
+    The data position waits in `Resumed.data_state` until the training input opens (`resume_input`).
+    """
     path = choose_resume(cfg.checkpoint.resume_from, cfg.checkpoint_dir, denv)
     if path is None:
         if cfg.checkpoint.resume_from is not None and denv.is_main:
             print(f"no checkpoint in {cfg.checkpoint_dir}: starting a fresh run", file=sys.stderr, flush=True)
         return []
     ckpt = read_checkpoint(path)
-    try:
-        source.load_state_dict(ckpt["data"])  # first: a layout that does not fit is the likeliest refusal
-    except ValueError as err:
-        raise ResumeError(f"{path}: {err}") from err
     restore(parts, ckpt, path, denv, device, cfg.run.seed)
     state.load_state_dict(ckpt["train_state"])
     note = other_world_note(cfg, int(ckpt["run"]["world_size"]), path)
     if note and denv.is_main:
         print(note, file=sys.stderr, flush=True)
-    return [Resumed(path, dict(ckpt["run"]))]
+    return [Resumed(path, dict(ckpt["run"]), ckpt["data"])]
+
+
+def resume_input(source: BatchSource, resumed: list[Resumed]) -> None:
+    """The resumed data position into the freshly opened training input."""
+    for done in resumed:
+        try:
+            source.load_state_dict(done.data_state)
+        except ValueError as err:
+            raise ResumeError(f"{done.path}: {err}") from err
 
 
 def other_world_note(cfg: TrainConfig, saved_world: int, path: Path) -> str | None:
@@ -335,17 +365,17 @@ def other_world_note(cfg: TrainConfig, saved_world: int, path: Path) -> str | No
 
 
 def static_shape(cfg: TrainConfig, supplied: StaticShape | None) -> StaticShape | None:
-    """--cuda_graphs' static shape: the supplied one, else K and Q read from the shards; None without graphs."""
+    """--cuda_graphs' static shape: the supplied one, else K and Q from the verification record (the
+    graph is captured before the clock, when no shard may be read); None without graphs."""
     if not cfg.run.cuda_graphs:
         return None
     if supplied is not None:
         return supplied
     assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
-    return packed_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length)
+    return recorded_shape(cfg.data.input_dir, cfg.micro_batch_size, cfg.data.max_seq_length)
 
 
-def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Position,
-               shape: StaticShape | None) -> tuple[Step, Guard]:
+def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, shape: StaticShape | None) -> tuple[Step, Guard]:
     """The fast path, after any resume: the step and the guard it reports to.
 
     --cuda_graphs (`shape` given): the static packed step captured as a CUDA graph, inside
@@ -354,7 +384,8 @@ def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Po
     or --sync_every > 1 the guard is a sync window, which snapshots the optimizer's current
     state tensors (hence after the resume). A sharded optimizer under a window is snapshotted in
     place too (its state dict is a collective gathering whole moments), so it also counts its
-    steps on the device, where the snapshot sees the count.
+    steps on the device, where the snapshot sees the count. The window's first good position
+    is set when the input opens (`open_run`).
     """
     parts = training.parts
     windowed = shape is not None or cfg.run.sync_every > 1
@@ -365,7 +396,7 @@ def build_step(cfg: TrainConfig, training: Training, guard: StepGuard, start: Po
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          guard, parts.scaler, training.clip), guard
     device_scaler = parts.scaler if isinstance(parts.scaler, DeviceLossScaler) else None
-    window = SyncWindow(cfg.run.sync_every, guard, window_snapshot(parts, in_place), start, device_scaler)
+    window = SyncWindow(cfg.run.sync_every, guard, window_snapshot(parts, in_place), None, device_scaler)
     if shape is None:
         return EagerStep(training.module, parts.optimizer, cfg.run.precision, cfg.gradient_accumulation_steps,
                          window, parts.scaler, training.clip), window
@@ -429,35 +460,62 @@ def rank0_views(cfg: TrainConfig, denv: DistEnv, load: RankLoad) -> list[Hook]:
                       mlperf_log=cfg.run.mlperf_log_path)]
 
 
-def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,
-              extra_hooks: Sequence[Hook] = (), supplied: Supplied = Supplied()) -> Run:
-    """Every part of a training run, in the order of the module docstring (`supplied`: see `Supplied`)."""
+@dataclass
+class Prepared:
+    """A training run before the clock (`prepare_run`): everything but what reads the dataset."""
+
+    eval: Evaluation
+    training: Training
+    state: TrainState
+    resumed: list[Resumed]
+    checkpoints: Checkpointer
+    step: Step
+    guard: Guard
+    shape: StaticShape | None
+    supplied: Supplied
+    extra_hooks: Sequence[Hook]
+
+
+def prepare_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,
+                extra_hooks: Sequence[Hook] = (), supplied: Supplied = Supplied()) -> Prepared:
+    """The untimed init phase, in the order of the module docstring; reads no byte of the dataset."""
     ev = build_evaluation(cfg, denv, device, supplied)
     training = build_training(cfg, denv, device, ev.model, supplied.ddp)
     torch.manual_seed(cfg.run.seed + denv.rank)  # from here on, dropout draws differ per rank
-    source = supplied.source if supplied.source is not None else \
-        open_batch_source(cfg, denv, data_limits(cfg, ev.model.config))
-    try:
-        return _build_on(cfg, denv, device, stop, extra_hooks, ev, training, source, supplied.shape)
-    except BaseException:
-        source.close()  # its reader threads would keep the process alive
-        raise
-
-
-def _build_on(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest, extra_hooks: Sequence[Hook],
-              ev: Evaluation, training: Training, source: BatchSource, supplied_shape: StaticShape | None) -> Run:
-    """build_run from the resume on, once the data source is open."""
     state = TrainState()
-    resumed = resume(cfg, denv, device, training.parts, source, state)
+    resumed = resume(cfg, denv, device, training.parts, state)
     ckpt = cfg.checkpoint
     checkpoints = Checkpointer(cfg.checkpoint_dir, ckpt.keep, denv, device, every_samples=ckpt.every_samples,
                                every_minutes=ckpt.every_minutes)
     guard = StepGuard(device, loss_checked=training.parts.scaler is None,
                       max_consecutive_skips=cfg.faults.max_consecutive_skipped_steps, stop=stop,
                       checkpoint_due=checkpoints.time_due)
-    shape = static_shape(cfg, supplied_shape)
-    step, guard_used = build_step(cfg, training, guard, Position(state.state_dict(), source.state_dict()), shape)
-    data = device_input(cfg, device, source, shape)
-    writer = CheckpointWriter(checkpoints, training.parts, state, data, ev.logger, cfg.to_dict())
-    hooks = build_hooks(ev, writer, data, extra_hooks)
-    return Run(ev, training.schedule, step, guard_used, state, source, data, checkpoints, writer, hooks, resumed)
+    shape = static_shape(cfg, supplied.shape)
+    step, guard_used = build_step(cfg, training, guard, shape)
+    return Prepared(ev, training, state, resumed, checkpoints, step, guard_used, shape, supplied, extra_hooks)
+
+
+def open_run(prepared: Prepared) -> Run:
+    """After `run_start`: the eval set starts loading, the training input opens at the resumed position."""
+    p, cfg, ev = prepared, prepared.eval.cfg, prepared.eval
+    ev.data.start()
+    source = p.supplied.source if p.supplied.source is not None else \
+        open_batch_source(cfg, ev.denv, data_limits(cfg, ev.model.config))
+    try:
+        resume_input(source, p.resumed)
+        data = device_input(cfg, ev.device, source, p.shape)
+    except BaseException:
+        source.close()  # its reader threads would keep the process alive
+        raise
+    if isinstance(p.guard, SyncWindow):
+        p.guard.begin(Position(p.state.state_dict(), data.state_dict()))
+    writer = CheckpointWriter(p.checkpoints, p.training.parts, p.state, data, ev.logger, cfg.to_dict())
+    hooks = build_hooks(ev, writer, data, p.extra_hooks)
+    return Run(ev, p.training.schedule, p.step, p.guard, p.state, source, data, p.checkpoints, writer, hooks,
+               p.resumed)
+
+
+def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,
+              extra_hooks: Sequence[Hook] = (), supplied: Supplied = Supplied()) -> Run:
+    """`prepare_run` then `open_run` at once, for callers without an MLPerf clock (tests, the dry run)."""
+    return open_run(prepare_run(cfg, denv, device, stop, extra_hooks, supplied))

@@ -28,7 +28,9 @@ from .runtime.exits import (
 )
 from .train.faults import StopRequest, TrainingStopped
 from .liveness import LostRank, watch_ranks
-from .build import resolve_device
+from .build import data_limits, eval_shortfall_advice, resolve_device
+from .input.data_check import check_data_before_clock
+from .model.bert import BertConfig
 from .hooks.events import Hook
 from .outputs import describe_write_error, own_output_dir
 from .startup import check_environment
@@ -75,6 +77,8 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
         cfg = config_from_args(args, denv.world_size)
         device = resolve_device(cfg.run.device, denv.local_rank)
         check_environment(cfg, os.environ, device)
+        check_data_before_clock(cfg, data_limits(cfg, BertConfig.from_json(cfg.model.bert_config_path)),
+                                eval_shortfall_advice(cfg), notes=denv.is_main)
         init_distributed(denv, device, cfg.faults.collective_timeout_s, cfg.run.cuda_graphs)
         with own_output_dir(cfg, denv), watch_ranks(denv, cfg.faults.collective_timeout_s):
             result = run(cfg, denv, device, stop, hooks)

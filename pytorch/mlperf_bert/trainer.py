@@ -1,6 +1,7 @@
 """The training loop: [block of steps up to the next eval point] -> eval -> stop or continue.
 
-`build.build_run` builds every part; this module only runs them. One step's path: the input
+`build.prepare_run` builds every part that reads no data before the clock, `build.open_run`
+the input after `run_start`; this module only runs them. One step's path: the input
 (`device_input.DeviceInput`, from the shards through `sources`) hands the step
 (`step.Step`) its micro-batches on the device; the step updates the weights; the guard
 (`faults.Guard`) says what every rank does next; the hooks (`train_hooks`) print, log,
@@ -12,14 +13,18 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
+from .config.closed_division import INIT_SECONDS_KEY, init_overrun
 from .data.batch import FlatBatch
-from .build import Evaluation, Run, build_evaluation, build_run, eval_schedule
+from .data.dataset import DataError
+from .liveness import LostRank
+from .build import Evaluation, Prepared, Run, build_evaluation, eval_schedule, open_run, prepare_run
 from .config.settings import TrainConfig
 from .runtime.distributed import DistEnv, all_reduce_sum
 from .train.evaluation_interval import EvalSchedule
@@ -136,7 +141,7 @@ def evaluate(ev: Evaluation) -> tuple[float, float]:
     """Masked-LM accuracy and loss over every masked position of the eval set, all ranks."""
     ev.model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ev.device)  # correct, count, loss sum
-    for batch in ev.batches:
+    for batch in ev.data.batches():
         with autocast(ev.device, ev.cfg.run.precision):
             logits = ev.model(batch).mlm_logits.float()
         totals[0] += (logits.argmax(dim=-1) == batch.masked_lm_ids).sum()
@@ -173,24 +178,55 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest
         with StopRequest() as own:
             return run(cfg, denv, device, own, hooks)
     if not cfg.run.do_train:
-        return evaluate_only(build_evaluation(cfg, denv, device))
-    training = build_run(cfg, denv, device, stop, hooks)
+        ev = build_evaluation(cfg, denv, device)
+        try:
+            return evaluate_only(ev)
+        finally:
+            ev.data.close()
+    prepared = prepare_run(cfg, denv, device, stop, hooks)
+    prepared.eval.logger.init_stop()
+    if prepared.resumed:
+        # No clock runs for a resumed run (it logs no run_start): its data opens first, so a data
+        # position that does not fit is refused before any line goes to the log it continues.
+        training = open_run(prepared)
+        record = log_run_start(prepared)
+    else:
+        record = log_run_start(prepared)  # the clock starts: from here on the dataset is read
+        with aborted_on_error(prepared.eval, prepared.state):
+            training = open_run(prepared)
     try:
-        return train(training)
+        return train(training, record)
     finally:
         training.close()
         training.hooks.close()
 
 
-def train(run: Run) -> RunResult:
-    """Trains until the target, a limit or a stop; checkpoints as configured."""
-    run.eval.logger.init_stop()
-    run.checkpoints.record = log_run_start(run)
+@contextmanager
+def aborted_on_error(ev: Evaluation, state: TrainState) -> Iterator[None]:
+    """An error once the clock runs (a bad row read, a lost rank) ends the MLPerf log with run_stop aborted.
+
+    Only this rank's logger is written (no collective: the other ranks may be gone); the error
+    goes on to `main`, which prints its one line and exits with its code.
+    """
+    try:
+        yield
+    except (DataError, LostRank):
+        ev.logger.run_stop("aborted", epoch_num=state.samples)
+        raise
+
+
+def train(run: Run, record: dict) -> RunResult:
+    """Trains until the target, a limit or a stop; checkpoints as configured.
+
+    record: the run facts `log_run_start` gave when the clock started.
+    """
+    run.checkpoints.record = record
     state = run.state
     run.hooks.run_start(run_start_event(run))
     start = time.time()
     try:
-        status = train_loop(run)
+        with aborted_on_error(run.eval, state):
+            status = train_loop(run)
     except TrainingStopped as stopped:
         # Every rank stops at the same step (faults.Guard); the state is the last good one.
         path = run.writer.save(stopped.reason, stopped.data_state)
@@ -211,7 +247,7 @@ def run_start_event(run: Run) -> RunStart:
                     Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model)
 
 
-def log_run_start(run: Run) -> dict:
+def log_run_start(run: Prepared | Run) -> dict:
     """run_start for a fresh run; the run facts a checkpoint keeps (run_start_ms, attempt).
 
     A resumed run logs `resumed_from_checkpoint` and no run_start: its clock did not start
@@ -219,9 +255,15 @@ def log_run_start(run: Run) -> dict:
     """
     log, state = run.eval.logger, run.state
     if not run.resumed:
+        init_seconds = log.init_seconds()
         log.run_start()
+        log.event(INIT_SECONDS_KEY, round(init_seconds, 3))
+        overrun = init_overrun(init_seconds, run.eval.cfg.run.submission_division)
+        if overrun and run.eval.denv.is_main:
+            print(f"warning: {overrun}", file=sys.stderr, flush=True)
         return {"run_start_ms": int(time.time() * 1000), "attempt": 1}
     resumed = run.resumed[0]
+    log.release()
     record = {"run_start_ms": resumed.record.get("run_start_ms"), "attempt": int(resumed.record.get("attempt", 1)) + 1}
     log.event("resumed_from_checkpoint", str(resumed.path), {"epoch_num": state.samples, "step": state.step, **record})
     if run.eval.denv.is_main:
@@ -235,7 +277,8 @@ def evaluate_only(ev: Evaluation) -> RunResult:
     ev.logger.init_stop()
     ev.logger.run_start()
     start = time.time()
-    accuracy = run_eval(ev, TrainState(), ev.hooks)
+    with aborted_on_error(ev, TrainState()):
+        accuracy = run_eval(ev, TrainState(), ev.hooks)
     status = "success" if accuracy >= ev.cfg.eval.target_mlm_accuracy else "aborted"
     ev.hooks.run_end(RunEnd(status, 0, 0, time.time() - start, ((0, accuracy),)))
     return RunResult(status, 0, accuracy, time.time() - start)

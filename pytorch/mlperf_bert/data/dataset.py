@@ -30,7 +30,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -155,10 +155,11 @@ class ShardReader:
     it still needs (`keep_only`); a shard stays loaded while any user needs it.
     """
 
-    def __init__(self, paths: Sequence[Path], limits: DataLimits):
+    def __init__(self, paths: Sequence[Path], limits: DataLimits, known_rows: Mapping[Path, int] | None = None):
         self.paths = [Path(p) for p in paths]
         self.limits = limits
-        self.counts = [shard_info(p)[1] for p in self.paths]
+        known = known_rows or {}
+        self.counts = [known[p] if p in known else shard_info(p)[1] for p in self.paths]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-reader")
         self._loaded: dict[int, Future] = {}
         self._needed: dict[int, set[int]] = {}  # id of a user -> the shards it keeps
@@ -184,15 +185,19 @@ class ShardReader:
 
 
 class ShardReaders:
-    """One `ShardReader` per list of shards, for streams that share them; closed by its maker after them."""
+    """One `ShardReader` per list of shards, for streams that share them; closed by its maker after them.
 
-    def __init__(self) -> None:
+    known_rows: shard -> rows, as the folder's verification record gives them (no file opened for them).
+    """
+
+    def __init__(self, known_rows: Mapping[Path, int] | None = None) -> None:
         self._readers: dict[tuple[tuple[Path, ...], DataLimits], ShardReader] = {}
+        self.known_rows = known_rows
 
     def get(self, paths: Sequence[Path], limits: DataLimits) -> ShardReader:
         key = (tuple(Path(p) for p in paths), limits)
         if key not in self._readers:
-            self._readers[key] = ShardReader(key[0], limits)
+            self._readers[key] = ShardReader(key[0], limits, self.known_rows)
         return self._readers[key]
 
     def close(self) -> None:

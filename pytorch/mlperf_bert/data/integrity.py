@@ -137,6 +137,11 @@ def eval_hashes(eval_dir_or_file: Path | str, num_examples: int | None = None) -
     return np.unique(hashes[:num_examples] if num_examples is not None else hashes)
 
 
+def samples_digest(hashes: np.ndarray) -> str:
+    """sha256 of a set of samples' sorted unique hashes: equal for sets holding the same samples."""
+    return hashlib.sha256(np.unique(hashes).astype("<u8").tobytes()).hexdigest()
+
+
 def leaked(hashes: np.ndarray, eval_set: np.ndarray) -> np.ndarray:
     """[N] bool: which of `hashes` are eval samples (`eval_set` sorted, as `eval_hashes` gives it)."""
     if eval_set.size == 0 or hashes.size == 0:

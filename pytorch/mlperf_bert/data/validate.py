@@ -158,7 +158,7 @@ def check_shard(path: Path | str, limits: DataLimits, block_rows: int = CHECK_BL
     return rows
 
 
-def _check_widths(shards: list[Path]) -> None:
+def check_widths(shards: list[Path]) -> None:
     """One folder, one dataset: every shard has the first one's format and row width."""
     first = shard_widths(shards[0])
     for path in shards[1:]:
@@ -183,7 +183,7 @@ def check_dataset(source: Path | str, limits: DataLimits, rank: int = 0, world_s
         raise DataError(problems[0] + more)
     shards = folder_shards(source) if source.is_dir() else []
     shards = shards or list_shards(source)
-    _check_widths(shards)
+    check_widths(shards)
     for path in shards[rank::world_size]:
         check_shard(path, limits)
     return shards

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any, Iterable, Mapping
 
 from mlperf_logging.mllog import constants
@@ -47,11 +48,14 @@ class LogFileHandler(logging.Handler):
     def __init__(self, path: str) -> None:
         super().__init__()
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = None  # opened at the first line: a run that never starts leaves no file
+        self._closed = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self._fd is None:
+        if self._closed:
             raise ValueError(f"{self.path}: the MLPerf log is closed")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         data = (self.format(record) + "\n").encode()
         size = os.fstat(self._fd).st_size
         try:
@@ -73,7 +77,34 @@ class LogFileHandler(logging.Handler):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._closed = True
         super().close()
+
+
+class HeldUntilStart(logging.Handler):
+    """Holds the lines of the untimed init until the run starts (`release`), then passes each on.
+
+    A run refused before it starts (a bad resume, a data folder refused before the clock) writes
+    nothing to the MLPerf log, which may be the log of the run it was resuming. Each line keeps
+    the time it was logged at; a write error of a target raises, as it does without the hold.
+    """
+
+    def __init__(self, targets: list[logging.Handler]) -> None:
+        super().__init__(level=logging.INFO)
+        self.targets = targets
+        self.held: list[logging.LogRecord] | None = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.held is not None:
+            self.held.append(record)
+            return
+        for target in self.targets:
+            target.handle(record)
+
+    def release(self) -> None:
+        held, self.held = self.held or [], None
+        for record in held:
+            self.emit(record)
 
 
 class EchoHandler(logging.StreamHandler):
@@ -96,6 +127,7 @@ class MLPerfLogger:
     """
 
     def __init__(self, path: str | None, rank: int, echo_stdout: bool = False) -> None:
+        self.init_started_at = time.time()
         self.enabled = rank == 0
         self._handlers: list[logging.Handler] = []
         self._mllogger: MLLogger | None = None
@@ -108,7 +140,8 @@ class MLPerfLogger:
             sink.propagate = False
             for handler in self._handlers:
                 handler.setLevel(logging.INFO)
-                sink.addHandler(handler)
+            self._hold = HeldUntilStart(self._handlers)
+            sink.addHandler(self._hold)
             self._mllogger = MLLogger(logger=sink)
 
     def close(self) -> None:
@@ -137,13 +170,24 @@ class MLPerfLogger:
         self._emit("event", constants.CACHE_CLEAR, cleared)
 
     def init_start(self) -> None:
+        self.init_started_at = time.time()
         self._emit("start", constants.INIT_START)
+
+    def init_seconds(self) -> float:
+        """Seconds since init_start (on every rank, also those that write no log)."""
+        return time.time() - self.init_started_at
 
     def init_stop(self) -> None:
         self._emit("end", constants.INIT_STOP)
 
     def run_start(self) -> None:
+        self.release()
         self._emit("start", constants.RUN_START)
+
+    def release(self) -> None:
+        """The run has started (or resumed): the init lines held so far are written, and every line after them."""
+        if self._mllogger is not None:
+            self._hold.release()
 
     def run_stop(self, status: str, epoch_num: int | None = None) -> None:
         """status: "success" (target reached) or "aborted"; epoch_num: samples trained."""

@@ -1,13 +1,17 @@
 """Which `BatchSource` a run's --balance builds, over which stream, after which data check.
 
-`open_batch_source` is the one entry: it checks the training folder on every rank
-(`check_input_data`), opens the rank's stream (its micro-batch slots, `slots.py`, over plain
-shards or a stratified folder) and wraps it in the source of the configured policy
-(`sources.py` says what each policy does). The MPI-backed `cpu_exchange` source is imported
-only when chosen: mpi4py starts MPI on import.
+`open_batch_source` is the one entry, called after `run_start` (it reads the dataset): it
+takes the shards and their row counts from the folder's verification record when it is
+current (no file opened), else checks the folder from its metadata (`check_input_data`); opens
+the rank's stream (its micro-batch slots, `slots.py`, over plain shards or a stratified folder)
+and wraps it in the source of the configured policy (`sources.py` says what each policy does).
+Every row is checked as it is read (`validate.read_shard`). The MPI-backed `cpu_exchange`
+source is imported only when chosen: mpi4py starts MPI on import.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,48 +19,46 @@ import torch.distributed as dist
 from ..config.settings import TrainConfig
 from ..data.dataset import DataError, DataLimits, PretrainingDataset, ShardReaders, discover_shards
 from ..data.stratified import StratifiedDataset, is_stratified
-from ..data.integrity import check_integrity
-from ..data.validate import check_dataset
+from ..data.record import read_record, stale_problems
+from ..data.shards import folder_problems, folder_shards
+from ..data.validate import check_widths
 from ..runtime.distributed import DistEnv
 from .exchange import TorchCollectives
 from .slots import SlotLayout, SlotStream
 from .sources import BatchSource, ExchangeSource, ItemStream, LocalSource, TokenMeter
 
 
-def check_input_data(input_dir: str, limits: DataLimits, denv: DistEnv, eval_dir: str | None = None,
-                     num_eval: int | None = None) -> None:
-    """The whole training folder checked before the first step.
+def check_input_data(input_dir: str) -> None:
+    """A training folder without a current verification record, from its metadata (after the clock).
 
-    Each rank reads the rows of every W-th shard (`validate.check_dataset`); rank 0 also runs
-    the quick integrity check (`integrity.check_integrity`: copied shards, and samples of the
-    first `num_eval` of `eval_dir` in the training shards). One all-reduce makes every rank stop
-    with exit 2 when any rank found a problem, instead of the others training on without it.
+    Complete (`shards.folder_problems`: MANIFEST.json's files present with their sizes, no
+    temporary files, no gaps in the numbering, not refused by data_prep) and one dataset (every
+    shard of one format and width). Every rank sees the same folder, so every rank stops alike.
     """
-    problem = None
-    try:
-        shards = check_dataset(input_dir, limits, denv.rank, denv.world_size)
-        if denv.is_main:
-            check_integrity(shards, eval_dir, num_eval)
-    except DataError as err:
-        problem = err
-    if denv.is_distributed and dist.is_initialized():
-        failed = torch.tensor([problem is not None], dtype=torch.int64)
-        dist.all_reduce(failed, group=world_group())
-        if failed.item() and problem is None:
-            raise DataError(f"{input_dir}: another rank found a bad shard (its error line names it); "
-                            "run data_prep/verify_dataset.py on the folder")
-    if problem is not None:
-        raise problem
+    problems = folder_problems(input_dir)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise DataError(problems[0] + more)
+    check_widths(folder_shards(Path(input_dir)) or discover_shards(input_dir))
+
+
+def recorded_rows(input_dir: str) -> dict[Path, int] | None:
+    """Each shard's rows from the folder's verification record, when the record is current; else None."""
+    record = read_record(input_dir)
+    if record is None or not record.ok or stale_problems(record):
+        return None
+    return {record.folder / name: entry.rows for name, entry in record.files.items()}
 
 
 def open_stream(input_dir: str, limits: DataLimits, denv: DistEnv, micro_batch: int, seed: int,
-                accumulation: int = 1) -> ItemStream:
+                accumulation: int = 1, rows: dict[Path, int] | None = None) -> ItemStream:
     """The rank's micro-batch slots (`slots.py`) over stratified folders (strata.json) or plain shards.
 
     accumulation: micro-batches per optimizer step (--gradient_accumulation_steps).
+    rows: shard -> rows, known from the verification record (None: read from each shard's metadata).
     """
     layout = SlotLayout(denv.world_size, accumulation, micro_batch)
-    readers = ShardReaders()
+    readers = ShardReaders(rows)
     if is_stratified(input_dir):
         def make(slot: int) -> ItemStream:
             return StratifiedDataset(input_dir, limits, rank=slot, world_size=layout.slots,
@@ -96,9 +98,11 @@ def node_group(denv: DistEnv) -> dist.ProcessGroup:
 def open_batch_source(cfg: TrainConfig, denv: DistEnv, limits: DataLimits) -> BatchSource:
     """Builds the configured source; the caller closes it. Every rank calls it at the same point."""
     assert cfg.data.input_dir is not None, "TrainConfig requires --input_dir with --do_train"
-    check_input_data(cfg.data.input_dir, limits, denv, cfg.data.eval_dir, cfg.eval.num_eval_examples)
+    rows = recorded_rows(cfg.data.input_dir)
+    if rows is None:
+        check_input_data(cfg.data.input_dir)
     stream = open_stream(cfg.data.input_dir, limits, denv, cfg.micro_batch_size, cfg.run.seed,
-                         cfg.gradient_accumulation_steps)
+                         cfg.gradient_accumulation_steps, rows)
     try:
         return _balanced(stream, cfg, denv)
     except BaseException:

@@ -103,18 +103,23 @@ class SyncWindow:
     """A `faults.Guard` that reads the device once every N steps and rolls back on a non-finite loss.
 
     guard: the per-step guard whose agreement (`StepGuard.agree`) the window's reads use.
-    start: the run's position when the window opens (after any resume).
+    start: the run's position when the window opens (after any resume); None until `begin` gives it
+    (the trainer builds the window before the clock and opens the data after it).
     scaler: fp16's device loss scaler, whose counts each read brings along (`Verdict.loss_scale`):
     it skips overflowing steps on the device, so a non-finite fp16 loss is not a blow-up here;
     skips in a row beyond the guard's limit end the run at the read that sees them.
     """
 
-    def __init__(self, every: int, guard: StepGuard, snapshot: Snapshot, start: Position,
+    def __init__(self, every: int, guard: StepGuard, snapshot: Snapshot, start: Position | None,
                  scaler: DeviceLossScaler | None = None) -> None:
         if every < 1:
             raise ValueError(f"--sync_every must be >= 1, got {every}")
         self.every, self.guard, self.snapshot, self.scaler = every, guard, snapshot, scaler
         self._bad = torch.zeros((), dtype=torch.bool, device=guard.device)
+        self.good = copy.deepcopy(start)
+
+    def begin(self, start: Position) -> None:
+        """The position the window opens at: where a roll-back before the first read returns to."""
         self.good = copy.deepcopy(start)
 
     def check_loss(self, loss: torch.Tensor, nonfinite_gradient: torch.Tensor | None = None) -> Verdict:
@@ -149,6 +154,8 @@ class SyncWindow:
             return verdict
         self.snapshot.restore()
         self._bad.zero_()
+        if self.good is None:  # a roll-back with nowhere to go must not pass for "no roll-back"
+            raise RuntimeError("SyncWindow rolled back before begin() gave it the run's start position")
         return replace(verdict, rolled_back_to=self.good)
 
     def _check_skips(self, reading: LossScaleReading, facts: StepFacts) -> None:
