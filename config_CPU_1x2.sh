@@ -4,6 +4,7 @@
 # Batch arithmetic: 32 sequences/process x 2 processes x 1 accumulation step = 64 global batch.
 # The MLPerf eval-interval formula gives 150,000 samples at GBS 64, far beyond this run, so the
 # demo evaluates every 1,600 samples (25 steps) on its 1,000 eval sequences.
+# RCP (training 5.0.0, bert): GBS 64 is below every RCP: checked against the smallest, GBS 448 (converging faster than that needs an RCP at GBS 64): RCP mean 2,414,421 samples to converge, minimum acceptable olympic mean 2,274,732, maximum speed-up 1.0614; open division: no RCP check
 export DGXSYSTEM=CPU_1x2
 export DGXNNODES=1
 export DGXNGPU=2

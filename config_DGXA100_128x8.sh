@@ -4,6 +4,7 @@
 # = 4,096 global batch (a pack holds 1.999 sequences on average and counts as 2, as NVIDIA logs it).
 # Eval interval (REFERENCE formula): floor_25k(0.05 x (230.23 x 4096 + 3,000,000)) = 175,000 samples.
 # 820 steps x 4,096 = 3,358,720 samples of LR schedule; runs stop at 7M samples at the latest.
+# RCP (training 5.0.0, bert): GBS 4096 interpolated between the RCPs at GBS 448 and 4608 (its own RCP is pruned: slower than that interpolation): RCP mean 2,750,860 samples to converge, minimum acceptable olympic mean 2,651,583, maximum speed-up 1.0374
 export DGXSYSTEM=DGXA100_128x8
 export DGXNNODES=128
 export DGXNGPU=8

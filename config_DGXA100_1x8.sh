@@ -3,6 +3,7 @@
 # Batch arithmetic: 56 sequences/GPU x 8 GPUs x 1 accumulation step = 448 global batch.
 # Eval interval (REFERENCE formula): floor_25k(0.05 x (230.23 x 448 + 3,000,000)) = 150,000 samples.
 # 6,700 steps x 448 = 3,001,600 samples of LR schedule; runs stop at 4.5M samples at the latest.
+# RCP (training 5.0.0, bert): GBS 448 has its own RCP: RCP mean 2,414,421 samples to converge, minimum acceptable olympic mean 2,274,732, maximum speed-up 1.0614
 export DGXSYSTEM=DGXA100_1x8
 export DGXNNODES=1
 export DGXNGPU=8

@@ -7,6 +7,7 @@
 # at step -16 (so it ends at step 66); linear decay measured from step 82 (the warm-up length, as
 # Samsung's scheduler counts it: steps 66-81 run up to ~14% above LR) down to 4.945e-5 at step 179,
 # held there to step 299. Runs stop at 7M samples at the latest (the 128x8 limit).
+# RCP (training 5.0.0, bert): GBS 16384 has its own RCP: RCP mean 5,505,422 samples to converge, minimum acceptable olympic mean 5,400,269, maximum speed-up 1.0195; open division: no RCP check
 export DGXSYSTEM=SamsungA100_128x8
 export DGXNNODES=128
 export DGXNGPU=8

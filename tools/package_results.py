@@ -1,33 +1,45 @@
 #!/usr/bin/env python3
 """Build, check and score an MLPerf Training submission package for BERT.
 
-  pack RUN_DIR --config config_X.sh --out OUT [--ruleset 5.0.0]
+  pack RUN_DIR --config config_X.sh --out OUT [--ruleset 5.0.0] [--select N] [--strict]
       RUN_DIR holds one MLPerf log per run (e.g. run_with_docker.sh's LOGDIR). Writes
       OUT/<ORG>/results/<DGXSYSTEM>/bert/result_<i>.txt and OUT/<ORG>/systems/<DGXSYSTEM>.json,
       and OUT/<ORG>/results/<DGXSYSTEM>/sources.txt, which says which log became which
       result_<i>.txt (printed too); then checks and scores the package in place, with the
-      checkers' logs in OUT/checker_logs/ unless --logs says otherwise.
-  check PACKAGE_DIR [--ruleset 5.0.0]
+      checkers' logs in OUT/checker_logs/ unless --logs says otherwise. Runs that differ in a
+      hyperparameter one result fixes (global batch size, learning rate, ...) are refused.
+      --select N: from more than N runs, the N consecutive ones (by run_start) whose olympic score
+      is the median of all windows (training_rules.adoc §12.1); the others are named as dropped.
+  check PACKAGE_DIR [--ruleset 5.0.0] [--strict]
       Checks and scores an existing package (ORG/ with results/ and systems/) on a temporary copy,
       so the input is never modified (the package checker writes scaling.json files). The copy
       and, without --logs, the checkers' logs are removed at the end, also on failure.
+  rcp [config_X.sh ...] [--gbs N] [--ruleset 5.0.0] [--write]
+      The RCP window of each config's global batch size (or of N): covered by an RCP, interpolated
+      between two (named), or below / above every RCP; the RCP mean of samples to converge, the
+      minimum acceptable olympic mean and the maximum speed-up, from mlperf_logging's RCP checker.
+      One `# RCP (...)` comment line each; --write puts it into the config.
   sysjson
       Prints one `:::SYSJSON {...}` line describing this machine and the config in the environment.
       The launchers run it inside the container before each run, so the description of the machine
       that trained travels with the log and `pack` can use it on any other machine.
 
-Checks: every result file through the compliance checker (this tool requires every run to comply,
-although the official package checker accepts one failed file under olympic scoring), every
-closed-division result file against the closed-division rules the trainer enforces
-(`mlperf_bert/config/closed_division.py`: eval set size, eval interval, target, optimizer, ...,
-which the official checkers do not read; a rule whose key a log lacks is noted, not failed), then
+Checks: every result file through the compliance checker, and whether it converged: one run that
+did not (or one file that does not comply) counts as the slowest and is dropped by the olympic mean,
+as training_rules.adoc §12 and the official package checker allow; two fail the package, and
+--strict accepts none. Every closed-division result file against the closed-division rules the
+trainer enforces (`mlperf_bert/config/closed_division.py`: eval set size, eval interval, target,
+optimizer, ..., which the official checkers do not read; a rule whose key a log lacks is noted, not
+failed), and all result files of a system against each other (one set of hyperparameters). Then
 `python -m mlperf_logging.package_checker ORG training RULESET` (which exits 0 even on errors: its
 verdict is the line `PACKAGE CHECKER FOUND NO ERRORS`), `python -m mlperf_logging.rcp_checker` for
-closed-division systems, and `python -m mlperf_logging.result_summarizer ORG training RULESET --csv`
-for the score. Exit status 0 only when everything passes and every system has a score.
+closed-division systems (with the window, the olympic mean of samples to converge and its margin
+to the bound), and `python -m mlperf_logging.result_summarizer ORG training RULESET --csv` for the
+score, printed with the olympic mean and the normalization factor it applied. Exit status 0 only
+when everything passes and every system has a score.
 
 The ruleset must match the logs: 5.0.0 for this project; published vendor logs use the ruleset
-of their round (v2.0 -> 2.0.0, v4.0 -> 4.0.0).
+of their round (v2.0 -> 2.0.0, v4.1 -> 4.1.0).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ import argparse
 import csv
 import importlib.metadata
 import json
-import logging
+import math
 import os
 import platform
 import re
@@ -44,13 +56,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from compare import SYSJSON_TOKEN, is_run_log, natural_key, read_run
+from compare import SYSJSON_TOKEN, RunLog, is_run_log, natural_key, olympic_mean, read_run
 from mlperf_bert.config.closed_division import broken_rules, unchecked_keys
+from scoring import (RcpVerdict, ScoringError, Selection, hyperparameter_mismatches, quiet_logging,
+                     rcp_verdict, rcp_window, run_minutes, select_consecutive)
 
 BENCHMARK = "bert"
 RUNS_PER_SUBMISSION = 10  # MLPerf Training needs 10 BERT runs for an olympic score
@@ -300,50 +313,90 @@ def system_description(logs: Sequence[Path], config: Mapping[str, str], ruleset:
     return description
 
 
-def build_package(run_dir: Path, config_path: Path, out: Path, ruleset: str) -> Path:
+def refuse_mixed_hyperparameters(runs: Sequence[RunLog]) -> None:
+    """One result is one set of hyperparameters: name the first run that differs, and its key."""
+    mismatches = hyperparameter_mismatches(runs)
+    if mismatches:
+        more = f" (and {len(mismatches) - 1} more difference(s))" if len(mismatches) > 1 else ""
+        raise PackageError(f"{mismatches[0].path}: {mismatches[0].line()}{more}")
+
+
+def choose_runs(run_dir: Path, select: int | None) -> tuple[list[RunLog], list[RunLog]]:
+    """(runs to package, runs left out): every run in the folder, or with `select` N the N
+    consecutive runs whose olympic score is the median of all windows (training_rules.adoc §12.1)."""
+    runs = [read_run(log) for log in find_run_logs(run_dir)]
+    refuse_mixed_hyperparameters(runs)
+    if select is None:
+        if len(runs) != RUNS_PER_SUBMISSION:
+            print(f"warning: {len(runs)} run logs in {run_dir}; a BERT submission needs {RUNS_PER_SUBMISSION} "
+                  f"(the package checker will report it; from more, --select {RUNS_PER_SUBMISSION} picks them)")
+        return runs, []
+    if len(runs) <= select:
+        raise PackageError(f"--select {select} picks from more than {select} runs; {run_dir} holds {len(runs)}: "
+                           "package them without --select")
+    try:
+        selection = select_consecutive(runs, select)
+    except ScoringError as err:
+        raise PackageError(str(err)) from err
+    print(selection_report(selection))
+    return list(selection.kept), list(selection.dropped)
+
+
+def selection_report(selection: Selection) -> str:
+    scores = ", ".join("invalid" if math.isinf(s) else f"{s:.3f}" for s in selection.scores)
+    first, size = selection.chosen, selection.size
+    lines = [f"--select {size}: {len(selection.runs)} runs in run_start order; olympic minutes of the "
+             f"{len(selection.scores)} windows of {size} consecutive runs: {scores}; the median window is "
+             f"runs {first + 1}..{first + size}"]
+    lines += [f"dropped: {line}" for line in source_lines(selection.dropped)]
+    return "\n".join(lines)
+
+
+def build_package(run_dir: Path, config_path: Path, out: Path, ruleset: str, select: int | None = None) -> Path:
     """Write OUT/<ORG>/results/<system>/bert/result_<i>.txt and systems/<system>.json."""
     config = read_config(config_path)
     system = _require(config, "DGXSYSTEM")
-    logs = find_run_logs(run_dir)
-    if len(logs) != RUNS_PER_SUBMISSION:
-        print(f"warning: {len(logs)} run logs in {run_dir}; a BERT submission needs "
-              f"{RUNS_PER_SUBMISSION} (the package checker will report it)")
+    runs, dropped = choose_runs(run_dir, select)
+    logs = [run.path for run in runs]
     description = system_description(logs, config, ruleset)
     org = out / str(description["submitter"])
     results = org / "results" / system / BENCHMARK
     if results.exists():
         raise PackageError(f"{results} already exists: remove it or choose another --out")
     try:
-        _write_system(org, system, logs, description)
+        _write_system(org, system, runs, dropped, description)
     except BaseException:
         shutil.rmtree(results.parent, ignore_errors=True)  # no half-written package
         (org / "systems" / f"{system}.json").unlink(missing_ok=True)
         raise
     print(f"packaged {len(logs)} runs of {system} from {run_dir} into {org}")
-    print((results.parent / SOURCES).read_text(), end="")
+    print("\n".join(source_lines(runs, with_results=True)))
     return org
 
 
 SOURCES = "sources.txt"
 
 
-def source_lines(logs: Sequence[Path]) -> list[str]:
-    """`result_<i>.txt <- LOG (seed, status, minutes)`, one line per run, in package order."""
+def source_lines(runs: Sequence[RunLog], with_results: bool = False) -> list[str]:
+    """`[result_<i>.txt <- ]LOG (seed, status, minutes)`, one line per run, in package order."""
     lines = []
-    for index, log in enumerate(logs):
-        run = read_run(log)
+    for index, run in enumerate(runs):
         minutes = f"{run.minutes:.2f} min" if run.minutes is not None else "no run_stop"
-        lines.append(f"result_{index}.txt <- {log} (seed {run.values.get('seed', '?')}, "
-                     f"{run.status or 'no status'}, {minutes})")
+        line = f"{run.path} (seed {run.values.get('seed', '?')}, {run.status or 'no status'}, {minutes})"
+        lines.append(f"result_{index}.txt <- {line}" if with_results else line)
     return lines
 
 
-def _write_system(org: Path, system: str, logs: Sequence[Path], description: Mapping[str, Any]) -> None:
+def _write_system(org: Path, system: str, runs: Sequence[RunLog], dropped: Sequence[RunLog],
+                  description: Mapping[str, Any]) -> None:
     results = org / "results" / system / BENCHMARK
     results.mkdir(parents=True)
-    for index, log in enumerate(logs):
-        shutil.copyfile(log, results / f"result_{index}.txt")
-    (results.parent / SOURCES).write_text("\n".join(source_lines(logs)) + "\n")
+    for index, run in enumerate(runs):
+        shutil.copyfile(run.path, results / f"result_{index}.txt")
+    lines = source_lines(runs, with_results=True)
+    lines += [f"not packaged <- {line}: outside the median window (--select {len(runs)})"
+              for line in source_lines(dropped)]
+    (results.parent / SOURCES).write_text("\n".join(lines) + "\n")
     (org / "systems").mkdir(exist_ok=True)
     with (org / "systems" / f"{system}.json").open("w") as f:
         json.dump(description, f, indent=4)
@@ -360,7 +413,10 @@ class Verdict:
 
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    scores: dict[str, float | None] = field(default_factory=dict)  # system_name -> minutes
+    scores: dict[str, float | None] = field(default_factory=dict)  # system folder -> official minutes
+    failed_runs: dict[str, set[str]] = field(default_factory=dict)  # system folder -> result files not counted
+    rcp: dict[str, RcpVerdict] = field(default_factory=dict)  # system folder -> the RCP decision (closed)
+    factors: dict[str, float] = field(default_factory=dict)  # system folder -> scaling.json the summarizer applied
 
     @property
     def passed(self) -> bool:
@@ -368,28 +424,33 @@ class Verdict:
             score is not None for score in self.scores.values())
 
 
-@contextmanager
-def _quiet_logging() -> Iterator[None]:
-    """Silence the checkers' root-logger chatter while they run in this process."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
-
-
 def compliance_problems(result_file: Path, ruleset: str) -> list[str]:
     """The compliance checker's messages for one log (empty when it complies)."""
     from mlperf_logging.compliance_checker import mlp_compliance
 
     checker = mlp_compliance.make_checker("training", ruleset, False, False)
-    with _quiet_logging():
+    with quiet_logging():
         valid = checker.check_file(str(result_file), f"training_{ruleset}/common.yaml")
     if valid:
         return []
     messages = [*checker.overwritable.values(), *checker.not_overwritable]
     return [" ".join(str(m).split()) for m in messages] or ["compliance check failed"]
+
+
+def how_it_ended(run: RunLog) -> str:
+    """`did not converge (...)` with the run's end and its last eval."""
+    end = f"run_stop {run.status or 'without status'}" if run.run_stop_ms is not None else "no run_stop"
+    if run.evals:
+        samples, accuracy = run.evals[-1]
+        end += f", last eval {accuracy:.5f} masked-LM accuracy at {samples:,.0f} samples"
+    return f"did not converge ({end})"
+
+
+def run_failures(result_file: Path, ruleset: str) -> list[str]:
+    """Why one result file cannot count as a converged, compliant run (empty when it can)."""
+    run = read_run(result_file)
+    messages = compliance_problems(result_file, ruleset)
+    return messages if run.converged else [how_it_ended(run), *messages]
 
 
 def _result_dirs(package: Path) -> list[Path]:
@@ -403,16 +464,41 @@ def _result_dirs(package: Path) -> list[Path]:
     return dirs
 
 
-def check_compliance(package: Path, ruleset: str, verdict: Verdict) -> None:
+def _result_files(bert_dir: Path) -> list[Path]:
+    return sorted(bert_dir.glob("result_*.txt"), key=natural_key)
+
+
+def check_compliance(package: Path, ruleset: str, verdict: Verdict, strict: bool = False) -> None:
+    """Every run must comply and converge, except one: training_rules.adoc §12 lets a single
+    non-converging run count as the slowest (the official package checker accepts one
+    non-compliant file "under olympic scoring"). `strict` accepts none."""
     for bert_dir in _result_dirs(package):
-        files = sorted(bert_dir.glob("result_*.txt"), key=natural_key)
-        failed = 0
-        for result_file in files:
-            for message in compliance_problems(result_file, ruleset):
-                verdict.problems.append(f"{result_file.relative_to(package)}: {message}")
-                failed += 1
-        verdict.notes.append(f"compliance ({bert_dir.parent.name}): "
-                             f"{len(files) - failed}/{len(files)} result files comply")
+        system, files = bert_dir.parent.name, _result_files(bert_dir)
+        failed = {f: m for f, m in ((f, run_failures(f, ruleset)) for f in files) if m}
+        verdict.failed_runs[system] = {f.name for f in failed}
+        verdict.notes.append(f"compliance ({system}): {len(files) - len(failed)}/{len(files)} result files "
+                             "comply and converged")
+        if len(failed) == 1 and not strict:
+            (result_file, messages), = failed.items()
+            verdict.notes.append(f"{result_file.relative_to(package)}: {'; '.join(messages)}: counted as the "
+                                 "slowest run and dropped by the olympic mean, as training_rules.adoc §12 and the "
+                                 "official package checker allow for one run (--strict refuses it)")
+            continue
+        for result_file, messages in failed.items():
+            verdict.problems += [f"{result_file.relative_to(package)}: {m}" for m in messages]
+        if failed and strict:
+            verdict.problems.append(f"{system}: --strict: every run must comply and converge")
+        elif len(failed) > 1:
+            verdict.problems.append(f"{system}: {len(failed)} runs did not comply or converge; an olympic score "
+                                    "accepts one at most (training_rules.adoc §12)")
+
+
+def check_hyperparameters(package: Path, verdict: Verdict) -> None:
+    """All runs of one result share their hyperparameters (the official checkers do not compare them)."""
+    for bert_dir in _result_dirs(package):
+        runs = [read_run(f) for f in _result_files(bert_dir)]
+        verdict.problems += [f"{(bert_dir / m.path.name).relative_to(package)}: {m.line()}"
+                             for m in hyperparameter_mismatches(runs)]
 
 
 def closed_rule_problems(result_file: Path) -> tuple[list[str], list[str]]:
@@ -430,7 +516,7 @@ def closed_rule_problems(result_file: Path) -> tuple[list[str], list[str]]:
 def check_closed_rules(package: Path, verdict: Verdict) -> None:
     for bert_dir in _result_dirs(package):
         unchecked: set[str] = set()
-        for result_file in sorted(bert_dir.glob("result_*.txt"), key=natural_key):
+        for result_file in _result_files(bert_dir):
             broken, missing = closed_rule_problems(result_file)
             verdict.problems += [f"{result_file.relative_to(package)}: {line}" for line in broken]
             unchecked.update(missing)
@@ -440,7 +526,7 @@ def check_closed_rules(package: Path, verdict: Verdict) -> None:
 
 
 def _run_tool(args: Sequence[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run `python -m mlperf_logging.<tool> ...` with its log files kept in cwd."""
+    """Run `python -m mlperf_logging.<tool> ...` with its log files kept in cwd (an absolute path)."""
     command = [sys.executable, "-m", *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
 
@@ -452,7 +538,7 @@ def run_package_checker(package: Path, ruleset: str, logs: Path, verdict: Verdic
     errors = [line for line in output.splitlines() if line.startswith("ERROR")]
     if "PACKAGE CHECKER FOUND NO ERRORS" not in output:
         verdict.problems += [f"package checker: {line}" for line in errors] or [
-            f"package checker did not report success (see {logs / 'package_checker.log'})"]
+            f"package checker did not report success (exit {done.returncode}; see {logs / 'package_checker.log'})"]
         return
     verdict.notes.append("package checker: PACKAGE CHECKER FOUND NO ERRORS")
     if "accepting this under olympic scoring" in output:
@@ -465,7 +551,8 @@ def _division(package: Path, system: str) -> str:
 
 
 def run_rcp_checker(package: Path, ruleset: str, logs: Path, verdict: Verdict) -> None:
-    """Reference convergence points: closed division only (open division has no RCP rule)."""
+    """Reference convergence points (closed division only; open division has no RCP rule): the
+    official checker's verdict, and the window and margin behind it (training_rules.adoc §13)."""
     for bert_dir in _result_dirs(package):
         system = bert_dir.parent.name
         if _division(package, system) != "closed":
@@ -480,6 +567,25 @@ def run_rcp_checker(package: Path, ruleset: str, logs: Path, verdict: Verdict) -
             verdict.notes.append(f"RCP checker ({system}): {message}")
         else:
             verdict.problems.append(f"RCP checker ({system}): {message}")
+        explain_rcp(bert_dir, ruleset, done.returncode == 0, verdict)
+
+
+def explain_rcp(bert_dir: Path, ruleset: str, official: bool, verdict: Verdict) -> None:
+    """The window (RCP mean, minimum acceptable mean, maximum speed-up) and the margin to it."""
+    system = bert_dir.parent.name
+    try:
+        decision = rcp_verdict(_result_files(bert_dir), ruleset)
+    except ScoringError as err:
+        verdict.notes.append(f"RCP window ({system}): {err}")
+        return
+    verdict.rcp[system] = decision
+    if decision.window is not None:
+        verdict.notes.append(f"RCP window ({system}): {decision.window.describe()}")
+    verdict.notes.append(f"RCP margin ({system}): {decision.margin()}")
+    if decision.passed != official:
+        verdict.problems.append(f"RCP window ({system}): computed here as {decision.message} "
+                                f"({'pass' if decision.passed else 'fail'}), which the official RCP checker "
+                                "does not confirm; trust the official checker and report this")
 
 
 def _score(cell: str) -> float | None:
@@ -487,6 +593,12 @@ def _score(cell: str) -> float | None:
         return float(cell)
     except ValueError:
         return None
+
+
+def _scaling_factor(bert_dir: Path) -> float:
+    """The factor the result summarizer multiplies the olympic mean by (scaling.json, else 1)."""
+    scaling = bert_dir / "scaling.json"
+    return float(json.loads(scaling.read_text())["scaling_factor"]) if scaling.is_file() else 1.0
 
 
 def run_summarizer(package: Path, ruleset: str, logs: Path, verdict: Verdict) -> None:
@@ -498,7 +610,11 @@ def run_summarizer(package: Path, ruleset: str, logs: Path, verdict: Verdict) ->
             verdict.notes.append(f"result summarizer: {line.strip()}")
     rows = list(csv.DictReader(csv_path.open())) if csv_path.is_file() else []
     for row in rows:
-        verdict.scores[row["system"]] = _score(row.get(BENCHMARK, ""))
+        # details_url ends in systems/<system folder>.json; system is the description's system_name
+        folder = Path(row.get("details_url", "")).stem or row["system"]
+        verdict.scores[folder] = _score(row.get(BENCHMARK, ""))
+        if (package / "results" / folder / BENCHMARK).is_dir():
+            verdict.factors[folder] = _scaling_factor(package / "results" / folder / BENCHMARK)
     if not rows:
         verdict.problems.append(f"result summarizer produced no scores (exit {done.returncode})")
     for system, score in verdict.scores.items():
@@ -506,16 +622,49 @@ def run_summarizer(package: Path, ruleset: str, logs: Path, verdict: Verdict) ->
             verdict.problems.append(f"result summarizer: no {BENCHMARK} score for {system}")
 
 
-def check_package(package: Path, ruleset: str, logs: Path) -> Verdict:
+def check_package(package: Path, ruleset: str, logs: Path, strict: bool = False) -> Verdict:
     """All checks and the score; `logs` receives the official tools' log files."""
     verdict = Verdict()
-    package = package.resolve()  # the official tools run with the log folder as cwd
-    check_compliance(package, ruleset, verdict)
+    package, logs = package.resolve(), logs.resolve()  # the official tools run with `logs` as cwd
+    check_compliance(package, ruleset, verdict, strict)
+    check_hyperparameters(package, verdict)
     check_closed_rules(package, verdict)
     run_package_checker(package, ruleset, logs, verdict)
     run_rcp_checker(package, ruleset, logs, verdict)
     run_summarizer(package, ruleset, logs, verdict)
     return verdict
+
+
+def olympic_of_counted_runs(bert_dir: Path, failed: set[str]) -> float:
+    """Olympic mean of the run times, the runs the checks did not count taken as infinitely slow."""
+    runs = [read_run(f) for f in _result_files(bert_dir)]
+    minutes = [math.inf if run.path.name in failed else run_minutes(run) for run in runs]
+    score = olympic_mean(minutes)
+    return math.inf if score is None else score
+
+
+def score_line(package: Path, system: str, score: float | None, verdict: Verdict) -> str:
+    """`score SYSTEM: M minutes (S s) = olympic mean x factor (why)`."""
+    if score is None:
+        return f"score {system}: none"
+    line = f"score {system}: {score:.3f} minutes ({score * 60:.0f} s)"
+    bert_dir = package / "results" / system / BENCHMARK
+    if not bert_dir.is_dir():
+        return line + " (official result summarizer)"
+    raw = olympic_of_counted_runs(bert_dir, verdict.failed_runs.get(system, set()))
+    factor = verdict.factors.get(system, 1.0)
+    rcp = verdict.rcp.get(system)
+    if factor != 1.0:
+        why = ("RCP normalization factor: RCP mean / olympic mean of samples to converge, training_rules.adoc §13"
+               if rcp is not None and rcp.norm_factor == factor else "scaling.json of the package")
+    elif rcp is None:
+        why = "no normalization"
+    elif rcp.passed:
+        why = "no normalization: olympic mean of samples at or above the RCP mean"
+    else:
+        why = "no normalization: the RCP check failed"
+    return (f"{line} = olympic mean {raw:.3f} minutes x {factor:.4f} ({why}; official result summarizer: "
+            f"{score:.6f})")
 
 
 def report(checked: Path, shown: Path, ruleset: str, verdict: Verdict, logs: Path, kept: bool = True) -> int:
@@ -527,13 +676,79 @@ def report(checked: Path, shown: Path, ruleset: str, verdict: Verdict, logs: Pat
     for note in verdict.notes:
         say(note)
     for system, score in verdict.scores.items():
-        minutes = "none" if score is None else f"{score:.3f} minutes"
-        say(f"score {system}: {minutes} (official result summarizer, olympic mean)")
+        say(score_line(checked.resolve(), system, score, verdict))
     for problem in verdict.problems:
         say(f"FAIL: {problem}")
     print(f"  checker logs: {logs}" if kept else "  checker logs: removed (pass --logs DIR to keep them)")
     print("PASS" if verdict.passed else f"FAIL ({len(verdict.problems)} problem(s))")
     return 0 if verdict.passed else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The RCP window of a config or a global batch size
+
+
+RCP_COMMENT = "# RCP (training {ruleset}, bert): "
+
+
+def config_global_batch_size(config: Mapping[str, str], path: Path) -> tuple[int, str]:
+    """(global batch size, how it follows from the config). GLOBAL_BATCH_SIZE when set; else as the
+    trainer counts it: BATCHSIZE (per rank and optimizer step, accumulation inside) x DGXNGPU x
+    DGXNNODES, a pack counting as 2 sequences (`TrainConfig.global_batch_size`)."""
+    def number(name: str) -> int:
+        value = _require(config, name)
+        if not value.isdigit() or int(value) <= 0:
+            raise PackageError(f"{path}: {name}={value} is not a positive whole number")
+        return int(value)
+
+    if config.get("GLOBAL_BATCH_SIZE"):
+        return number("GLOBAL_BATCH_SIZE"), "GLOBAL_BATCH_SIZE"
+    per_pack = 2 if config.get("INPUT_LAYOUT") == "packed" else 1
+    gbs = number("BATCHSIZE") * number("DGXNGPU") * number("DGXNNODES") * per_pack
+    how = f"BATCHSIZE {config['BATCHSIZE']} x DGXNGPU {config['DGXNGPU']} x DGXNNODES {config['DGXNNODES']}"
+    return gbs, how + (" x 2 sequences per pack" if per_pack == 2 else "")
+
+
+def rcp_comment(gbs: int, ruleset: str, division: str | None = None) -> str:
+    """The one-line `# RCP (...)` comment for a global batch size."""
+    try:
+        line = RCP_COMMENT.format(ruleset=ruleset) + rcp_window(gbs, ruleset).describe()
+    except ScoringError as err:
+        raise PackageError(str(err)) from err
+    return line + ("; open division: no RCP check" if division == "open" else "")
+
+
+def write_rcp_comment(path: Path, comment: str) -> bool:
+    """Put `comment` in the config's leading comment block (replacing an older one); True if changed."""
+    lines = path.read_text().splitlines(keepends=True)
+    old = [i for i, line in enumerate(lines) if line.startswith(RCP_COMMENT.split("(")[0] + "(")]
+    if old:
+        if lines[old[0]] == comment + "\n":
+            return False
+        lines[old[0]] = comment + "\n"
+    else:
+        header = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+        lines.insert(header, comment + "\n")
+    path.write_text("".join(lines))
+    return True
+
+
+def rcp_command(args: argparse.Namespace) -> int:
+    if args.gbs is None and not args.configs:
+        raise PackageError("rcp needs config_<SYSTEM>.sh files or --gbs N")
+    if args.gbs is not None:
+        if args.gbs <= 0:
+            raise PackageError(f"--gbs {args.gbs}: a global batch size is a positive whole number")
+        print(rcp_comment(args.gbs, args.ruleset))
+    for path in args.configs:
+        config = read_config(path)
+        gbs, how = config_global_batch_size(config, path)
+        comment = rcp_comment(gbs, args.ruleset, config.get("DIVISION"))
+        print(f"{path}: global batch size {gbs} ({how})")
+        print(comment)
+        if args.write and write_rcp_comment(path, comment):
+            print(f"{path}: RCP comment written")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +763,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     pack.add_argument("run_dir", type=Path, help="folder with one MLPerf log per run")
     pack.add_argument("--config", type=Path, required=True, help="config_<SYSTEM>.sh of the runs")
     pack.add_argument("--out", type=Path, required=True, help="the package goes to OUT/<ORG>/")
+    pack.add_argument("--select", type=int, metavar="N",
+                      help="from more than N runs, package the N consecutive ones (by run_start) closest to "
+                           "the median (training_rules.adoc §12.1)")
     check = commands.add_parser("check", help="check and score an existing package ORG/")
     check.add_argument("package", type=Path)
     for sub in (pack, check):
@@ -555,6 +773,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          help="MLPerf training ruleset of the logs (default %(default)s)")
         sub.add_argument("--logs", type=Path, help="where the checkers' logs go (default: OUT/checker_logs "
                          "for pack; none kept for check)")
+        sub.add_argument("--strict", action="store_true",
+                         help="every run must comply and converge (the rules accept one that does not)")
+    rcp = commands.add_parser("rcp", help="the RCP window of configs or of a global batch size")
+    rcp.add_argument("configs", type=Path, nargs="*", metavar="config_X.sh")
+    rcp.add_argument("--gbs", type=int, help="a global batch size instead of (or besides) configs")
+    rcp.add_argument("--ruleset", default=DEFAULT_RULESET, help="RCP table of this ruleset (default %(default)s)")
+    rcp.add_argument("--write", action="store_true", help="put the RCP comment line into each config")
     commands.add_parser("sysjson", help="print a :::SYSJSON line (config variables from the environment)")
     return parser.parse_args(argv)
 
@@ -564,7 +789,7 @@ def _checked(package: Path, args: argparse.Namespace, shown: Path, logs: Path | 
     with tempfile.TemporaryDirectory(prefix="mlperf_checks_") as scratch:
         where = logs or Path(scratch)
         where.mkdir(parents=True, exist_ok=True)
-        verdict = check_package(package, args.ruleset, where)
+        verdict = check_package(package, args.ruleset, where, args.strict)
         return report(package, shown, args.ruleset, verdict, where, kept=logs is not None)
 
 
@@ -574,8 +799,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "sysjson":
             print(sysjson_line(os.environ))
             return 0
+        if args.command == "rcp":
+            return rcp_command(args)
         if args.command == "pack":
-            package = build_package(args.run_dir, args.config, args.out, args.ruleset)
+            package = build_package(args.run_dir, args.config, args.out, args.ruleset, args.select)
             return _checked(package, args, package, args.logs or args.out / "checker_logs")
         _result_dirs(args.package)
         with tempfile.TemporaryDirectory(prefix="mlperf_package_") as scratch:
