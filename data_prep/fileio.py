@@ -2,28 +2,32 @@
 
 Every output is written under a hidden temporary name in its final directory and renamed
 into place only when complete (`mlperf_bert.runtime.files.atomic_path`), so an interrupted run
-never leaves a half-written shard under a real name. The manifest records each finished file's sha256 and sample count together
-with the parameters that made it; a rerun skips the files whose checksum still matches and
-refuses a directory that was made with other parameters.
+never leaves a half-written shard under a real name. The manifest records each finished
+file's sha256 and sample count together with the parameters that made it; a rerun skips the
+files whose checksum still matches and refuses a directory that was made with other parameters.
 
 Outputs are keyed on the content of their inputs, not their names: a content key is
-[name, bytes, mtime_ns, sha256]. Two keys name the same content when name, size and sha256
-agree; the sha256 is computed again only when size or mtime changed since it was recorded (in
-the key given, or in the input's own folder manifest), so a rerun over unchanged inputs reads
-no input twice, and a text part edited in place (same name, same flags) is noticed.
+[name, bytes, sha256]. A manifest holds content only (names, sizes, sha256, sample counts,
+parameters), never times, so the same inputs and flags give byte-identical folders, manifests
+included, whatever the number of workers. Within one process a file's sha256 is computed at
+most once while the file stays as it is (`file_sha256`, keyed on its inode, size, mtime and
+ctime; a writer's own digest counts too), so `prepare.py all` hashes each text part and each
+output once. Nothing is trusted across processes: a rerun hashes its inputs again, which is
+what notices a text part edited in place with the same name, size and even mtime.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from data_prep.formats import MANIFEST_NAME, DataPrepError
+from data_prep.formats import MANIFEST_NAME, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError
+from mlperf_bert.data.shards import folder_shards
 from mlperf_bert.runtime.files import TEMP_MARK, atomic_path, remove_path
 
 log = logging.getLogger("data_prep")
@@ -39,6 +43,15 @@ def remove_stale_temps(directory: Path) -> int:
     for path in stale:
         remove_path(path)
     return len(stale)
+
+
+FINAL_REPORTS = (PACKING_REPORT_NAME, STRATA_NAME)  # written last by pack / stratify: the folder is complete
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    """The first names of a list, and how many more there are."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def write_json(path: Path | str, data: Any) -> None:
@@ -62,42 +75,68 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=16)
-def _recorded_files(manifest: str, mtime_ns: int) -> dict[str, dict]:
-    """The files table of a manifest as of `mtime_ns` (cached: many inputs share one folder)."""
-    files = read_json(manifest).get("files", {})
-    return files if isinstance(files, dict) else {}
+RACY_NS = 2_000_000_000  # a file changed this recently may change again without its stat showing it
+# sha256 of the files hashed or written by this process, by file identity (`_identity`). A
+# memo, not a record: it dies with the process, so a rerun always hashes its inputs afresh.
+_KNOWN_SHA256: dict[tuple[int, ...], str] = {}
 
 
-def _known_sha256(path: Path, size: int, mtime_ns: int, known: list | None) -> str | None:
-    """A recorded sha256 of `path` that still holds: same size and mtime as when it was recorded."""
-    if known is not None and known[1:3] == [size, mtime_ns]:
-        return known[3]
-    manifest = path.parent / MANIFEST_NAME
-    if not manifest.is_file():
-        return None
-    entry = _recorded_files(str(manifest), manifest.stat().st_mtime_ns).get(path.name, {})
-    if entry.get("bytes") == size and entry.get("mtime_ns") == mtime_ns:
-        return entry.get("sha256")
-    return None
+def _identity(stat: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced or written: an atomic rename gives a new inode, an
+    in-place write a new ctime (which no user can set back, unlike mtime)."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
-def content_key(path: Path, known: list | None = None) -> list:
-    """[name, bytes, mtime_ns, sha256] of an input file (module docstring); `known`: its last key."""
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, computed once per process for as long as the file stays as it is.
+
+    A file changed within the last RACY_NS is hashed every time: a second write inside the
+    same timestamp tick would leave size, mtime and ctime as they were (git's "racily clean").
+    """
     stat = path.stat()
-    sha = _known_sha256(path, stat.st_size, stat.st_mtime_ns, known) or sha256_file(path)
-    return [path.name, stat.st_size, stat.st_mtime_ns, sha]
+    before = _identity(stat)
+    known = _KNOWN_SHA256.get(before)
+    if known is not None:
+        return known
+    started = time.time_ns()
+    digest = sha256_file(path)
+    if _identity(path.stat()) == before and started - stat.st_ctime_ns > RACY_NS:
+        _KNOWN_SHA256[before] = digest
+    return digest
+
+
+def remember_sha256(path: Path, digest: str) -> None:
+    """The sha256 a writer computed for the file it just wrote (so this process need not read it)."""
+    _KNOWN_SHA256[_identity(path.stat())] = digest
+
+
+def content_key(path: Path) -> list:
+    """[name, bytes, sha256] of an input file (module docstring)."""
+    return [path.name, path.stat().st_size, file_sha256(path)]
+
+
+def _comparable(key: list) -> list:
+    # Manifests of earlier versions keep an mtime between size and sha256: it never counts.
+    return [key[0], key[1], key[-1]]
 
 
 def same_content(a: list | None, b: list | None) -> bool:
-    """Whether two content keys (or lists of them) name the same content; mtimes do not count."""
-    if a is None or b is None:
-        return a is b
-    if len(a) != len(b):
-        return False
-    if a and isinstance(a[0], list):
-        return all(same_content(x, y) for x, y in zip(a, b))
-    return [a[0], a[1], a[3]] == [b[0], b[1], b[3]]
+    """Whether two content keys (or lists of them) name the same content."""
+    if a is None or b is None or not a or not b:
+        return a == b
+    if isinstance(a[0], list):  # lists of keys
+        return len(a) == len(b) and all(same_content(x, y) for x, y in zip(a, b))
+    return len(a) >= 3 and len(b) >= 3 and _comparable(a) == _comparable(b)
+
+
+def changed_inputs(old: list[list] | None, new: list[list]) -> list[str]:
+    """Input names whose content differs between two lists of content keys, and what happened."""
+    before = {key[0]: key for key in old or []}
+    after = {key[0]: key for key in new}
+    lines = [f"{name} (new)" for name in after if name not in before]
+    lines += [f"{name} (other content)" for name in after
+              if name in before and not same_content(before[name], after[name])]
+    return lines + [f"{name} (gone)" for name in before if name not in after]
 
 
 def _normalised(params: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +148,7 @@ class Manifest:
     """MANIFEST.json of one output directory.
 
     Layout: {"kind": step name, "params": {...}, "files": {relative path: {"sha256", "bytes",
-    "mtime_ns", "samples", "format", ...}}}. Saved atomically after every recorded file.
+    "samples", "format", ...}}}. Saved atomically after every recorded file, keys sorted.
     params["inputs"], when a step gives it, holds the content keys of the step's inputs: when
     they changed, every output is stale and the step starts over in the same directory.
     """
@@ -156,10 +195,28 @@ class Manifest:
                 f"(differs in: {', '.join(changed) or 'step'}); use a new output directory or delete this one"
             )
         if not same_content(wanted.get("inputs"), existing.params.get("inputs")):
-            log.warning("%s: its inputs changed since these outputs were made: making them again", directory)
-            return cls(directory, kind, params)
-        existing.params = wanted  # the same content; newer mtimes spare the next run the hashing
+            changed_names = changed_inputs(existing.params.get("inputs"), wanted.get("inputs") or [])
+            log.warning("%s: made from other inputs than these (%s): deleting its %d outputs and making them again",
+                        directory, _few(changed_names), len(existing.files))
+            fresh = cls(directory, kind, params)
+            fresh.start_over(existing)
+            return fresh
+        existing.params = wanted  # the same content (keys of an earlier layout become today's)
         return existing
+
+    def start_over(self, old: Manifest) -> None:
+        """Deletes the outputs of `old` and the step's final report, then saves this manifest.
+
+        Outputs of other inputs must not stay beside the new ones: a stratum that now gets
+        fewer shards would keep its old part_i_of_N files, and a report its old counts. The
+        shards of the folder go too when `old` does not list them (renamed into place, then
+        interrupted before they were recorded). Deleting comes first, so an interruption leaves
+        the old manifest, which the next run replaces again.
+        """
+        stale = {self.directory / name for name in old.files} | set(folder_shards(self.directory))
+        for path in sorted(stale) + [self.directory / name for name in FINAL_REPORTS]:
+            remove_path(path)
+        self.save()
 
     def is_done(self, name: str, source: Path | None = None) -> bool:
         """True when `name` was recorded and the file on disk still has its size and sha256.
@@ -171,22 +228,32 @@ class Manifest:
         path = self.directory / name
         if entry is None or not path.is_file() or path.stat().st_size != entry.get("bytes"):
             return False
-        if source is not None and not same_content(content_key(source, entry.get("source")), entry.get("source")):
+        if source is not None and not same_content(content_key(source), entry.get("source")):
             return False
-        return sha256_file(path) == entry.get("sha256")
+        return file_sha256(path) == entry.get("sha256")
 
-    def record(self, name: str, samples: int, fmt: str, sha256: str | None = None, source: Path | None = None,
+    def record(self, name: str, samples: int, fmt: str, sha256: str | None = None, source: list | None = None,
                **extra: Any) -> None:
         """Adds a finished file (its sha256 is computed unless the writer already has it).
 
-        source: the one input the file is made from; its content key is kept for `is_done`.
+        source: the content key (`content_key`) of the one input the file is made from, taken
+        before it was read, so an input edited while it was read is made again next time.
         """
         path = self.directory / name
-        stat = path.stat()
-        self.files[name] = {"sha256": sha256 or sha256_file(path), "bytes": stat.st_size,
-                            "mtime_ns": stat.st_mtime_ns, "samples": int(samples), "format": fmt, **extra}
+        if sha256 is None:
+            sha256 = file_sha256(path)
+        else:
+            remember_sha256(path, sha256)
+        self.files[name] = {"sha256": sha256, "bytes": path.stat().st_size, "samples": int(samples), "format": fmt,
+                            **extra}
         if source is not None:
-            self.files[name]["source"] = content_key(source)
+            self.files[name]["source"] = source
+        self.save()
+
+    def forget(self, names: list[str]) -> None:
+        """Drops files from the manifest (their outputs were deleted on purpose) and saves it."""
+        for name in names:
+            self.files.pop(name, None)
         self.save()
 
     def save(self) -> None:

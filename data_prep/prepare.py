@@ -27,11 +27,13 @@ from pathlib import Path
 
 from data_prep import check_inputs, convert_checkpoint, verify_dataset
 from data_prep.eval_set import EvalParams, make_eval_set
+from data_prep.fileio import Manifest
 from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, NUM_EVAL_SAMPLES, DataPrepError
 from data_prep.model_files import MLPERF_VOCAB_SIZE, MODEL_SIZES, model_config, train_vocab, write_model_config
 from data_prep.pack import PackParams, pack_dataset
 from data_prep.reshard import ReshardParams, reshard, shard_dir_name
 from data_prep.samples import SampleParams, create_samples
+from data_prep.samples import output_name as samples_output_name
 from mlperf_bert.data.shards import REFUSED_NAME, list_shards
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.tfrecords import import_tfrecords
@@ -182,13 +184,29 @@ def _verify(directories: list[Path], vocab: Path | None, args: argparse.Namespac
                             f"{REFUSED_NAME} and no step or run will read it")
 
 
+def _refuse_orphans(manifest: Manifest, texts: list[Path]) -> None:
+    """Samples whose text part is gone from --text_dir would still reach the training shards (reshard
+    reads every file of the folder): name them rather than train on a part the user removed."""
+    kept = {samples_output_name(p) for p in texts}
+    orphans = sorted(name for name in manifest.files if name not in kept)
+    deleted = [name for name in orphans if not (manifest.directory / name).is_file()]
+    if deleted:  # the user deleted them, as told below: the manifest forgets them too
+        manifest.forget(deleted)
+        orphans = [name for name in orphans if name not in deleted]
+    if orphans:
+        raise DataPrepError(f"{manifest.directory}: holds the samples of {len(orphans)} text parts that are no "
+                            f"longer in --text_dir ({', '.join(orphans[:3])}{' ...' if len(orphans) > 3 else ''}); "
+                            "restore those parts, or delete these files and rerun to make the dataset without them")
+
+
 def cmd_all(args: argparse.Namespace) -> None:
     """Every step from the text folder to DATADIR / EVALDIR, then verification."""
     out, params = args.out, _sample_params(args)
     eval_text = args.text_dir / EVAL_TEXT
     if not eval_text.is_file():
         raise DataPrepError(f"{eval_text}: not found; --text_dir must hold eval.txt and the part-* files")
-    create_samples(text_files([args.text_dir]), out / "parts", args.vocab, params, args.workers)
+    texts = text_files([args.text_dir])
+    _refuse_orphans(create_samples(texts, out / "parts", args.vocab, params, args.workers), texts)
     create_samples([eval_text], out / "eval_parts", args.vocab, params, 1)
     make_eval_set(list_shards(out / "eval_parts"), {"fixed": out / "eval_fixed", "varlength": out / "eval_varlength"},
                   _eval_params(args))
@@ -229,7 +247,8 @@ def _all_io(p: argparse.ArgumentParser) -> None:
 
 def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", type=Path, nargs="+", required=True,
-                   help="TFRecord files (part-XXXXX-of-00500, eval_intermediate, eval_10k) or folders of them")
+                   help="TFRecord files (part-XXXXX-of-00500, eval_intermediate, eval_10k) or folders of them; "
+                        "an eval file goes to an --out folder of its own (verify_dataset takes it for an eval set)")
     p.add_argument("--out", type=Path, required=True)
 
 

@@ -25,9 +25,9 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.fileio import Manifest, sha256_file
+from data_prep.fileio import Manifest, content_key, same_content, sha256_file
 from mlperf_bert.runtime.files import atomic_path
-from data_prep.formats import DataPrepError
+from data_prep.formats import DataPrepError, refuse_mixed_roles
 from mlperf_bert.data.shards import ArrayAppender
 from data_prep.instances import IS_RANDOM, InstanceParams, fixed_rows, make_instances
 from data_prep.parallel import run_jobs
@@ -169,18 +169,24 @@ def create_samples(
     if not text_paths:
         raise DataPrepError("no input text files; point --text at part-XXXXX-of-00500 files or their folder")
     manifest = Manifest.open(out_dir, "samples", sample_params_record(params, vocab_path, exclude_path))
+    refuse_mixed_roles(sorted({*manifest.files, *map(output_name, text_paths)}), f"--text (with what {out_dir} holds)")
     todo = [p for p in text_paths if not manifest.is_done(output_name(p), source=p)]
     log.info("samples: %d of %d text files to do in %s (%d already done)", len(todo), len(text_paths), out_dir,
              len(text_paths) - len(todo))
+    source_keys = {output_name(p): content_key(p) for p in todo}  # before reading: an edit meanwhile shows next time
+    edited = [p.name for p in todo if output_name(p) in manifest.files and
+              not same_content(source_keys[output_name(p)], manifest.files[output_name(p)].get("source"))]
+    if edited:
+        log.warning("samples: %d text files changed since their samples were made, making them again: %s",
+                    len(edited), ", ".join(edited))
     if not todo:
         return manifest
     excluded = document_keys(exclude_path, vocab_path, params.encoding_errors) if exclude_path else frozenset()
-    text_of = {output_name(p): p for p in todo}
     jobs = [SampleJob(p, out_dir / output_name(p), vocab_path, params, excluded) for p in todo]
     with tqdm(total=sum(p.stat().st_size for p in todo), unit="B", unit_scale=True, desc="samples") as bar:
         for stats in run_jobs(create_file_samples, jobs, workers, _one_tokenizer_thread):
             extra = {k: v for k, v in asdict(stats).items() if k not in ("name", "sha256", "samples")}
-            manifest.record(stats.name, stats.samples, "fixed", sha256=stats.sha256, source=text_of[stats.name],
+            manifest.record(stats.name, stats.samples, "fixed", sha256=stats.sha256, source=source_keys[stats.name],
                             **extra)
             log.info("samples: %s: %d documents (%d excluded), %d samples", stats.name, stats.documents,
                      stats.excluded_documents, stats.samples)

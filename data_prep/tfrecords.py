@@ -8,7 +8,10 @@ serialized `tf.train.Example`, parsed here by `protobuf` from the message defini
 below. Both checksums are verified: a damaged file stops with its name and the record
 number. Rows keep the file's record order; int64 values are narrowed to the storage dtypes
 after a check that they fit. Each input gives OUT/<name>.hdf5, recorded in MANIFEST.json
-like the `samples` step's files, so `reshard` and `eval` take them as they are.
+like the `samples` step's files (with the content key of its TFRecord, so a file replaced under
+the same name is converted again), so `reshard` and `eval` take them as they are. An eval file
+(eval_intermediate, eval_10k) must be imported into its own folder, never beside training
+parts: verify_dataset then recognises that folder as an eval set by its eval_* file names.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import crc32c
 import h5py
 import numpy as np
 
-from data_prep.fileio import Manifest, sha256_file
+from data_prep.fileio import Manifest, content_key, sha256_file
 from mlperf_bert.runtime.files import atomic_path
-from data_prep.formats import DataPrepError
+from data_prep.formats import DataPrepError, refuse_mixed_roles
 from mlperf_bert.data.shards import FIXED_KEYS, STORAGE_DTYPES
 from mlperf_bert.data.shards import ArrayAppender
 from data_prep.parallel import run_jobs
@@ -180,14 +183,16 @@ def import_tfrecords(sources: list[Path], out_dir: Path, max_seq_length: int, ma
     if not sources:
         raise DataPrepError("no TFRecord files given (--input)")
     params = {"max_seq_length": max_seq_length, "max_predictions": max_predictions, "compression": compression}
-    manifest = Manifest.open(out_dir, "import-tfrecord", params)
     names = [output_name(p) for p in sources]
     if len(set(names)) != len(names):
         raise DataPrepError("two inputs would give the same output name; import them into separate folders")
+    manifest = Manifest.open(out_dir, "import-tfrecord", params)
+    refuse_mixed_roles(sorted({*manifest.files, *names}), f"--input (with what {out_dir} holds)")
     jobs = [ImportJob(p, out_dir / n, max_seq_length, max_predictions, compression)
-            for p, n in zip(sources, names) if not manifest.is_done(n)]
+            for p, n in zip(sources, names) if not manifest.is_done(n, source=p)]
     log.info("import-tfrecord: %d of %d files to convert into %s", len(jobs), len(sources), out_dir)
+    source_keys = {job.output_path.name: content_key(job.source) for job in jobs}  # the input as it was read
     for name, count, sha256 in run_jobs(import_file, jobs, workers):
-        manifest.record(name, count, "fixed", sha256=sha256)
+        manifest.record(name, count, "fixed", sha256=sha256, source=source_keys[name])
         log.info("import-tfrecord: %s: %d samples", name, count)
     return manifest

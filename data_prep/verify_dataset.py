@@ -1,4 +1,4 @@
-"""Checks a dataset folder: `python data_prep/verify_dataset.py DIR [--vocab vocab.txt]`.
+"""Checks dataset folders: `python data_prep/verify_dataset.py DIR... [--eval_dir EVALDIR] [--vocab vocab.txt]`.
 
 For every shard (fixed, varlength or packed; stratum_k/ sub-folders included) it checks,
 vectorised over blocks of rows: the keys and their integer dtypes, equal row counts,
@@ -13,7 +13,10 @@ packing_report.json it checks the strata bounds and counts and that no sequence 
 Integrity (`mlperf_bert.data.integrity`, over every sequence): training shards that hold the
 same samples as another shard of their folder (byte-identical copies, or the same rows stored
 differently or in another order), and eval samples inside training shards, counted per shard,
-when an eval folder is given (as a DIRECTORY recognised as eval, or --eval_dir).
+when an eval folder is given: as --eval_dir, or as a DIRECTORY recognised as an eval set by
+what it holds (MANIFEST.json kind "eval", or only eval*/part_eval_* files, as import-tfrecord
+makes of eval_10k), never by its place among the folders. It prints which folders it took for
+eval sets, and warns when training folders were checked against none or a folder is neither.
 The length limits are the flags, else the folder's manifest, else a fixed shard's widths.
 Exits 0 when everything holds, 1 otherwise, printing one line per problem that names the
 file, the first bad row and what is wrong. Each folder gets its verification record,
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +39,9 @@ import h5py
 import numpy as np
 
 from data_prep.fileio import Manifest, read_json, sha256_file
-from data_prep.formats import MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError
+from data_prep.formats import (
+    MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError, is_eval_name,
+)
 from data_prep.parallel import run_jobs
 from data_prep.sources import recorded_lengths
 from data_prep.vocab import Vocab, load_vocab
@@ -71,13 +77,93 @@ class EvalSets:
         return cls(hashes, ", ".join(map(str, folders)), {f: samples_digest(h) for f, h in each.items()})
 
 
+EVAL_RULE = "MANIFEST.json kind 'eval', or every file named eval*/part_eval_*"
+TRAINING_SHARD = re.compile(r"part[-_]\d+[-_]of[-_]\d+\.(hdf5|h5)$")  # part_00042_of_04320, part-00042-of-00500
+
+
+def _readable_manifest(directory: Path) -> Manifest | None:
+    """The folder's manifest; None also when it is unreadable (its verification names that)."""
+    try:
+        return Manifest.load(directory)
+    except DataPrepError:
+        return None
+
+
+def eval_reason(directory: Path) -> str | None:
+    """Why `directory` is an eval set, or None: `prepare.py eval` made it (MANIFEST.json kind "eval"),
+    or every file it holds is named as an eval file (`formats.is_eval_name`): eval_10k.hdf5 that
+    import-tfrecord made of the reference's eval_10k, eval.hdf5 that `samples` made of eval.txt,
+    NVIDIA's part_eval_10k.hdf5."""
+    if not directory.is_dir():
+        return None
+    manifest = _readable_manifest(directory)
+    if manifest is not None and manifest.kind == "eval":
+        return "MANIFEST.json kind 'eval'"
+    names = list(manifest.files) if manifest is not None else [p.name for p in folder_shards(directory)]
+    if names and all(is_eval_name(Path(name).name) for name in names):
+        return f"{'imported ' if manifest is not None and manifest.kind == 'import-tfrecord' else ''}eval files"
+    return None
+
+
 def is_eval_folder(directory: Path) -> bool:
-    """An eval set: `prepare.py eval` made it (MANIFEST.json kind "eval"), or its shards are part_eval_*."""
-    manifest = Manifest.load(directory) if directory.is_dir() else None
+    """An eval set (`eval_reason`)."""
+    return eval_reason(directory) is not None
+
+
+def is_training_folder(directory: Path) -> bool:
+    """Training data by its own account: a data_prep manifest of a training step, or shards that all
+    carry a training part's name (NVIDIA's part_i_of_N, MLCommons' part-i-of-N)."""
+    if not directory.is_dir() or is_eval_folder(directory):
+        return False
+    manifest = _readable_manifest(directory)
     if manifest is not None:
-        return manifest.kind == "eval"
-    shards = folder_shards(directory) if directory.is_dir() else []
-    return bool(shards) and all(p.name.startswith("part_eval") for p in shards)
+        return manifest.kind in ("samples", "import-tfrecord", "reshard", "pack", "stratify")
+    shards = folder_shards(directory)
+    return bool(shards) and all(TRAINING_SHARD.match(p.name) for p in shards)
+
+
+@dataclass(frozen=True)
+class LeakCheck:
+    """Which folders are eval sets (given with --eval_dir or recognised) and which are checked against them.
+
+    Folders are recognised by what they hold, never by their place on the command line, so
+    `verify_dataset.py TRAIN EVAL` and `verify_dataset.py EVAL TRAIN` check the same.
+    """
+
+    eval_folders: dict[Path, str]  # eval set -> how it was recognised
+    training: list[Path]
+    unrecognised: list[Path]  # neither an eval set nor training data by their files: checked as training
+
+    @classmethod
+    def plan(cls, directories: list[Path], eval_dirs: list[Path]) -> LeakCheck:
+        evals = {Path(d): "--eval_dir" for d in eval_dirs}
+        for directory in directories:
+            reason = eval_reason(directory)
+            if reason is not None and directory not in evals:
+                evals[directory] = reason
+        rest = [d for d in dict.fromkeys(directories) if d not in evals]
+        return cls(evals, rest, [d for d in rest if not is_training_folder(d)])
+
+    def lines(self) -> list[tuple[str, bool]]:
+        """(message, is a warning) lines that say what the leak check compares."""
+        lines = []
+        if self.eval_folders:
+            lines.append(("eval sets: " + ", ".join(f"{d} ({why})" for d, why in self.eval_folders.items()), False))
+        if self.training and self.eval_folders:
+            lines.append((f"leak check: {', '.join(map(str, self.training))} against these eval sets", False))
+        elif self.training:
+            lines.append((f"leak check skipped: no eval set given, so no folder was checked for eval samples "
+                          f"({', '.join(map(str, self.training))}); pass the eval folder with --eval_dir EVALDIR "
+                          f"(a folder argument counts as an eval set when it has {EVAL_RULE})", True))
+        for directory in self.unrecognised:
+            lines.append((f"{directory}: neither an eval set ({EVAL_RULE}) nor training data (a data_prep "
+                          f"manifest, or part_i_of_N shards): checked as training data; if it is an eval set, "
+                          f"pass it as --eval_dir {directory}", True))
+        return lines
+
+    def report(self) -> None:
+        for line, warning in self.lines():
+            print(f"warning: {line}" if warning else line, file=sys.stderr if warning else sys.stdout)
 
 
 @dataclass(frozen=True)
@@ -430,7 +516,9 @@ def limits_for(directory: Path, args: argparse.Namespace, vocab: Vocab | None) -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", type=Path, nargs="+", help="dataset folder(s) to check")
+    parser.add_argument("directory", type=Path, nargs="+",
+                        help="dataset folders to check, training and eval in any order: eval sets are recognised "
+                             "by what they hold (see --eval_dir), and every other folder is checked for eval samples")
     parser.add_argument("--vocab", type=Path, help="vocab.txt: checks ids and the [CLS]/[SEP] layout")
     parser.add_argument("--vocab_size", type=int, help="checks ids against this size (without --vocab)")
     parser.add_argument("--max_seq_length", type=int,
@@ -440,8 +528,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expect_samples", type=int, help="total samples (sequences) the folder must hold")
     parser.add_argument("--no_checksums", action="store_true", help="skip the sha256 comparison with MANIFEST.json")
     parser.add_argument("--eval_dir", type=Path, action="append",
-                        help="an eval folder no training folder may hold samples of (folders given as DIRECTORY "
-                             "are recognised as eval folders by MANIFEST.json kind 'eval' or part_eval_* names)")
+                        help="an eval folder no training folder may hold samples of; a DIRECTORY is an eval set "
+                             f"too when it has {EVAL_RULE} (what `prepare.py eval` writes, and what "
+                             "import-tfrecord makes of eval_10k / eval_intermediate), whatever its place among "
+                             "the folders; the others are checked against every eval set")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
     parser.add_argument("--quick", action="store_true",
                         help="only the quick integrity check (copied shards and eval samples, from a few rows per "
@@ -526,8 +616,9 @@ def run(args: argparse.Namespace, refuse: bool = False) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     directories = [Path(directory) for directory in args.directory]
-    eval_folders = list(dict.fromkeys([*(getattr(args, "eval_dir", None) or []),
-                                       *(d for d in directories if is_eval_folder(d))]))
+    leak_check = LeakCheck.plan(directories, getattr(args, "eval_dir", None) or [])
+    leak_check.report()
+    eval_folders = list(leak_check.eval_folders)
     try:
         eval_sets = EvalSets.read(eval_folders)
     except DataPrepError as err:

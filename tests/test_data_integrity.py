@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,10 @@ from conftest import TRAINER, run_cli, trainer_args
 from data_prep import prepare, verify_dataset
 from data_prep.packing import pack_index_table
 from mlperf_bert.data.integrity import PROBE_ROWS, check_integrity, eval_hashes, leaked, sequence_hashes
+from data_prep.tfrecords import example_class, masked_crc
 from mlperf_bert.data.shards import (
-    REFUSED_NAME, DataError, Samples, decode, folder_problems, list_shards, read_samples, to_fixed, to_packed,
-    to_varlength, write_samples,
+    FIXED_KEYS, REFUSED_NAME, DataError, Samples, decode, folder_problems, list_shards, read_samples, to_fixed,
+    to_packed, to_varlength, write_samples,
 )
 from mlperf_bert.data.validate import DataLimits, check_dataset
 
@@ -130,7 +132,10 @@ def test_eval_samples_in_a_training_shard_are_counted_by_verify_dataset(demo_dat
     code, output = _verify(root / "train", root / "eval")
     assert code == 1
     assert f"50 eval samples of {root / 'eval'} are also training samples in {shard} (50, first at row 10)" in output
-    assert _verify(root / "train")[0] == 0  # without an eval folder there is nothing to compare with
+    code, output = _verify(root / "train")  # without an eval folder there is nothing to compare with: said so
+    assert code == 0 and f"warning: leak check skipped: no eval set given, so no folder was checked for eval " \
+                         f"samples ({root / 'train'})" in output
+    assert "--eval_dir EVALDIR" in output
     code, output = _verify(root / "train", extra=("--eval_dir", str(root / "eval")))
     assert code == 1 and "50 eval samples" in output
 
@@ -235,3 +240,67 @@ def test_a_sequence_hash_does_not_depend_on_how_the_tokens_are_chunked(demo_data
     one_by_one = [sequence_hashes(samples.slice(i, i + 1))[0] for i in range(len(samples))]
     assert np.array_equal(np.array(one_by_one, np.uint64), whole)
     assert len(set(whole.tolist())) == len({_key(samples, i) for i in range(len(samples))})
+
+
+def _write_tfrecord(path: Path, samples: Samples) -> None:
+    """`samples` as the reference's TFRecord file (framing, both checksums, tf.train.Example), without TensorFlow."""
+    arrays, example_type = to_fixed(samples, L, P), example_class()
+    with open(path, "wb") as out:
+        for i in range(len(samples)):
+            example = example_type()
+            for key in FIXED_KEYS:
+                example.features.feature[key].int64_list.value.extend(np.atleast_1d(arrays[key][i]).tolist())
+            data = example.SerializeToString()
+            length = struct.pack("<Q", len(data))
+            out.write(length + struct.pack("<I", masked_crc(length)) + data + struct.pack("<I", masked_crc(data)))
+
+
+def _verify_here(capsys, *args: Path | str) -> tuple[int, str, str]:
+    """verify_dataset in this process: (exit code, stdout, stderr)."""
+    code = verify_dataset.main([*map(str, args), "--workers", "1"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_an_imported_eval_set_is_an_eval_set_wherever_it_stands(demo_data, tmp_path, capsys):
+    """data_prep/README's import-tfrecord of eval_10k gives a folder verify_dataset takes for an eval set."""
+    root = _copy(demo_data, tmp_path)
+    _write_tfrecord(tmp_path / "eval_10k", read_samples(list_shards(root / "eval")[0]))
+    imported = root / "eval_10k"
+    assert prepare.main(["--quiet", "import-tfrecord", "--input", str(tmp_path / "eval_10k"), "--out", str(imported),
+                         "--max_seq_length", str(L), "--max_predictions", str(P), "--workers", "1"]) == 0
+    shard = _leak(root, 10, 50)
+    for folders in ((root / "train", imported), (imported, root / "train")):
+        code, out, err = _verify_here(capsys, *folders)
+        assert code == 1, out + err
+        assert f"eval sets: {imported} (imported eval files)" in out
+        assert f"leak check: {root / 'train'} against these eval sets" in out
+        assert f"50 eval samples of {imported} are also training samples in {shard}" in err
+        assert f"OK: {imported}" in out and f"FAILED: {root / 'train'}" in out
+
+
+def test_a_folder_neither_eval_nor_training_is_named_and_checked_as_training(demo_data, tmp_path, capsys):
+    root = _copy(demo_data, tmp_path)
+    _leak(root, 0, 5)
+    odd = root / "held_out"  # the eval samples under a name that says nothing
+    odd.mkdir()
+    shutil.copyfile(list_shards(root / "eval")[0], odd / "samples.hdf5")
+    code, _, err = _verify_here(capsys, root / "train", odd)
+    assert code == 0  # nothing to compare with, but not silently:
+    assert f"warning: leak check skipped: no eval set given, so no folder was checked for eval samples " \
+           f"({root / 'train'}, {odd})" in err
+    assert f"warning: {odd}: neither an eval set" in err and f"pass it as --eval_dir {odd}" in err
+    code, out, err = _verify_here(capsys, root / "train", "--eval_dir", odd)
+    assert code == 1 and f"eval sets: {odd} (--eval_dir)" in out and f"5 eval samples of {odd}" in err
+
+
+def test_import_keeps_eval_files_out_of_a_training_folder(demo_data, tmp_path):
+    samples = read_samples(list_shards(demo_data / "eval")[0])
+    _write_tfrecord(tmp_path / "part-00000-of-00001", samples)
+    _write_tfrecord(tmp_path / "eval_10k", samples)
+    args = ["--max_seq_length", str(L), "--max_predictions", str(P), "--workers", "1"]
+    assert prepare.main(["--quiet", "import-tfrecord", "--input", str(tmp_path / "part-00000-of-00001"),
+                         "--out", str(tmp_path / "parts"), *args]) == 0
+    with pytest.raises(DataError, match=r"mixes eval files \(eval_10k.hdf5\) with training files"):
+        prepare.cmd_import_tfrecord(prepare.build_parser().parse_args(
+            ["import-tfrecord", "--input", str(tmp_path / "eval_10k"), "--out", str(tmp_path / "parts"), *args]))
