@@ -438,3 +438,23 @@ def test_select_needs_more_runs_than_it_keeps(tmp_path):
     done = _tool("pack", str(tmp_path / "runs"), "--config", str(tmp_path / "config_TEST_1x8.sh"),
                  "--out", str(tmp_path / "out"), "--select", "10")
     assert done.returncode == 2 and "--select 10 picks from more than 10 runs" in done.stderr
+
+
+@pytest.mark.parametrize("division, minutes, flagged", [("closed", 29.9, False), ("closed", 30.1, True),
+                                                        ("open", 239.9, False), ("open", 240.1, True)])
+def test_an_initialization_past_the_division_maximum_is_flagged(tmp_path, division, minutes, flagged):
+    """training_rules.adoc §11: 30 minutes of untimed init in the closed division, 4 hours in the open one."""
+    bert = tmp_path / "Org" / "results" / "sys" / "bert"
+    bert.mkdir(parents=True)
+    (tmp_path / "Org" / "systems").mkdir()
+    lines = [{"key": "init_start", "time_ms": 1_000, "event_type": "INTERVAL_START", "value": None},
+             {"key": "submission_division", "time_ms": 1_000, "event_type": "POINT_IN_TIME", "value": division},
+             {"key": "run_start", "time_ms": 1_000 + int(minutes * 60_000), "event_type": "INTERVAL_START",
+              "value": None}]
+    (bert / "result_0.txt").write_text("".join(f":::MLLOG {json.dumps(line)}\n" for line in lines))
+    verdict = package_results.Verdict()
+    package_results.check_init_time(tmp_path / "Org", verdict)
+    assert len(verdict.problems) == int(flagged)
+    if flagged:
+        assert verdict.problems[0].startswith("results/sys/bert/result_0.txt: initialization took")
+        assert f"{minutes:.1f} minutes" in verdict.problems[0]

@@ -53,6 +53,14 @@ class RunLog:
     evals: tuple[tuple[float, float], ...]  # (samples seen, eval accuracy), in log order
     samples_reconstructed: bool  # True when the log's epoch_num is not a sample count (see below)
     sysjson: Mapping[str, Any] | None  # system description printed by the launcher, if any
+    init_start_ms: int | None = None
+
+    @property
+    def init_seconds(self) -> float | None:
+        """init_start -> run_start: the untimed initialization (training_rules.adoc §11 bounds it)."""
+        if self.init_start_ms is None or self.run_start_ms is None:
+            return None
+        return (self.run_start_ms - self.init_start_ms) / 1000.0
 
     @property
     def converged(self) -> bool:
@@ -155,7 +163,7 @@ class _LogReader:
     """Accumulates the MLPerf records of one log, line by line."""
 
     values: dict[str, Any] = field(default_factory=dict)
-    times: dict[str, int] = field(default_factory=dict)  # run_start / run_stop, epoch ms
+    times: dict[str, int] = field(default_factory=dict)  # init_start / run_start / run_stop, epoch ms
     evals: list[tuple[float, float]] = field(default_factory=list)  # (epoch_num, accuracy)
     status: str | None = None
     sysjson: dict[str, Any] | None = None
@@ -166,7 +174,7 @@ class _LogReader:
             samples = _eval_samples(metadata)
             if samples is not None and isinstance(record.get("value"), (int, float)):
                 self.evals.append((samples, float(record["value"])))
-        elif key in ("run_start", "run_stop"):
+        elif key in ("init_start", "run_start", "run_stop"):
             self.times.setdefault(key, int(record["time_ms"]))
             if key == "run_stop":
                 self.status = metadata.get("status", self.status)
@@ -178,7 +186,7 @@ class _LogReader:
         samples, reconstructed = samples_axis(epoch_nums, self.values.get("global_batch_size"))
         points = tuple(zip(samples, (acc for _, acc in self.evals)))
         return RunLog(path, self.values, self.times.get("run_start"), self.times.get("run_stop"),
-                      self.status, points, reconstructed, self.sysjson)
+                      self.status, points, reconstructed, self.sysjson, self.times.get("init_start"))
 
 
 def read_run(path: Path) -> RunLog:

@@ -30,7 +30,9 @@ as training_rules.adoc §12 and the official package checker allow; two fail the
 --strict accepts none. Every closed-division result file against the closed-division rules the
 trainer enforces (`mlperf_bert/config/closed_division.py`: eval set size, eval interval, target,
 optimizer, ..., which the official checkers do not read; a rule whose key a log lacks is noted, not
-failed), and all result files of a system against each other (one set of hyperparameters). Then
+failed), each run's initialization (init_start to run_start) against its division's maximum (§11:
+30 minutes closed, 4 hours open), and all result files of a system against each other (one set of
+hyperparameters). Then
 `python -m mlperf_logging.package_checker ORG training RULESET` (which exits 0 even on errors: its
 verdict is the line `PACKAGE CHECKER FOUND NO ERRORS`), `python -m mlperf_logging.rcp_checker` for
 closed-division systems (with the window, the olympic mean of samples to converge and its margin
@@ -61,7 +63,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from compare import SYSJSON_TOKEN, RunLog, is_run_log, natural_key, olympic_mean, read_run
-from mlperf_bert.config.closed_division import broken_rules, unchecked_keys
+from mlperf_bert.config.closed_division import broken_rules, init_overrun, unchecked_keys
 from scoring import (RcpVerdict, ScoringError, Selection, hyperparameter_mismatches, quiet_logging,
                      rcp_verdict, rcp_window, run_minutes, select_consecutive)
 
@@ -513,6 +515,17 @@ def closed_rule_problems(result_file: Path) -> tuple[list[str], list[str]]:
     return [b.for_log() for b in broken_rules(values)], unchecked_keys(values)
 
 
+def check_init_time(package: Path, verdict: Verdict) -> None:
+    """Each run's initialization (init_start to run_start) within its division's maximum (§11)."""
+    for bert_dir in _result_dirs(package):
+        for result_file in _result_files(bert_dir):
+            run = read_run(result_file)
+            division = str(run.values.get("submission_division", "closed"))
+            overrun = init_overrun(run.init_seconds, division) if run.init_seconds is not None else None
+            if overrun:
+                verdict.problems.append(f"{result_file.relative_to(package)}: {overrun}")
+
+
 def check_closed_rules(package: Path, verdict: Verdict) -> None:
     for bert_dir in _result_dirs(package):
         unchecked: set[str] = set()
@@ -629,6 +642,7 @@ def check_package(package: Path, ruleset: str, logs: Path, strict: bool = False)
     check_compliance(package, ruleset, verdict, strict)
     check_hyperparameters(package, verdict)
     check_closed_rules(package, verdict)
+    check_init_time(package, verdict)
     run_package_checker(package, ruleset, logs, verdict)
     run_rcp_checker(package, ruleset, logs, verdict)
     run_summarizer(package, ruleset, logs, verdict)
