@@ -207,7 +207,7 @@ def open_logger(cfg: TrainConfig, denv: DistEnv) -> MLPerfLogger:
     path = cfg.run.mlperf_log_path if denv.is_main else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=cfg.run.echo_mllog)
+    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=cfg.run.echo_mllog, hold_until_start=True)
 
 
 def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraining) -> None:

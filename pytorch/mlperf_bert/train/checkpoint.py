@@ -269,6 +269,14 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return ckpt
 
 
+def first_detail(err: BaseException) -> str:
+    """torch's multi-line load_state_dict error as one clause: its first detail and how many follow."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[1].rstrip('.')} and {len(lines) - 2} more mismatches"
+
+
 def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEnv, device: torch.device,
             seed: int) -> None:
     """Loads model, optimizer, scaler and this rank's generators (train state and data: the caller).
@@ -280,8 +288,8 @@ def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEn
         parts.model.load_state_dict(ckpt["model"], strict=True)
         parts.optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, KeyError, ValueError) as err:
-        raise ResumeError(f"{path}: does not fit this model or optimizer ({err}); resume with the same "
-                          "--bert_config_path and --optimizer") from err
+        raise ResumeError(f"{path}: does not fit this model or optimizer ({first_detail(err)}); resume with the "
+                          "same --bert_config_path and --optimizer") from err
     if parts.scaler is not None and ckpt["scaler"]:
         parts.scaler.load_state_dict(ckpt["scaler"])
     if denv.rank < len(ckpt["rng"]):
