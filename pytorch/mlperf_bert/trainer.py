@@ -22,8 +22,6 @@ import torch
 
 from .config.closed_division import INIT_SECONDS_KEY, init_overrun
 from .data.batch import FlatBatch
-from .data.dataset import DataError
-from .liveness import LostRank
 from .build import Evaluation, Prepared, Run, build_evaluation, eval_schedule, open_run, prepare_run
 from .config.settings import TrainConfig
 from .runtime.distributed import DistEnv, all_reduce_sum
@@ -203,14 +201,18 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest
 
 @contextmanager
 def aborted_on_error(ev: Evaluation, state: TrainState) -> Iterator[None]:
-    """An error once the clock runs (a bad row read, a lost rank) ends the MLPerf log with run_stop aborted.
+    """An error once the clock runs (a bad row read here, a collective broken by another rank's) ends
+    the MLPerf log with run_stop aborted.
 
     Only this rank's logger is written (no collective: the other ranks may be gone); the error
-    goes on to `main`, which prints its one line and exits with its code.
+    goes on to `main`, which prints its one line and exits with its code. A stop the guard
+    agreed (`TrainingStopped`) logs its own end after its checkpoint.
     """
     try:
         yield
-    except (DataError, LostRank):
+    except TrainingStopped:
+        raise
+    except Exception:
         ev.logger.run_stop("aborted", epoch_num=state.samples)
         raise
 
