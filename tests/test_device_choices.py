@@ -6,16 +6,20 @@ aborted in its MLPerf log. GPUs are described through torch.cuda's functions (no
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor import cpp_builder
 
 from conftest import trainer_args
+from test_optional_dependencies import BREAKAGES, write_package
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.hooks.events import Hook, StepEnd
 from mlperf_bert.main import main
 from mlperf_bert.model.bert import BertConfig
+from mlperf_bert.model.compiling import TRITON_INSTALL, compile_problem
 from mlperf_bert.config.settings import PRECISIONS
 from mlperf_bert.model.precision import precision_problem
 from mlperf_bert.runtime.distributed import DistEnv
@@ -97,6 +101,31 @@ def test_start_up_walks_every_choice_against_the_device(demo_data: Path, tmp_pat
     bert = BertConfig.from_json(demo_data / "bert_config.json")
     problems = [p for p in device_problems(cfg, bert, device) if p is not None]
     assert (problems[0] if problems else None) == refused or problems[0].startswith(refused), problems
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_compiling_needs_triton_on_a_gpu_and_a_cpp_compiler_on_the_cpu(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      mode: str) -> None:
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert compile_problem("none", gpu) is None and compile_problem("none", cpu) is None
+    monkeypatch.setitem(sys.modules, "triton", None)  # not installed
+    assert compile_problem(mode, gpu) == (f"--compile_mode {mode} on a GPU needs Triton, which is not installed: "
+                                          f"{TRITON_INSTALL}, or use --compile_mode none")
+    monkeypatch.delitem(sys.modules, "triton")
+    monkeypatch.syspath_prepend(str(write_package(tmp_path, "triton", BREAKAGES["ImportError"])))
+    problem = compile_problem(mode, gpu)
+    assert problem is not None and "needs Triton, which is installed but fails to import (ImportError: " in problem
+    assert compile_problem(mode, cpu) is None  # this machine has g++
+
+    def no_compiler() -> None:
+        raise RuntimeError("Could not find a C++ compiler (tried g++, clang++)")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    assert compile_problem(mode, cpu) == (
+        f"--compile_mode {mode} on the CPU compiles C++ kernels, but Inductor finds no C++ compiler (RuntimeError: "
+        "Could not find a C++ compiler (tried g++, clang++)): install g++ (or set CXX to one), or use --compile_mode "
+        "none")
 
 
 class FailsAtStep(Hook):

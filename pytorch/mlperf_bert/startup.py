@@ -21,6 +21,7 @@ from .runtime.optional import dependency_problem
 from .input.dali_input import dali_problem
 from .model.attention import AttentionNeeds, backend_problem
 from .model.bert import BertConfig
+from .model.compiling import compile_problem
 from .model.fp8 import fp8_unavailable
 from .model.init_checkpoint import check_init_checkpoint
 from .model.precision import precision_problem
@@ -68,15 +69,17 @@ def device_problems(cfg: TrainConfig, bert: BertConfig, device: torch.device) ->
     """What this device and its software cannot serve of `cfg`, each a line naming the flag and the fix
     (None where it can); lazily, so the first problem stops the checks. Every choice with a limit:
     --precision (bf16 and fp8 tensor cores; torchao), --attention_backend (the varlen kernels'
-    device, precision, head size, dropout; flash-attn), --optimizer_impl (apex: CUDA only), and
-    --input_pipeline dali (DALI). An optional package that is installed but broken is refused
-    by name wherever the run would use it."""
+    device, precision, head size, dropout; flash-attn), --optimizer_impl (apex: CUDA only),
+    --compile_mode (Triton on a GPU, a C++ compiler on the CPU) and --input_pipeline dali (DALI).
+    An optional package that is installed but broken is refused by name wherever the run would
+    use it."""
     yield precision_problem(cfg.run.precision, device)
     if cfg.run.precision == "fp8":
         yield fp8_unavailable(device)
     dropout = bert.attention_probs_dropout_prob if cfg.run.do_train else 0.0
     yield backend_problem(cfg.model.attention_backend, AttentionNeeds(device, cfg.run.precision, bert.head_dim, dropout))
     yield apex_problem(cfg.optim.implementation, device.type == "cuda", cfg.device_steps)
+    yield compile_problem(cfg.run.compile_mode, device)
     if cfg.run.input_pipeline == "dali":
         yield dali_problem()
 
