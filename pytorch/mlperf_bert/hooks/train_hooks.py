@@ -8,6 +8,8 @@ Rank 0's progress view and end-of-run report are `live.LiveView` and `report.Run
 
 from __future__ import annotations
 
+import contextlib
+
 import signal
 import sys
 from pathlib import Path
@@ -99,7 +101,9 @@ class MLPerfLog(Hook):
     def close(self) -> None:
         if self.samples is not None and not self.ended:
             self.ended = True
-            self.logger.run_stop("aborted", epoch_num=self.samples)
+            # The run is already failing: a log that cannot be written now must not hide why.
+            with contextlib.suppress(OSError):
+                self.logger.run_stop("aborted", epoch_num=self.samples)
 
 
 class RankLoad(Hook):
