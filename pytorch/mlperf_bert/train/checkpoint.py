@@ -65,6 +65,7 @@ from ..config.settings import RESUME_AUTO
 from ..runtime.distributed import DistEnv
 from ..optim.loss_scale import LossScaler
 from ..runtime.files import TEMP_MARK, atomic_file
+from ..runtime.load_errors import unloadable_reason
 
 FORMAT = "mlperf_bert.run_checkpoint"
 VERSION = 2
@@ -255,7 +256,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
-        raise ResumeError(f"{path}: cannot read the checkpoint ({type(err).__name__}: {err}); resume from an "
+        raise ResumeError(f"{path}: cannot read the checkpoint: {unloadable_reason(path, err)}; resume from an "
                           "older one (pass its path to --resume_from_checkpoint)") from err
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ResumeError(f"{path}: not a run checkpoint of this trainer (an init checkpoint goes to "
