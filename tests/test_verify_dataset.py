@@ -100,6 +100,10 @@ def test_truncated_shard_is_named(folders, tmp_path, capsys):
      "row 2: a masked position outside the sequence or on [CLS]/[SEP]"),
     (lambda f: f["segment_ids"].__setitem__((6, 0), 1), "row 6: segment_ids do not start with 0"),
     (lambda f: f["next_sentence_labels"].__setitem__(3, 2), "row 3: next_sentence_labels is not 0 or 1"),
+    (lambda f: f["next_sentence_labels"].__setitem__(3, -1), "row 3: next_sentence_labels is not 0 or 1"),
+    (lambda f: f["masked_lm_positions"].__setitem__((5, 1), f["masked_lm_positions"][5, 0]),
+     "row 5: masked positions not ascending"),  # a position masked twice
+    (lambda f: f["input_ids"].__setitem__((4, 1), -1), "row 4: input_ids outside [0, 600)"),
 ])
 def test_damaged_fixed_rows_are_named(folders, tmp_path, capsys, damage, message):
     folder = damaged(folders, "fixed", tmp_path)
@@ -221,6 +225,10 @@ def test_vectorised_sequence_rules_equal_the_rules_applied_one_sequence_at_a_tim
     for i in rng.choice(len(s) - 1, 20, replace=False):
         moved = int(s.lengths[i])
         s.lengths[i], s.lengths[i + 1] = 0, s.lengths[i + 1] + moved
+    # Lengths at the edges of the length rules: 4 and 5 tokens (MIN_LENGTH), 300 and 301 (the limit).
+    for i, length in zip(rng.choice(np.flatnonzero(s.lengths[:-1] > 310), 8, replace=False), (4, 5, 300, 301) * 2):
+        moved = int(s.lengths[i]) - length
+        s.lengths[i], s.lengths[i + 1] = length, s.lengths[i + 1] + moved
     limits = Limits(300, 40, VOCAB, CLS, SEP)
     got = {message: set(np.flatnonzero(bad).tolist()) for bad, message in _sequence_checks(s, limits)}
     expected = _rules_one_by_one(s, limits)
@@ -228,7 +236,9 @@ def test_vectorised_sequence_rules_equal_the_rules_applied_one_sequence_at_a_tim
     for word in expected.keys() | {"decrease", "special tokens"}:
         message = next(m for m in got if word in m)
         assert got[message] == expected.get(word, set()), message
-    assert all(expected.get(word) for word in ("decrease", "special tokens", "outside the sequence", "longer than"))
+    assert all(expected.get(word) for word in ("decrease", "special tokens", "outside the sequence", "longer than",
+                                               "shorter than"))
+    assert {4, 5, 300, 301} <= set(s.lengths.tolist())
 
 
 # ---------------------------------------------------------------- the verification record (VERIFIED.json)
