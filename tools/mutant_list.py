@@ -35,14 +35,17 @@ RECORD = "pytorch/mlperf_bert/data/record.py"  # written by verify_dataset, read
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     CLOSED: ("tests/test_closed_division.py", "-k",
              "not run_and_time and not open_run and not closed_run_keeping and not closed_run_with"),
-    SHARDED: ("tests/test_sharded_optimizer.py",),
+    SHARDED: ("tests/test_sharded_ranks.py", "tests/test_sharded_optimizer.py"),
     GROUPED: ("tests/test_grouped_attention.py", "-k", "not trainer"),
     INTEGRITY: ("tests/test_data_integrity.py", "-k", "not trainer"),
     VERIFY: ("tests/test_verify_dataset.py", "tests/test_data_integrity.py", "-k", "not trainer"),
     RECORD: ("tests/test_clock.py", "-k", "stat_alone or record_holds"),
-    SLOTS: ("tests/test_resume_world_size.py", "-k", "not distributed_optimizer and not balanced and not resume_with"),
-    FP8: ("tests/test_fp8.py", "-k", "encoder_layers or divisible or gpu_without or without_torchao"),
-    LAUNCH: ("tests/test_launch.py", "-k", "clean_stop or signalled or wait_for_codes or job_exit or exit_folder"),
+    SLOTS: ("tests/test_slots.py", "tests/test_resume_world_size.py", "-k",
+            "not distributed_optimizer and not balanced and not resume_with"),
+    FP8: ("tests/test_fp8.py", "-k", "encoder_layers or bert_large or divisible or capability or recipe or gpu_without "
+                                     "or without_torchao"),
+    LAUNCH: ("tests/test_launch.py", "-k", "clean_stop or signalled or wait_for_codes or job_exit or exit_folder "
+                                           "or stop_signals or held_records"),
 }
 
 
