@@ -98,6 +98,8 @@ def test_stop_signals_are_all_ignored_once_the_agent_is_done():
 
 def test_held_records_reach_each_handler_at_its_own_level():
     logger = logging.getLogger("mlperf_bert_test_held")
+    logger.setLevel(logging.DEBUG)  # every record reaches the held handler; each handler's level decides
+    logger.propagate = False
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]

@@ -159,7 +159,7 @@ def run_mutant(copy: Path, mutant: Mutant, timeout_s: float) -> Outcome:
     if code == 0:
         return Outcome(mutant, SURVIVED, seconds)
     if code == 1:
-        failed = [line for line in tail.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        failed = [line for line in tail.splitlines() if line.startswith(("FAILED tests/", "ERROR tests/"))]
         return Outcome(mutant, KILLED, seconds, failed[0][:110] if failed else "")
     return Outcome(mutant, INVALID, seconds, f"pytest exit {code}: {tail.strip().splitlines()[-1:]}")
 
