@@ -59,9 +59,9 @@ check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG
 check "static or c10d" '^(static|c10d)$' RDZV_BACKEND
 check "host:port" '^([^][:space:]:]+|\[[0-9A-Fa-f:.]+\]):[0-9]+$' RDZV_ENDPOINT
 check "a run id (letters, digits, '.', '_', '-')" '^[A-Za-z0-9._-]+$' RDZV_ID
-for name in DGXNGPU DGXNNODES; do
-  (( 10#${!name} >= 1 )) || die "$name=${!name} must be at least 1"
-done
+# shellcheck source=/dev/null
+source "$here/tools/launch_checks.sh"
+check_launch_ranges
 
 [[ -d "$DATADIR_PHASE2" ]] || die "DATADIR_PHASE2=$DATADIR_PHASE2 is not a directory"
 [[ -e "$EVALDIR" ]] || die "EVALDIR=$EVALDIR does not exist"

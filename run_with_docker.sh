@@ -64,13 +64,16 @@ config="$here/config_${DGXSYSTEM}.sh"
 source "$config"
 # The names the config exports; each is handed to the container with `docker exec --env NAME`.
 mapfile -t config_names < <(sed -n 's/^[[:space:]]*export[[:space:]]\{1,\}\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' "$config")
+# shellcheck source=/dev/null
+source "$here/tools/launch_checks.sh"
+check_launch_ranges
+in_range NEXP 1 "" "the number of runs (a BERT submission has 10)"
+in_range SEED 0 4294967295 "the trainer's seed range (run i gets SEED+i-1)"
 NODE_RANK=${NODE_RANK:-0}
 if [[ "${DGXNNODES:-1}" != 1 ]]; then
   # Without SLURM, a multi-node system runs this script once on every node (pdsh, ansible, ...).
   [[ -n "${MASTER_ADDR:-}" ]] || die "$DGXSYSTEM has DGXNNODES=$DGXNNODES: run this script on every node with \
 NODE_RANK=0..$((DGXNNODES - 1)) and MASTER_ADDR=<node 0's address>, or use run.sub under SLURM"
-  [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$DGXNNODES" ]] \
-    || die "NODE_RANK=$NODE_RANK must be an integer in 0..$((DGXNNODES - 1))"
 fi
 MASTER_PORT=${MASTER_PORT:-29500}
 

@@ -28,6 +28,8 @@ from types import ModuleType
 import numpy as np
 
 from mlperf_bert.runtime.files import atomic_path
+from mlperf_bert.runtime.load_errors import unloadable_reason
+from mlperf_bert.runtime.optional import dependency_problem
 from data_prep.formats import DataPrepError
 
 log = logging.getLogger(__name__)
@@ -102,12 +104,13 @@ def check_state(state: dict, config: dict, source: Path) -> None:
 
 
 def _import_tensorflow() -> ModuleType:
-    try:
-        import tensorflow as tf
-    except ImportError as err:
-        raise DataPrepError(
-            "reading a TF1 checkpoint needs TensorFlow: `pip install tensorflow-cpu` (only this step uses it)"
-        ) from err
+    problem = dependency_problem("tensorflow", "TensorFlow", "reading a TF1 checkpoint",
+                                 "pip install tensorflow-cpu (only this step uses it)",
+                                 "convert the checkpoint on a machine where TensorFlow works")
+    if problem is not None:
+        raise DataPrepError(problem)
+    import tensorflow as tf
+
     return tf
 
 
@@ -156,7 +159,7 @@ def read_pt(path: Path) -> dict[str, np.ndarray]:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
-        raise DataPrepError(f"{path}: cannot read the PyTorch checkpoint ({err})") from err
+        raise DataPrepError(f"{path}: cannot read the PyTorch checkpoint: {unloadable_reason(path, err)}") from err
     state = raw.get("model", raw) if isinstance(raw, dict) else None
     if not isinstance(state, dict):
         raise DataPrepError(f"{path}: expected {{'model': state_dict}}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
+
+import numpy as np
 import pytest
 import torch
 import transformers
 
-from mlperf_bert.model.init_checkpoint import CheckpointError, load_init_checkpoint, read_state_dict
+from mlperf_bert.model.init_checkpoint import (CheckpointError, check_init_checkpoint, load_init_checkpoint,
+                                               read_state_dict)
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 
 CFG = BertConfig(vocab_size=101, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -86,8 +90,66 @@ class NotATensor:
 
 def test_refuses_pickled_code(tmp_path):
     torch.save({"model": {"x": NotATensor()}}, tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match="evil.pt: cannot read the checkpoint"):
+    with pytest.raises(CheckpointError, match="evil.pt: cannot load the init checkpoint: it holds Python objects"):
         read_state_dict(tmp_path / "evil.pt")
+
+
+def _write_pickle(path, obj, protocol: int = 4) -> None:
+    path.write_bytes(pickle.dumps(obj, protocol=protocol))
+
+
+# Every kind of file that is not an init checkpoint, and what the one line says about it.
+NOT_CHECKPOINTS = {
+    "a text file": (lambda p: p.write_text("hello, not a checkpoint\n"), "it is not a file torch.save wrote"),
+    "an empty file": (lambda p: p.write_bytes(b""), "the file is empty"),
+    "numpy arrays in torch.save": (lambda p: torch.save({"model": {"a": np.zeros(3)}}, p),
+                                   "it holds Python objects besides tensors"),
+    "a whole model in torch.save": (lambda p: torch.save(torch.nn.Linear(2, 2), p),
+                                    "it holds Python objects besides tensors"),
+    "a plain pickle": (lambda p: _write_pickle(p, {"model": {"x": [1, 2]}}), "it holds Python objects besides tensors"),
+    "a torch.save archive cut short": (lambda p: (torch.save({"model": {"x": torch.zeros(64)}}, p),
+                                                  p.write_bytes(p.read_bytes()[:200])),
+                                       "the torch.save archive is truncated or damaged"),
+    "a legacy torch.save file cut short": (lambda p: (torch.save({"x": torch.zeros(4)}, p,
+                                                                 _use_new_zipfile_serialization=False),
+                                                      p.write_bytes(p.read_bytes()[:40])),
+                                           "the file ends early"),
+    "a list of tensors": (lambda p: torch.save([torch.zeros(2)], p), "expected {'model': state_dict} of tensors, "
+                                                                        "found a list"),
+    "a dict with other values": (lambda p: torch.save({"model": {"x": 3}}, p), "found a dict with int values"),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_CHECKPOINTS)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_file_that_is_not_a_checkpoint_is_one_line_naming_it(tmp_path, kind, lazy, recwarn):
+    """One line with the file, what it is and the fix; never torch's pages of text, and never its advice
+    to load with weights_only=False (which lets a file run code)."""
+    write, reason = NOT_CHECKPOINTS[kind]
+    path = tmp_path / "given.pt"
+    write(path)
+    with pytest.raises(CheckpointError) as refused:
+        read_state_dict(path, lazy=lazy)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: ") and reason in message, message
+    assert "\n" not in message and "weights_only=False" not in message and "trust" not in message
+    assert "convert-checkpoint" in message  # the fix
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]  # torch's notes stay out
+
+
+def test_the_start_up_check_matches_names_and_shapes_of_the_mapped_file(tmp_path):
+    """The meta-device model against the mapped file (safetensors: its header) finds what loading would."""
+    state = nvidia_style_state(vocab_rows=104)
+    torch.save({"model": state}, tmp_path / "ckpt.pt")
+    check_init_checkpoint(tmp_path / "ckpt.pt", CFG)  # fits
+    narrow = BertConfig(**{**CFG.to_dict(), "intermediate_size": 48})
+    with pytest.raises(CheckpointError, match=r"ckpt.pt: does not match the BERT config: .*intermediate.dense.weight "
+                                              r"has shape \(32, 16\), the model needs \(48, 16\)"):
+        check_init_checkpoint(tmp_path / "ckpt.pt", narrow)
+    hf_model().save_pretrained(tmp_path / "hf")  # safetensors: its header only
+    check_init_checkpoint(tmp_path / "hf", CFG)
+    with pytest.raises(CheckpointError, match="hf: does not match the BERT config"):
+        check_init_checkpoint(tmp_path / "hf", narrow)
 
 
 def test_missing_and_corrupt_files_are_named(tmp_path):

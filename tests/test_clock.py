@@ -254,3 +254,21 @@ def test_the_graph_shape_from_the_record_holds_the_widest_row_of_every_shard(dem
                            handle["masked_lm_positions"].shape[1]))
     _, k, q = np.max(widths, axis=0)
     assert recorded_shape(str(packed), 4, 64) == StaticShape(4, 64, int(k), int(q))
+
+
+def test_a_bad_row_read_by_one_of_two_ranks_ends_the_run_with_run_stop_aborted(demo_data, tmp_path):
+    """run_and_time.sh, two ranks, an unverified folder with one bad shard: the rank that reads it stops
+    with exit 2; rank 0 (which writes the MLPerf log) ends the log with run_stop aborted either way."""
+    train = _copy(demo_data / "train", tmp_path / "train")
+    (train / RECORD_NAME).unlink()
+    shard = sorted(train.glob("*.hdf5"))[2]
+    with h5py.File(shard, "r+") as handle:
+        handle["input_ids"][5, 1] = 500
+    env = demo_config_env(demo_data, OUTPUT_DIR=str(tmp_path / "out"), WARMUP_STEPS="1",
+                          DATADIR_PHASE2=str(train), MLPERF_LOG_FILE=str(tmp_path / "mlperf.log"))
+    done = run_cli(["bash", str(REPO / "run_and_time.sh")], env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"error: {shard}: row 5: input_ids outside [0, vocab_size=128)" in done.stderr
+    assert "Traceback" not in done.stderr
+    events = _mllog(tmp_path / "mlperf.log")
+    assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"

@@ -38,7 +38,18 @@ def test_torchrun_wins_over_slurm():
 
 @pytest.mark.parametrize("env, message", [
     ({"RANK": "4", "WORLD_SIZE": "4"}, "outside world size"),
+    ({"RANK": "-1", "WORLD_SIZE": "4"}, "rank -1 is outside world size 4"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "rank 0 is outside world size 0"),
     ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x' is not an integer"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+     "local rank 2 is outside the 2 ranks of this node"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "-1"}, "local rank -1 is outside the 4 ranks"),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "8", "SLURM_NTASKS_PER_NODE": "8"},
+     "local rank 8 is outside the 4 ranks of this node"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "295000"}, "MASTER_PORT=295000 is outside 1..65535"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "65536"}, "MASTER_PORT=65536 is outside 1..65535"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, "MASTER_PORT=0 is outside 1..65535"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "-5"}, "MASTER_PORT=-5 is outside 1..65535"),
 ])
 def test_bad_values_are_named(env, message):
     with pytest.raises(ValueError, match=message):
@@ -52,3 +63,7 @@ def test_graphed_steps_on_many_gpus_turn_nccl_async_error_handling_off():
     assert graph_nccl_settings({GRAPH_NCCL_VARIABLE: "0"}) == {GRAPH_NCCL_VARIABLE: "0"}
     with pytest.raises(ValueError, match=f"needs {GRAPH_NCCL_VARIABLE}=0; it is set to '1'"):
         graph_nccl_settings({GRAPH_NCCL_VARIABLE: "1"})
+
+
+def test_a_single_process_never_opens_the_rendezvous_so_its_port_is_not_checked():
+    assert dist_env_from({"MASTER_PORT": "295000"}).master_port == 295000

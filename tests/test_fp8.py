@@ -237,21 +237,6 @@ def test_gpu_without_fp8_tensor_cores_stops_at_start_up(demo_data: Path, tmp_pat
                                   "Blackwell), but NVIDIA A100-SXM4-80GB is 8.0: use --precision bf16 on this GPU")
 
 
-def test_fp8_run_without_torchao_stops_with_the_install_line(demo_data: Path, tmp_path: Path) -> None:
-    blocker = tmp_path / "no_torchao"
-    (blocker / "torchao").mkdir(parents=True)
-    (blocker / "torchao" / "__init__.py").write_text("raise ImportError('torchao is blocked in this test')\n")
-    flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--precision", "fp8")
-    result = run_cli([sys.executable, str(TRAINER), *flags],
-                     env={"PYTHONPATH": f"{blocker}:{Path(__file__).resolve().parents[1] / 'pytorch'}"})
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert lines == ["error: --precision fp8 trains through torchao, which does not import (torchao is blocked in "
-                     "this test): pip install 'torchao==0.18.*' (the [fp8] extra of this package)"], result.stderr
-    assert not (tmp_path / "out" / "mlperf.log").exists()
-
-
-
 @pytest.mark.slow
 def test_demo_with_precision_fp8_trains_and_passes_both_rulesets(tmp_path: Path) -> None:
     """`PRECISION=fp8 tools/run_demo.sh` (what `PRECISION=fp8 make demo` runs), at toy size: the environment's

@@ -25,7 +25,8 @@ from mlperf_bert.data.batch import FlatBatch, Item, Sample, flatten_items, pad_i
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.data.static_batch import static_packed_batch
 from mlperf_bert.model import attention
-from mlperf_bert.model.attention import FlatAttention, batch_layout, flat_layout, resolve_backend, sdpa_attention
+from mlperf_bert.model.attention import (AttentionNeeds, FlatAttention, backend_problem, batch_layout, flat_layout,
+                                         resolve_backend, sdpa_attention)
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.model.grouped_attention import (bucket_of, grouped_attention, grouped_layout, host_lengths,
                                                  length_groups, score_entries)
@@ -291,8 +292,75 @@ def test_grouped_is_autos_choice_where_varlen_cannot_run_and_groups_split(
         max_len: int | None, expected: str):
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
     monkeypatch.setattr(attention, "_torch_varlen", lambda: object() if torch_varlen else None)
+    fake_gpu(monkeypatch, (9, 0))
     assert resolve_backend("auto", torch.device(device), dropout, max_len) == expected
     assert resolve_backend("grouped", torch.device(device), dropout, max_len) == "grouped"
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], name: str = "NVIDIA H100") -> None:
+    """What torch.cuda says about the GPU, for the device checks on a machine without one."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+# Runs the varlen kernels cannot take, whoever's kernel it is: auto leaves varlen for them.
+VARLEN_MISFITS = {
+    "V100 (7.0)": ((7, 0), "bf16", 64, "compute capability >= 8.0 (Ampere or newer), but NVIDIA H100 is 7.0"),
+    "T4 (7.5)": ((7, 5), "fp16", 64, "but NVIDIA H100 is 7.5"),
+    "fp32": ((9, 0), "fp32", 64, "takes fp16 / bf16 inputs, and --precision fp32 gives it fp32"),
+    "head 320": ((9, 0), "bf16", 320, "head sizes up to 256 in steps of 8"),
+    "head 12": ((9, 0), "bf16", 12, "hidden_size / num_attention_heads of the BERT config is 12"),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_MISFITS)
+@pytest.mark.parametrize("flash", [True, False])
+def test_auto_never_picks_varlen_where_its_kernels_cannot_run(monkeypatch: pytest.MonkeyPatch, case: str,
+                                                             flash: bool):
+    capability, precision, head_dim, reason = VARLEN_MISFITS[case]
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: object())
+    fake_gpu(monkeypatch, capability)
+    cuda = torch.device("cuda", 0)
+    assert resolve_backend("auto", cuda, 0.0, 512, precision=precision, head_dim=head_dim) == "grouped"
+    needs = AttentionNeeds(cuda, precision, head_dim, 0.0)
+    problem = backend_problem("varlen", needs)
+    assert problem is not None and problem.startswith("--attention_backend varlen ") and reason in problem, problem
+    assert problem.endswith(attention.OTHER_BACKENDS) or "use --precision bf16, fp16 or fp8" in problem
+    assert backend_problem("auto", needs) is None
+    assert backend_problem("sdpa", needs) is None and backend_problem("grouped", needs) is None
+
+
+# Every back-end x device x kernel x dropout: what start-up says (None: it runs). A run without
+# training (no dropout) may use PyTorch's kernel.
+BACKEND_MATRIX = [
+    # backend, device, flash-attn, torch varlen, train dropout, refused with
+    ("sdpa", "cpu", False, False, 0.1, None), ("grouped", "cpu", False, False, 0.1, None),
+    ("auto", "cpu", False, False, 0.1, None),
+    ("varlen", "cpu", True, True, 0.0, "runs GPU kernels only (flash-attn's or PyTorch's varlen attention), and this "
+                                       "run is on the cpu"),
+    ("sdpa", "cuda", False, False, 0.1, None), ("grouped", "cuda", False, False, 0.1, None),
+    ("auto", "cuda", False, False, 0.1, None), ("auto", "cuda", False, True, 0.1, None),
+    ("varlen", "cuda", True, True, 0.1, None), ("varlen", "cuda", True, False, 0.1, None),
+    ("varlen", "cuda", False, True, 0.0, None),
+    ("varlen", "cuda", False, True, 0.1, "without flash-attn is PyTorch's kernel, which has no dropout, and the BERT "
+                                         "config trains with attention_probs_dropout_prob 0.1: install flash-attn"),
+    ("varlen", "cuda", False, False, 0.0, "needs flash-attn (pip install flash-attn"),
+]
+
+
+@pytest.mark.parametrize("backend, device, flash, torch_varlen, dropout, refused", BACKEND_MATRIX)
+def test_every_backend_on_every_device_is_served_or_refused_at_start_up(
+        monkeypatch: pytest.MonkeyPatch, backend: str, device: str, flash: bool, torch_varlen: bool, dropout: float,
+        refused: str | None):
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: object() if torch_varlen else None)
+    fake_gpu(monkeypatch, (9, 0))
+    problem = backend_problem(backend, AttentionNeeds(torch.device(device), "bf16", 64, dropout))
+    if refused is None:
+        assert problem is None
+    else:
+        assert problem is not None and refused in problem and "\n" not in problem, problem
 
 
 # ---------------------------------------------------------------- in the trainer

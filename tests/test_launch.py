@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from _fault_launch import free_port, wait_for_steps, worker_command
 from conftest import REPO, trainer_args
+from test_optional_dependencies import BREAKAGES, write_package
 from mlperf_bert.runtime.exits import (
     EXIT_BAD_INPUT,
     EXIT_DIR_VARIABLE,
@@ -29,8 +31,8 @@ from mlperf_bert.runtime.exits import (
     say_once,
 )
 from mlperf_bert.runtime.launch import (
-    HeldRecords, clean_stop_code, exit_folder, ignore_stop_signals, launcher_pid_exported, signalled_stop_code,
-    wait_for_codes,
+    HeldRecords, args_problem, clean_stop_code, exit_folder, ignore_stop_signals, launcher_pid_exported,
+    signalled_stop_code, wait_for_codes,
 )
 from mlperf_bert.runtime.orphan import LAUNCHER_PID_VARIABLE
 
@@ -203,6 +205,23 @@ def test_a_refused_input_is_one_line_and_exit_2(demo_data, tmp_path):
     assert done.stderr.splitlines() == ["error: --warmup_steps must be an integer in [0, 6]; got 99"], done.stderr
 
 
+def test_a_broken_optional_package_under_the_launcher_is_one_line_and_exit_2(demo_data, tmp_path):
+    """torchao installed but failing with an AttributeError (a torchao for another torch): each rank refuses
+    at start-up; the user sees one line, not both ranks' tracebacks and torchrun's ChildFailedError."""
+    broken = write_package(tmp_path / "site", "torchao", BREAKAGES["AttributeError"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{broken}:{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("MLPERF_BERT_EXIT_DIR", None)
+    flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--precision", "fp8")
+    done = subprocess.run([sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2",
+                           str(REPO / "pytorch" / "run_pretraining.py"), *flags],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: --precision fp8 needs torchao, which is installed but fails to import "
+                           "(AttributeError: module 'sys' has no attribute 'int1'): ")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_crash_keeps_its_traceback_and_torchruns_report(demo_data, tmp_path):
     flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "50",
                          "--collective_timeout_s", "20")
@@ -235,6 +254,85 @@ def test_sigterm_while_the_ranks_start_is_143_without_a_traceback(demo_data, tmp
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "launch: stopped by SIGTERM before every rank stopped on its own (0 of 2" in stderr, stderr
     assert "Traceback" not in stderr and not (tmp_path / "out" / "checkpoints").exists()
+
+
+def _processes_running(marker: str) -> list[int]:
+    """The pids whose command line mentions `marker` (a test's own output folder)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_sigterm_while_the_agent_starts_its_workers_leaves_no_worker_behind(demo_data, tmp_path):
+    """SIGTERM after the agent started a worker but before torchrun tracks it (tests/_race_launch.py makes
+    that moment certain): torchrun signals none, so the launcher does; a worker still waiting at the
+    shutdown timeout for a peer that never started is killed. No traceback, no orphan, exit 143."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLPERF_BERT_EXIT_DIR", None)
+    command = [sys.executable, str(REPO / "tests" / "_race_launch.py"), "--standalone", "--nproc_per_node=2",
+               "--shutdown-timeout=5", str(REPO / "pytorch" / "run_pretraining.py"),
+               *trainer_args(demo_data, out, "--do_train")]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert "launch: stopped by SIGTERM before every rank stopped on its own (0 of 2" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "error:" not in done.stderr, done.stderr[-3000:]
+    assert not _processes_running(str(out)) and not (out / "checkpoints").exists()
+
+
+# torchrun's values that its agent would take, then fail on with a traceback or wait on forever.
+BAD_LAUNCH_ARGS = [
+    (["--nnodes=0"], "--nnodes 0: give the number of nodes (N >= 1) or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes=2:1"], "--nnodes 2:1: give the number of nodes"),
+    (["--nnodes=1:2:3"], "--nnodes 1:2:3: give the number of nodes"),
+    (["--nnodes=two"], "--nnodes two: give the number of nodes"),
+    (["--nproc_per_node=0"], "--nproc_per_node 0: give the number of processes on this node (>= 1; one per GPU)"),
+    (["--nproc_per_node=-2"], "--nproc_per_node -2: give the number of processes"),
+    (["--nproc_per_node=many"], "--nproc_per_node many: give the number of processes"),
+    (["--nnodes=2", "--node_rank=2"], "--node_rank 2 is outside 0..1 (--nnodes 2): give each node its own rank"),
+    (["--nnodes=2", "--node_rank=9"], "--node_rank 9 is outside 0..1"),
+    (["--nnodes=1:3", "--node_rank=3"], "--node_rank 3 is outside 0..2 (--nnodes 1:3)"),
+    (["--nnodes=2", "--node_rank=-1"], "--node_rank -1 is outside 0..1"),
+    (["--nnodes=2", "--master_port=295000"], "--master_port: port 295000 is outside 1..65535"),
+    (["--nnodes=2", "--master_port=65536"], "--master_port: port 65536 is outside 1..65535"),
+    (["--nnodes=2", "--master_port=0"], "--master_port: port 0 is outside 1..65535"),
+    (["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node000:70000"],
+     "--rdzv_endpoint: port 70000 is outside 1..65535"),
+    (["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=[fe80::1]:0"], "--rdzv_endpoint: port 0 is outside"),
+    (["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node000:x9"], "--rdzv_endpoint: port x9 is outside"),
+]
+GOOD_LAUNCH_ARGS = [["--standalone", "--nproc_per_node=2"], ["--nproc_per_node=auto"], ["--nnodes=1:4"],
+                    ["--nnodes=2", "--node_rank=1", "--master_port=65535"],
+                    ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node000"],  # torchrun's default port
+                    ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=[fe80::1]:29400", "--node_rank=7"],
+                    ["--standalone", "--master_port=0"]]  # standalone picks its own endpoint
+
+
+@pytest.mark.parametrize("flags, says", BAD_LAUNCH_ARGS)
+def test_a_launch_value_out_of_range_is_named(flags, says):
+    problem = args_problem(torchrun.parse_args([*flags, "train.py"]))
+    assert problem is not None and problem.startswith(says), problem
+
+
+@pytest.mark.parametrize("flags", GOOD_LAUNCH_ARGS)
+def test_launch_values_in_range_pass(flags):
+    assert args_problem(torchrun.parse_args([*flags, "train.py"])) is None
+
+
+def test_a_node_rank_no_node_completes_is_refused_before_the_agent_waits(tmp_path):
+    """--node_rank 2 of 2 nodes would wait for the rendezvous until killed; refused at once."""
+    command = [sys.executable, str(LAUNCHER), "--nnodes=2", "--node_rank=2", "--nproc_per_node=1",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(tmp_path / "never_started.py")]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (EXIT_BAD_INPUT, "")
+    assert done.stderr.splitlines() == ["launch: --node_rank 2 is outside 0..1 (--nnodes 2): give each node its own "
+                                        "rank in that range (a node with another rank waits forever for a rendezvous "
+                                        "that never completes)"]
 
 
 def _children_of(pid: int) -> list[int]:

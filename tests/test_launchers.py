@@ -43,6 +43,13 @@ def _config_file(shipped: Path | None, tmp_path: Path) -> tuple[Path, str]:
 _exports = config_exports
 
 
+def _copy_script(name: str, where: Path) -> None:
+    """A launch script into `where`, with the checks it sources from tools/."""
+    shutil.copy(REPO / name, where)
+    (where / "tools").mkdir(exist_ok=True)
+    shutil.copy(REPO / "tools" / "launch_checks.sh", where / "tools")
+
+
 def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 120
          ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True,
@@ -173,7 +180,7 @@ def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
 @pytest.mark.parametrize("name, value, says", [
     ("BATCHSIZE", "3a2", "is not a whole number"),
     ("DGXNNODES", "1.5", "is not a whole number"),
-    ("DGXNGPU", "0", "must be at least 1"),
+    ("DGXNGPU", "0", "must be a whole number >= 1"),
     ("CUDA_GRAPHS", "yes", "is not 0 or 1"),
     ("DECAY_FROM_WARMUP_END", "true", "is not 0 or 1"),
     ("ECHO_MLLOG", "yes", "is not 0 or 1"),
@@ -193,6 +200,53 @@ def test_run_and_time_names_a_bad_config_variable(tmp_path, name, value, says):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [done.stderr.strip()] and f"{name}={value} {says}" in done.stderr
     assert "--" not in done.stderr and "RESULT" not in done.stdout and not (tmp_path / "out").exists()
+
+
+# Every launch variable with a range, over each class of value it forbids (config_CPU_1x2.sh: one node).
+LAUNCH_RANGES = [
+    ({"DGXNNODES": "0"}, "DGXNNODES=0 must be a whole number >= 1: the number of nodes"),
+    ({"DGXNGPU": "0"}, "DGXNGPU=0 must be a whole number >= 1: processes per node"),
+    ({"DGXNGPU": "12345678901"}, "DGXNGPU=12345678901 must be a whole number >= 1"),  # past bash's arithmetic
+    ({"NODE_RANK": "1"}, "NODE_RANK=1 must be a whole number in 0..0: each node's own rank among DGXNNODES=1 nodes"),
+    ({"DGXNNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"}, "NODE_RANK=2 must be a whole number in 0..1"),
+    ({"DGXNNODES": "2", "NODE_RANK": "7", "MASTER_ADDR": "127.0.0.1"}, "NODE_RANK=7 must be a whole number in 0..1"),
+    ({"MASTER_PORT": "0"}, "MASTER_PORT=0 must be a whole number in 1..65535: a free TCP port"),
+    ({"MASTER_PORT": "65536"}, "MASTER_PORT=65536 must be a whole number in 1..65535"),
+    ({"MASTER_PORT": "295000"}, "MASTER_PORT=295000 must be a whole number in 1..65535"),
+    ({"RDZV_ENDPOINT": "node000:0"}, "RDZV_ENDPOINT=node000:0: the port must be a whole number in 1..65535"),
+    ({"RDZV_ENDPOINT": "[fe80::1]:70000"}, "RDZV_ENDPOINT=[fe80::1]:70000: the port must be a whole number in"),
+]
+
+
+@pytest.mark.parametrize("overrides, says", LAUNCH_RANGES)
+def test_run_and_time_refuses_a_launch_variable_out_of_range(tmp_path, overrides, says):
+    """One line naming the variable and the fix, exit 2, before torchrun starts (which would wait forever
+    for a node rank no node completes, or end in its own traceback for the port)."""
+    dirs = _data_dirs(tmp_path)
+    (tmp_path / "bert_config.json").write_text("{}")
+    env = {**_rat_env(tmp_path, tmp_path, **dirs, BERT_CONFIG=str(tmp_path / "bert_config.json")), **overrides}
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path, timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"run_and_time.sh: {says}"), lines
+    assert "STARTING" not in done.stdout and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["run_with_docker.sh", "run.sub"])
+@pytest.mark.parametrize("overrides, says", [
+    ({"NODE_RANK": "2"}, "NODE_RANK=2 must be a whole number in 0..1"),
+    ({"MASTER_PORT": "295000"}, "MASTER_PORT=295000 must be a whole number in 1..65535"),
+    ({"NEXP": "0"}, "NEXP=0 must be a whole number >= 1: the number of runs"),
+    ({"SEED": "-3"}, "SEED=-3 must be a whole number in 0..4294967295"),
+])
+def test_the_job_scripts_refuse_a_launch_variable_out_of_range(tmp_path, script, overrides, says):
+    env = {**_base_env(tmp_path), "CONT": "img", "DGXSYSTEM": "GB200_2x4", "MASTER_ADDR": "node000",
+           "DATADIR_PHASE2": "/data/phase2", "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt",
+           "SLURM_SUBMIT_DIR": str(REPO), **overrides}
+    done = _run(["bash", str(REPO / script), "--dry-run"], env, tmp_path, timeout=30)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{script}: {says}"), done.stderr
+    assert not (tmp_path / "docker_calls.jsonl").exists() and not (tmp_path / "srun_calls.jsonl").exists()
 
 
 def test_run_and_time_refuses_c10d_under_an_srun_step_of_one_task_per_rank(tmp_path):
@@ -263,6 +317,27 @@ def test_bad_input_under_torchrun_exits_2_through_run_and_time(demo_data, tmp_pa
     assert "RESULT" not in done.stdout
 
 
+# Choices a CPU machine cannot serve, from the config variables: refused at start-up, before the MLPerf log.
+# CUDA_VISIBLE_DEVICES="" keeps DEVICE's auto on the CPU on any machine.
+@pytest.mark.parametrize("gpus, overrides, says", [
+    ("2", {"ATTENTION_BACKEND": "varlen"},
+     "--attention_backend varlen runs GPU kernels only (flash-attn's or PyTorch's varlen attention), and this run is "
+     "on the cpu: use --attention_backend auto, sdpa or grouped (config: --attention_backend is "
+     "ATTENTION_BACKEND=varlen)"),
+    ("1", {"DEVICE": "cuda"}, "--device cuda, but no CUDA device is visible here"),
+    ("1", {"OPTIMIZER_IMPL": "apex"}, "--optimizer_impl apex runs apex's CUDA kernels, and this run is on the CPU: "
+                                      "use --optimizer_impl foreach or auto (config: --optimizer_impl is "
+                                      "OPTIMIZER_IMPL=apex)"),
+])
+def test_run_and_time_refuses_a_choice_the_device_cannot_serve(demo_data, tmp_path, gpus, overrides, says):
+    env = _rat_env(tmp_path, demo_data, DGXNGPU=gpus, CUDA_VISIBLE_DEVICES="", **overrides)
+    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()  # one line, also from both ranks under torchrun
+    assert line.startswith(f"error: {says}"), line
+    assert "run_start" not in done.stdout and not (tmp_path / "out").exists()
+
+
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not (path.exists() and text in path.read_text()):
@@ -306,7 +381,7 @@ def _docker_setup(tmp_path: Path, trainer: Path) -> tuple[Path, dict[str, str]]:
     """A script dir with run_with_docker.sh and a 1x8 config, and the environment to run it."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
-    shutil.copy(REPO / "run_with_docker.sh", scripts)
+    _copy_script("run_with_docker.sh", scripts)
     (scripts / "config_TEST_1x8.sh").write_text(fake_trainer.sample_config("TEST_1x8", 8))
     env = {**_base_env(tmp_path), **_data_dirs(tmp_path), "CONT": "mlperf-bert:test",
            "DGXSYSTEM": "TEST_1x8", "NEXP": "2", "LOGDIR": str(tmp_path / "logs"), "SEED": "7",
@@ -381,7 +456,7 @@ def test_run_with_docker_passes_on_the_trainers_line_and_code(demo_data, tmp_pat
     The user reads the trainer's line once, gets its exit code 2, and no second run is started."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
-    shutil.copy(REPO / "run_with_docker.sh", scripts)
+    _copy_script("run_with_docker.sh", scripts)
     _cpu_test_config(scripts, "CPUTEST_1x2")
     inner = tmp_path / "rat.sh"  # the container's run_and_time.sh: this checkout's trainer
     inner.write_text(f"#!/bin/sh\nexport PYTHONPATH={REPO / 'pytorch'}:{REPO} OMP_NUM_THREADS=1\n"
@@ -431,7 +506,7 @@ def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path, rdzv)
 def test_run_with_docker_dry_run_with_each_config(shipped, tmp_path):
     where, system = _config_file(shipped, tmp_path)
     if where != REPO:
-        shutil.copy(REPO / "run_with_docker.sh", where)
+        _copy_script("run_with_docker.sh", where)
     env = {**_base_env(tmp_path), "CONT": "img", "DGXSYSTEM": system, "NEXP": "1",
            "DATADIR_PHASE2": "/data/phase2", "EVALDIR": "/data/eval", "CHECKPOINTDIR_PHASE1": "/ckpt"}
     done = _run(["bash", str(where / "run_with_docker.sh"), "--dry-run"], env, tmp_path)
@@ -495,7 +570,7 @@ def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:
     submit = tmp_path / "submit"
     (submit / "tools").mkdir(parents=True)
     shutil.copy(REPO / "run.sub", submit)
-    for tool in ("package_results.py", "compare.py", "job_exit_code.sh"):
+    for tool in ("package_results.py", "compare.py", "job_exit_code.sh", "launch_checks.sh"):
         shutil.copy(REPO / "tools" / tool, submit / "tools")
     (submit / f"config_TEST_1x{gpus}.sh").write_text(fake_trainer.sample_config(f"TEST_1x{gpus}", gpus))
     _fake_run_and_time(submit / "run_and_time.sh")

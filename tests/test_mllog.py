@@ -198,3 +198,20 @@ def test_lines_reach_stdout_only_when_echo_is_asked(tmp_path, capsys, echo):
     with MLPerfLogger(str(tmp_path / "default.log"), rank=0) as logger:
         logger.init_start()
     assert capsys.readouterr().out == ""  # the default keeps the console for the progress view
+
+
+def test_a_held_log_writes_nothing_until_the_run_starts(tmp_path: Path) -> None:
+    """The trainer's logger: init lines wait for run_start (or a resume's release), keeping their times."""
+    path = tmp_path / "held.log"
+    with MLPerfLogger(str(path), rank=0, hold_until_start=True) as log:
+        log.init_start()
+        log.hyperparameters({"seed": 3})
+        assert not path.exists()
+        log.run_start()
+        log.event("after", 1)
+    keys = [record["key"] for record in read_lines(path)]
+    assert keys == ["init_start", "seed", "run_start", "after"]
+    dropped = tmp_path / "refused.log"
+    with MLPerfLogger(str(dropped), rank=0, hold_until_start=True) as log:
+        log.init_start()
+    assert not dropped.exists()  # closed before the run started: nothing written

@@ -458,3 +458,20 @@ def test_an_initialization_past_the_division_maximum_is_flagged(tmp_path, divisi
     if flagged:
         assert verdict.problems[0].startswith("results/sys/bert/result_0.txt: initialization took")
         assert f"{minutes:.1f} minutes" in verdict.problems[0]
+
+
+@pytest.mark.slow
+def test_check_fails_a_package_whose_run_initialized_too_long(tmp_path):
+    """A real package with one run's init_start moved 31 minutes earlier (closed: 30 at most, §11)."""
+    package = tmp_path / "NVIDIA"
+    shutil.copytree(NVIDIA_V20, package)
+    path = next(package.glob("results/*/bert/result_5.txt"))
+    lines = path.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"key": "init_start"' in line)
+    record = json.loads(lines[at].split(":::MLLOG ", 1)[1])
+    record["time_ms"] -= 31 * 60_000
+    lines[at] = f":::MLLOG {json.dumps(record)}\n"
+    path.write_text("".join(lines))
+    done = _tool("check", str(package), "--ruleset", "2.0.0")
+    assert done.returncode == 1 and done.stdout.splitlines()[-1].startswith("FAIL"), done.stdout + done.stderr
+    assert re.search(r"result_5\.txt: initialization took 3\d\.\d minutes, more than the 30 minutes", done.stdout)

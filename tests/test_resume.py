@@ -201,9 +201,9 @@ def test_resume_needs_a_readable_run_checkpoint(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change, says", [
-    (("--train_batch_size", "4"), "saved with items_per_rank_step=8, this run has 4"),  # the data position
+    (("--train_batch_size", "4"), "data position: saved with 1 slots of 8 items per step"),  # the data position
     (("--bert_config_path", "WIDER"), "does not fit this model or optimizer"),  # another model
-    (("--resume_from_checkpoint", "BAD"), "not a run checkpoint"),  # another file
+    (("--resume_from_checkpoint", "BAD"), "cannot read the checkpoint"),  # another file
 ])
 def test_a_refused_resume_adds_nothing_to_the_log_it_continues(demo_data, tmp_path, change, says):
     out = tmp_path / "run"
@@ -226,4 +226,5 @@ def test_a_refused_resume_adds_nothing_to_the_log_it_continues(demo_data, tmp_pa
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == errors[0]  # the error is the last line, whole
     assert (out / "mlperf.log").read_bytes() == log

@@ -7,7 +7,6 @@ The multi-process behaviour (real collectives, gloo and MPI) is in test_balance_
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections import Counter
 from pathlib import Path
@@ -15,8 +14,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _balance_worker import ID_BASE, LIMITS, MAX_LEN, MAX_PRED, write_dataset
 from data_prep.stratify import StratifyParams, stratify
@@ -25,10 +22,9 @@ from mlperf_bert.input import balance
 from mlperf_bert.data.batch import Sample, flatten_items
 from mlperf_bert.config.settings import ConfigError, DataSettings
 from mlperf_bert.data.dataset import DataError, read_shard
-from mlperf_bert.runtime.distributed import DistEnv, dist_env_from, launched_by_mpi
+from mlperf_bert.runtime.distributed import dist_env_from, launched_by_mpi
 from mlperf_bert.input.exchange import decode_body, encode_body, encode_header, incoming, outgoing
 from mlperf_bert.input.host_exchange import Prefetcher
-from mlperf_bert.input.source_factory import check_input_data
 from mlperf_bert.input.sources import LocalSource, TokenImbalance, TokenMeter
 from mlperf_bert.data.shards import list_shards
 from mlperf_bert.data.stratified import Strata, StratifiedDataset, stratum_counts
@@ -274,35 +270,3 @@ def test_config_rejects_senseless_balance_combinations(plain, stratified):
         startup._check_mpi_launch({"RANK": "0"})
     startup._check_mpi_launch({"PMI_RANK": "0"})
     assert data_settings(stratified, "cpu_exchange").balance == "cpu_exchange"
-
-
-def _check_as_rank(rank: int, world: int, folder: str, port: int, out: str) -> None:
-    """One rank of a gloo group running the trainer's start-up check; writes what it ended with."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        check_input_data(folder, LIMITS, DistEnv(rank, world, rank, world, "127.0.0.1", port))
-        outcome = "ok"
-    except DataError as err:
-        outcome = str(err)
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.txt").write_text(outcome)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_every_rank_stops_when_one_rank_finds_a_bad_shard(tmp_path):
-    folder = write_dataset(tmp_path / "data", [30, 30, 30, 30], seed=2)
-    shard = sorted(folder.glob("*.hdf5"))[3]  # read by rank 1 of 2 (shards 1 and 3)
-    with h5py.File(shard, "r+") as handle:
-        handle["next_sentence_labels"][4] = 9
-    mp.spawn(_check_as_rank, args=(2, str(folder), free_port(), str(tmp_path)), nprocs=2)
-    found = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    assert found[1].startswith(f"{shard}: row 4: next_sentence_labels is not 0 or 1")
-    assert found[0] == f"{folder}: another rank found a bad shard (its error line names it); " \
-                       "run data_prep/verify_dataset.py on the folder"

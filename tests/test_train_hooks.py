@@ -11,7 +11,7 @@ import torch
 
 from _fault_launch import mllog_events
 from mlperf_bert.train.faults import NumericBlowUp, Position, Preempted, StepFacts, StepGuard, StopRequest, Verdict
-from mlperf_bert.hooks.events import BlockEnd, EvalEnd, RunEnd, StepEnd
+from mlperf_bert.hooks.events import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
 from mlperf_bert.hooks.mllog import MLPerfLogger
 from mlperf_bert.input.sources import TokenImbalance
 from mlperf_bert.hooks.train_hooks import EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
@@ -66,6 +66,35 @@ def test_mlperf_log_writes_eval_results_and_the_run_end(tmp_path):
     events = [(e["key"], e["value"], e["metadata"].get("epoch_num")) for e in mllog_events(tmp_path / "mlperf.log")]
     assert events == [("eval_accuracy", 0.5, 32), ("eval_loss", 2.0, 32), ("skipped_steps", 1, 32),
                       ("run_stop", None, 48), ("train_samples", 48, None), ("eval_samples", 200, None)]
+
+
+def test_a_run_that_fails_after_run_start_still_ends_its_log_aborted(tmp_path):
+    """close() (called on every way out of a run) logs run_stop aborted once, only for a run that
+    started and had no run_end; a log that cannot be written then does not hide the run's own error."""
+    logger = MLPerfLogger(str(tmp_path / "mlperf.log"), 0)
+    never_started = MLPerfLog(logger, eval_samples=200)
+    never_started.close()
+    finished = MLPerfLog(logger, eval_samples=200)
+    finished.run_start(RunStart(0, 0, 96, 16, tmp_path))
+    finished.run_end(RunEnd("success", step=6, samples=96, seconds=1.0))
+    finished.close()
+    failed = MLPerfLog(logger, eval_samples=200)
+    failed.run_start(RunStart(32, 2, 96, 16, tmp_path, resumed=True))
+    failed.step_end(step_end(3, 48))
+    failed.close()
+    failed.close()
+    logger.close()
+    stops = [(e["metadata"]["status"], e["metadata"]["epoch_num"]) for e in mllog_events(tmp_path / "mlperf.log")
+             if e["key"] == "run_stop"]
+    assert stops == [("success", 96), ("aborted", 48)]
+
+    class FullDisk(MLPerfLogger):
+        def run_stop(self, status: str, epoch_num: int | None = None) -> None:
+            raise OSError(28, "No space left on device")
+
+    broken = MLPerfLog(FullDisk(None, 0), eval_samples=200)
+    broken.run_start(RunStart(0, 0, 96, 16, tmp_path))
+    broken.close()  # no OSError
 
 
 class Loads:

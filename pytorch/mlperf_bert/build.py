@@ -207,7 +207,7 @@ def open_logger(cfg: TrainConfig, denv: DistEnv) -> MLPerfLogger:
     path = cfg.run.mlperf_log_path if denv.is_main else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=cfg.run.echo_mllog)
+    return MLPerfLogger(str(path) if path else None, denv.rank, echo_stdout=cfg.run.echo_mllog, hold_until_start=True)
 
 
 def log_preamble(logger: MLPerfLogger, cfg: TrainConfig, model: BertForPreTraining) -> None:
@@ -230,7 +230,7 @@ def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
             f"{bert.max_position_embeddings} of {cfg.model.bert_config_path}"
         )
     backend = resolve_backend(cfg.model.attention_backend, device, bert.attention_probs_dropout_prob,
-                              cfg.data.max_seq_length, cfg.model.group_bounds)
+                              cfg.data.max_seq_length, cfg.model.group_bounds, cfg.run.precision, bert.head_dim)
     model = BertForPreTraining(bert, attention_backend=backend, group_bounds=cfg.model.group_bounds)
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)

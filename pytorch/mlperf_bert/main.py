@@ -16,6 +16,7 @@ from .config.cli import build_parser, config_from_args, launcher_flag_variables
 from .config.settings import ConfigError
 from .data.dataset import DataError
 from .runtime.distributed import dist_env_from, init_distributed, shutdown
+from .runtime.optional import DependencyError
 from .runtime.exits import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
@@ -33,10 +34,11 @@ from .input.data_check import check_data_before_clock
 from .model.bert import BertConfig
 from .hooks.events import Hook
 from .outputs import describe_write_error, own_output_dir
-from .startup import check_environment
+from .startup import check_device_request, check_environment
 from .trainer import run
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError)
+# DependencyError: an optional package a flag needs is missing or broken (`runtime/optional.py`).
+USER_ERRORS = (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError, DependencyError)
 
 
 def main(argv: list[str] | None = None, stop: StopRequest | None = None, hooks: Sequence[Hook] = ()) -> int:
@@ -75,6 +77,7 @@ def _train(args: argparse.Namespace, stop: StopRequest, hooks: Sequence[Hook], a
         if denv.is_main:
             mark_main_rank()
         cfg = config_from_args(args, denv.world_size)
+        check_device_request(cfg.run.device, denv)
         device = resolve_device(cfg.run.device, denv.local_rank)
         check_environment(cfg, os.environ, device)
         check_data_before_clock(cfg, data_limits(cfg, BertConfig.from_json(cfg.model.bert_config_path)),

@@ -9,20 +9,41 @@ file or key and the fix.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
 from .config.settings import RESUME_AUTO, ConfigError, TrainConfig
-from .runtime.distributed import launched_by_mpi
+from .runtime.distributed import DistEnv, launched_by_mpi
+from .runtime.optional import dependency_problem
+from .input.dali_input import dali_problem
+from .model.attention import AttentionNeeds, backend_problem
 from .model.bert import BertConfig
+from .model.compiling import compile_problem
 from .model.fp8 import fp8_unavailable
+from .model.init_checkpoint import check_init_checkpoint
+from .model.precision import precision_problem
+from .optim.optimizers import apex_problem
 from .data.stratified import STRATA_FILE
 
 GIB = 2**30
+
+
+def check_device_request(requested: str, denv: DistEnv) -> None:
+    """--device against the GPUs this node shows, before a device is picked: `cuda` needs one, and the
+    node's ranks need a GPU each (two ranks on one GPU is a duplicate NCCL refuses mid-start). A
+    launcher that hands each rank its own GPU (CUDA_VISIBLE_DEVICES per rank) shows each one GPU."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    build = "a CPU-only build of" if torch.version.cuda is None else "a CUDA build of"
+    _require(requested != "cuda" or visible > 0,
+             f"--device cuda, but no CUDA device is visible here ({build} torch {torch.__version__}): use --device "
+             "cpu or auto, or run on a GPU node")
+    uses_gpu = requested == "cuda" or (requested == "auto" and visible > 0)
+    _require(not uses_gpu or visible <= 1 or denv.local_world_size <= visible,
+             f"{denv.local_world_size} ranks on this node, but it shows {visible} GPUs: start at most {visible} "
+             "(DGXNGPU, torchrun's --nproc_per_node), one rank per GPU")
 
 
 def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torch.device) -> None:
@@ -30,8 +51,8 @@ def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torc
     _require(not cfg.run.cuda_graphs or device.type == "cuda",
              f"--cuda_graphs needs a GPU; --device {cfg.run.device} runs this on {device.type}: drop --cuda_graphs "
              "or run on a GPU")
-    if cfg.run.precision == "fp8":
-        problem = fp8_unavailable(device)
+    bert = BertConfig.from_json(cfg.model.bert_config_path)
+    for problem in device_problems(cfg, bert, device):
         _require(problem is None, str(problem))
     _check_output_paths(cfg)
     _check_resume_file(cfg.checkpoint.resume_from)
@@ -39,7 +60,28 @@ def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torc
         _check_stratified_input(cfg.data.input_dir)
     if cfg.data.balance == "cpu_exchange":
         _check_mpi_launch(environ)
-    _check_model_fits(cfg, BertConfig.from_json(cfg.model.bert_config_path), memory_bytes(device))
+    _check_model_fits(cfg, bert, memory_bytes(device))
+    if cfg.model.init_checkpoint:
+        check_init_checkpoint(cfg.model.init_checkpoint, bert)
+
+
+def device_problems(cfg: TrainConfig, bert: BertConfig, device: torch.device) -> Iterator[str | None]:
+    """What this device and its software cannot serve of `cfg`, each a line naming the flag and the fix
+    (None where it can); lazily, so the first problem stops the checks. Every choice with a limit:
+    --precision (bf16 and fp8 tensor cores; torchao), --attention_backend (the varlen kernels'
+    device, precision, head size, dropout; flash-attn), --optimizer_impl (apex: CUDA only),
+    --compile_mode (Triton on a GPU, a C++ compiler on the CPU) and --input_pipeline dali (DALI).
+    An optional package that is installed but broken is refused by name wherever the run would
+    use it."""
+    yield precision_problem(cfg.run.precision, device)
+    if cfg.run.precision == "fp8":
+        yield fp8_unavailable(device)
+    dropout = bert.attention_probs_dropout_prob if cfg.run.do_train else 0.0
+    yield backend_problem(cfg.model.attention_backend, AttentionNeeds(device, cfg.run.precision, bert.head_dim, dropout))
+    yield apex_problem(cfg.optim.implementation, device.type == "cuda", cfg.device_steps)
+    yield compile_problem(cfg.run.compile_mode, device)
+    if cfg.run.input_pipeline == "dali":
+        yield dali_problem()
 
 
 def _require(ok: bool, message: str) -> None:
@@ -87,17 +129,19 @@ def _check_stratified_input(input_dir: str | None) -> None:
 
 
 def _check_mpi_launch(environ: Mapping[str, str]) -> None:
-    """cpu_exchange talks MPI between the ranks: mpi4py must import and an MPI launcher must start them."""
-    _require(
-        importlib.util.find_spec("mpi4py") is not None,
-        "--balance cpu_exchange exchanges samples with MPI, but mpi4py is not installed: "
-        "pip install mpi4py mpich (or use --balance global_presort)",
-    )
+    """cpu_exchange talks MPI between the ranks: mpi4py must be installed, an MPI launcher must start
+    them, and MPI must start (importing `mpi4py.MPI` initialises it: only once the launcher is known)."""
+    def mpi4py_problem(module: str) -> str | None:
+        return dependency_problem(module, "mpi4py", "--balance cpu_exchange", "pip install mpi4py mpich",
+                                  "use --balance global_presort")
+
+    _require(mpi4py_problem("mpi4py") is None, str(mpi4py_problem("mpi4py")))
     _require(
         launched_by_mpi(environ),
         "--balance cpu_exchange needs ranks started by an MPI launcher (mpiexec -n N ..., or srun --mpi=pmix), "
         "not torchrun: start them with mpiexec, or use --balance global_presort",
     )
+    _require(mpi4py_problem("mpi4py.MPI") is None, str(mpi4py_problem("mpi4py.MPI")))
 
 
 def memory_bytes(device: torch.device) -> int:

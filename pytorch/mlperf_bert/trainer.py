@@ -10,6 +10,7 @@ checkpoint and stop. Every number that changes during a run lives in `TrainState
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -22,8 +23,6 @@ import torch
 
 from .config.closed_division import INIT_SECONDS_KEY, init_overrun
 from .data.batch import FlatBatch
-from .data.dataset import DataError
-from .liveness import LostRank
 from .build import Evaluation, Prepared, Run, build_evaluation, eval_schedule, open_run, prepare_run
 from .config.settings import TrainConfig
 from .runtime.distributed import DistEnv, all_reduce_sum
@@ -203,15 +202,17 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest
 
 @contextmanager
 def aborted_on_error(ev: Evaluation, state: TrainState) -> Iterator[None]:
-    """An error once the clock runs (a bad row read, a lost rank) ends the MLPerf log with run_stop aborted.
+    """An error after run_start but before the run's hooks exist (its input opening, an eval-only
+    run's eval) ends the MLPerf log with run_stop aborted; once they exist, `MLPerfLog.close` does.
 
     Only this rank's logger is written (no collective: the other ranks may be gone); the error
     goes on to `main`, which prints its one line and exits with its code.
     """
     try:
         yield
-    except (DataError, LostRank):
-        ev.logger.run_stop("aborted", epoch_num=state.samples)
+    except Exception:
+        with contextlib.suppress(OSError):  # a log that cannot be written now must not hide why
+            ev.logger.run_stop("aborted", epoch_num=state.samples)
         raise
 
 
@@ -225,8 +226,7 @@ def train(run: Run, record: dict) -> RunResult:
     run.hooks.run_start(run_start_event(run))
     start = time.time()
     try:
-        with aborted_on_error(run.eval, state):
-            status = train_loop(run)
+        status = train_loop(run)
     except TrainingStopped as stopped:
         # Every rank stops at the same step (faults.Guard); the state is the last good one.
         path = run.writer.save(stopped.reason, stopped.data_state)

@@ -23,7 +23,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 from unittest import mock
 
 import numpy as np
@@ -197,10 +197,14 @@ def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = 
               ) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
     """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` watching, and the log of CUDA calls."""
     device = torch.device("cuda", 0)
-    parts = supplied(cfg, device)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
-    standins = cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
-    with fake_process_group(denv.world_size), standins as log, counting_fp8_gemms(recorder), mode, recorder:
+
+    def standins() -> ContextManager[cuda_standins.CudaLog]:
+        return cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
+
+    with standins():  # the attention back-end's choice asks the (fake) GPU its compute capability
+        parts = supplied(cfg, device)
+    with fake_process_group(denv.world_size), standins() as log, counting_fp8_gemms(recorder), mode, recorder:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
         try:
             yield run, log

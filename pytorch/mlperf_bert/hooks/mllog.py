@@ -82,7 +82,7 @@ class LogFileHandler(logging.Handler):
 
 
 class HeldUntilStart(logging.Handler):
-    """Holds the lines of the untimed init until the run starts (`release`), then passes each on.
+    """Holds the lines of the untimed init until the run starts (`pass_on`), then passes each on.
 
     A run refused before it starts (a bad resume, a data folder refused before the clock) writes
     nothing to the MLPerf log, which may be the log of the run it was resuming. Each line keeps
@@ -101,7 +101,8 @@ class HeldUntilStart(logging.Handler):
         for target in self.targets:
             target.handle(record)
 
-    def release(self) -> None:
+    def pass_on(self) -> None:
+        # Not `release`: logging.Handler.release unlocks the handler after every emit.
         held, self.held = self.held or [], None
         for record in held:
             self.emit(record)
@@ -124,9 +125,11 @@ class MLPerfLogger:
     echo_stdout: also print every line to stdout (the trainer's --echo_mllog). Off by default,
     so a console shows the progress view rather than JSON; on where a launcher collects the
     log from stdout (run_and_time.sh under run_with_docker.sh, which tees it into LOGDIR).
+    hold_until_start: keep every line until `run_start` or `release` (the trainer's): a run
+    refused before it starts leaves its log, maybe the one of the run it resumes, untouched.
     """
 
-    def __init__(self, path: str | None, rank: int, echo_stdout: bool = False) -> None:
+    def __init__(self, path: str | None, rank: int, echo_stdout: bool = False, hold_until_start: bool = False) -> None:
         self.init_started_at = time.time()
         self.enabled = rank == 0
         self._handlers: list[logging.Handler] = []
@@ -141,6 +144,8 @@ class MLPerfLogger:
             for handler in self._handlers:
                 handler.setLevel(logging.INFO)
             self._hold = HeldUntilStart(self._handlers)
+            if not hold_until_start:
+                self._hold.pass_on()
             sink.addHandler(self._hold)
             self._mllogger = MLLogger(logger=sink)
 
@@ -187,7 +192,7 @@ class MLPerfLogger:
     def release(self) -> None:
         """The run has started (or resumed): the init lines held so far are written, and every line after them."""
         if self._mllogger is not None:
-            self._hold.release()
+            self._hold.pass_on()
 
     def run_stop(self, status: str, epoch_num: int | None = None) -> None:
         """status: "success" (target reached) or "aborted"; epoch_num: samples trained."""

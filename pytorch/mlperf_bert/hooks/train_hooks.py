@@ -8,13 +8,15 @@ Rank 0's progress view and end-of-run report are `live.LiveView` and `report.Run
 
 from __future__ import annotations
 
+import contextlib
+
 import signal
 import sys
 from pathlib import Path
 
 from ..input.device_input import DeviceInput
 from ..train.faults import Preempted
-from .events import BlockEnd, EvalEnd, Hook, RunEnd, StepEnd
+from .events import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
 from .live import progress_line_due
 from .mllog import MLPerfLogger
 from ..input.sources import TokenImbalance
@@ -67,10 +69,23 @@ class Preemption(Hook):
 
 
 class MLPerfLog(Hook):
-    """Eval results and the end of the run in the MLPerf log (the loop logs block and eval boundaries)."""
+    """Eval results and the end of the run in the MLPerf log (the loop logs block and eval boundaries).
+
+    A run that started and then fails without a run_end (a problem only the run itself can find,
+    such as a bad value in a shard it reads, or a crash) still ends its log: `close`, which the
+    trainer calls on every way out, logs run_stop with status aborted at the samples trained.
+    """
 
     def __init__(self, logger: MLPerfLogger, eval_samples: int) -> None:
         self.logger, self.eval_samples = logger, eval_samples
+        self.samples: int | None = None  # samples trained once the run started; None before run_start
+        self.ended = False
+
+    def run_start(self, event: RunStart) -> None:
+        self.samples = event.samples
+
+    def step_end(self, event: StepEnd) -> None:
+        self.samples = event.samples
 
     def eval_end(self, event: EvalEnd) -> None:
         self.logger.eval_accuracy(event.accuracy, epoch_num=event.samples)
@@ -78,9 +93,17 @@ class MLPerfLog(Hook):
         self.logger.event("skipped_steps", event.skipped_steps, {"epoch_num": event.samples})
 
     def run_end(self, event: RunEnd) -> None:
+        self.ended = True
         self.logger.run_stop(event.status, epoch_num=event.samples)
         self.logger.train_samples(event.samples)
         self.logger.eval_samples(self.eval_samples)
+
+    def close(self) -> None:
+        if self.samples is not None and not self.ended:
+            self.ended = True
+            # The run is already failing: a log that cannot be written now must not hide why.
+            with contextlib.suppress(OSError):
+                self.logger.run_stop("aborted", epoch_num=self.samples)
 
 
 class RankLoad(Hook):

@@ -22,8 +22,9 @@ source's feed. DALI calls the feed from the thread that takes batches, `prefetch
 batches ahead of the one it returns: on a GPU the host builds batch i + depth while the
 kernels of the queued steps run; on a CPU device preparation and step share that thread.
 
-DALI is optional: `dali_available()` says whether it imports, and building a DaliPrefetcher
-without it raises ImportError naming `--input_pipeline dali` and how to install DALI.
+DALI is optional: `dali_problem()` says why it does not import (not installed, or installed but
+broken), the start-up check refuses `--input_pipeline dali` with that line, and building a
+DaliPrefetcher without it raises it as a `DependencyError` (an ImportError).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ import numpy as np
 import torch
 
 from ..data.batch import Item, tensor_fields
+from ..runtime.optional import DependencyError, dependency_problem
 
 BatchT = TypeVar("BatchT")
 
-INSTALL_HINT = ("pip install nvidia-dali-cuda120 (NVIDIA's PyTorch NGC containers ship it), "
-                "or use --input_pipeline torch")
+INSTALL_HINT = "pip install nvidia-dali-cuda120; NVIDIA's PyTorch NGC containers ship it"
 # torch dtype -> name of the DALIDataType that holds it bit for bit (numpy must know the dtype too)
 _DALI_TYPE_NAMES = {
     torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8",
@@ -63,23 +64,34 @@ class _Dali(NamedTuple):
     Pipeline: type
 
 
+# The DALI modules this file imports; DALI is `nvidia.dali` (`nvidia` is a folder other NVIDIA wheels share).
+_DALI_MODULES = ("nvidia.dali.fn", "nvidia.dali.types", "nvidia.dali.pipeline")
+_DALI_ROOT = "nvidia.dali"
+
+
+def dali_problem() -> str | None:
+    """None when NVIDIA DALI imports; else one line: not installed, or installed but broken (checked at start-up)."""
+    for module in _DALI_MODULES:
+        problem = dependency_problem(module, "NVIDIA DALI", "--input_pipeline dali", INSTALL_HINT,
+                                     "use --input_pipeline torch", root=_DALI_ROOT)
+        if problem is not None:
+            return problem
+    return None
+
+
 def _import_dali() -> _Dali:
-    try:
-        from nvidia.dali import fn, types
-        from nvidia.dali.pipeline import Pipeline
-    except ImportError as err:
-        raise ImportError(f"--input_pipeline dali needs NVIDIA DALI, which does not import here ({err}): "
-                          f"{INSTALL_HINT}") from err
+    problem = dali_problem()
+    if problem is not None:
+        raise DependencyError(problem)
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import Pipeline
+
     return _Dali(fn, types, Pipeline)
 
 
 def dali_available() -> bool:
     """True when NVIDIA DALI imports in this environment."""
-    try:
-        _import_dali()
-    except ImportError:
-        return False
-    return True
+    return dali_problem() is None
 
 
 # ---------------------------------------------------------------- the host side

@@ -15,6 +15,9 @@ only attends to tokens of its own sequence, which is what makes packed rows exac
 - `varlen`: GPU kernels that work on the flat tokens directly (flash-attn's
   `flash_attn_varlen_func` when importable, else `torch.nn.attention.varlen.varlen_attn`).
   PyTorch's kernel has no dropout, so it is only chosen when no attention dropout is needed.
+  Both need a GPU of compute capability 8.0 or newer, fp16 / bf16 inputs and head sizes up to
+  256: `backend_problem` refuses what a run's device, precision or model cannot give them at
+  start-up, and `auto` never picks them there.
 - `grouped`: Baidu's grouped attention (`grouped_attention.py`): one SDPA call per length group,
   each padded to its own longest sequence, the groups on their own CUDA streams. Exact like
   `sdpa`, dropout included; static packed batches run row by row as under `sdpa`.
@@ -31,7 +34,9 @@ import torch.nn.functional as F
 
 from ..config.settings import ATTENTION_BACKENDS, DEFAULT_GROUP_BOUNDS
 from ..data.batch import FlatBatch
+from ..runtime.optional import DependencyError, optional_import
 from .grouped_attention import GroupedLayout, StreamPool, grouped_attention, grouped_layout, host_lengths
+from .precision import AUTOCAST_DTYPES
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,20 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Fla
     return out.transpose(1, 2).reshape(t, heads, dim)
 
 
+# flash-attn and PyTorch's varlen attention are flash-attention kernels: CUDA only, compute
+# capability 8.0 (Ampere) or newer, fp16 / bf16 inputs, head sizes up to 256 in steps of 8.
+VARLEN_MIN_CAPABILITY = (8, 0)
+VARLEN_MAX_HEAD_DIM = 256
+VARLEN_HEAD_DIM_STEP = 8
+FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation (a build for this torch and CUDA)"
+OTHER_BACKENDS = "use --attention_backend auto, sdpa or grouped"
+
+
 def _flash_attn_varlen() -> Callable | None:
-    if importlib.util.find_spec("flash_attn") is None:
+    """flash-attn's kernel; None when flash-attn is not installed. Installed but failing to import
+    (built for another torch or CUDA) is a `DependencyError`: a run must not quietly lose it."""
+    if not optional_import("flash_attn", "flash-attn", "--attention_backend varlen (and auto on a GPU)",
+                           FLASH_ATTN_INSTALL, OTHER_BACKENDS):
         return None
     from flash_attn import flash_attn_varlen_func
 
@@ -142,25 +159,91 @@ def varlen_attention(
     max_seqlen: int,
     dropout_p: float,
 ) -> torch.Tensor:
-    """Varlen GPU kernel on the flat tokens; no padding is ever materialised."""
+    """Varlen GPU kernel on the flat tokens; no padding is ever materialised.
+
+    What cannot run here is refused at start-up (`backend_problem`); the ValueErrors below are
+    the same refusals for a caller that skipped it (a user error: one line, not a traceback).
+    """
     flash = _flash_attn_varlen()
     if flash is not None:
         return flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p)
     if dropout_p > 0:
-        raise RuntimeError(
-            "torch varlen attention has no dropout; install flash-attn or use --attention_backend sdpa"
-        )
+        raise ValueError(f"PyTorch's varlen attention has no dropout: install flash-attn ({FLASH_ATTN_INSTALL}), "
+                         f"or {OTHER_BACKENDS}")
     kernel = _torch_varlen()
     if kernel is None:
-        raise RuntimeError("no varlen attention kernel: install flash-attn or use PyTorch >= 2.9")
+        raise ValueError(f"no varlen attention kernel: install flash-attn or PyTorch >= 2.9, or {OTHER_BACKENDS}")
     return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
 
 
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a run asks of its attention: the facts that decide which back-ends can serve it."""
+
+    device: torch.device
+    precision: str  # --precision: the varlen kernels take fp16 / bf16 only
+    head_dim: int  # hidden_size / num_attention_heads
+    train_dropout: float  # attention dropout while training (0.0 for a run without training)
+
+
+def varlen_misfit(needs: AttentionNeeds) -> str | None:
+    """Why the varlen kernels cannot take this run (device, precision, head size), whoever's kernel
+    it is; None when they can. Each reason names the setting and the fix."""
+    if needs.device.type != "cuda":
+        return (f"--attention_backend varlen runs GPU kernels only (flash-attn's or PyTorch's varlen attention), "
+                f"and this run is on the {needs.device.type}: {OTHER_BACKENDS}")
+    capability = tuple(torch.cuda.get_device_capability(needs.device))
+    if capability < VARLEN_MIN_CAPABILITY:
+        major, minor = VARLEN_MIN_CAPABILITY
+        return (f"--attention_backend varlen needs a GPU of compute capability >= {major}.{minor} (Ampere or newer), "
+                f"but {torch.cuda.get_device_name(needs.device)} is {capability[0]}.{capability[1]}: {OTHER_BACKENDS}")
+    if AUTOCAST_DTYPES.get(needs.precision) is None:
+        return (f"--attention_backend varlen takes fp16 / bf16 inputs, and --precision {needs.precision} gives it "
+                f"fp32: use --precision bf16, fp16 or fp8, or {OTHER_BACKENDS}")
+    if needs.head_dim > VARLEN_MAX_HEAD_DIM or needs.head_dim % VARLEN_HEAD_DIM_STEP:
+        return (f"--attention_backend varlen takes head sizes up to {VARLEN_MAX_HEAD_DIM} in steps of "
+                f"{VARLEN_HEAD_DIM_STEP}, and hidden_size / num_attention_heads of the BERT config is "
+                f"{needs.head_dim}: {OTHER_BACKENDS}")
+    return None
+
+
+def _varlen_kernel_problem(train_dropout: float) -> str | None:
+    """Why neither varlen kernel computes this run exactly (on a GPU that fits them); None when one does."""
+    if _flash_attn_varlen() is not None:
+        return None
+    if _torch_varlen() is None:
+        return f"--attention_backend varlen needs flash-attn ({FLASH_ATTN_INSTALL}) or PyTorch >= 2.9: {OTHER_BACKENDS}"
+    if train_dropout > 0:
+        return (f"--attention_backend varlen without flash-attn is PyTorch's kernel, which has no dropout, and the "
+                f"BERT config trains with attention_probs_dropout_prob {train_dropout}: install flash-attn "
+                f"({FLASH_ATTN_INSTALL}), or {OTHER_BACKENDS}")
+    return None
+
+
+def backend_problem(requested: str, needs: AttentionNeeds) -> str | None:
+    """Why --attention_backend `requested` cannot serve this run, with the fix; None when it can
+    (checked at start-up). sdpa and grouped run everywhere; auto picks what fits; varlen needs
+    the GPU, precision, head size and kernel that `varlen_misfit` and the kernels' limits name.
+    A flash-attn that is installed but broken is refused for varlen and for auto on a GPU alike.
+    """
+    if requested in ("sdpa", "grouped") or (requested == "auto" and needs.device.type != "cuda"):
+        return None
+    try:
+        if requested == "auto":
+            _flash_attn_varlen()
+            return None
+        return varlen_misfit(needs) or _varlen_kernel_problem(needs.train_dropout)
+    except DependencyError as broken:
+        return str(broken)
+
+
 def resolve_backend(requested: str, device: torch.device, attention_dropout: float,
-                    max_seq_length: int | None = None, group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS) -> str:
-    """Picks a concrete back-end. `auto`: on a GPU the varlen kernels when they are exact for the
-    run's dropout (flash-attn always, PyTorch's without dropout); otherwise grouped when sequences
-    of up to `max_seq_length` tokens fall in more than one group, else sdpa.
+                    max_seq_length: int | None = None, group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS,
+                    precision: str = "bf16", head_dim: int = 64) -> str:
+    """Picks a concrete back-end. `auto`: on a GPU the varlen kernels when they fit the run
+    (`varlen_misfit`: compute capability, precision, head size) and are exact for its dropout
+    (flash-attn always, PyTorch's without dropout); otherwise grouped when sequences of up to
+    `max_seq_length` tokens fall in more than one group, else sdpa.
 
     The grouped rule is measured on the CPU (benchmarks/attention.py, docs/PERFORMANCE.md): at
     512 tokens grouped took 0.41-0.54x of sdpa's time forward and backward (medians), with
@@ -172,9 +255,8 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
         raise ValueError(f"--attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested != "auto":
         return requested
-    if device.type == "cuda" and _flash_attn_varlen() is not None:
-        return "varlen"
-    if device.type == "cuda" and _torch_varlen() is not None and attention_dropout == 0.0:
+    needs = AttentionNeeds(device, precision, head_dim, attention_dropout)
+    if device.type == "cuda" and varlen_misfit(needs) is None and _varlen_kernel_problem(attention_dropout) is None:
         return "varlen"
     if max_seq_length is not None and max_seq_length > group_bounds[0]:
         return "grouped"

@@ -115,6 +115,11 @@ class BertConfig:
         return embeddings + self.num_hidden_layers * layer + heads
 
     @property
+    def head_dim(self) -> int:
+        """Features per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
     def training_bytes(self) -> int:
         """Memory of weights, gradients and optimizer moments in fp32 (activations not counted)."""
         return TRAINING_BYTES_PER_PARAMETER * self.parameter_count

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..config.settings import COMPILE_MODES
+from ..runtime.optional import dependency_problem, describe_error
 from .bert import BertForPreTraining
+
+TRITON_INSTALL = "pip install triton (torch's CUDA wheels bring the release that fits them)"
 
 
 def compile_model(model: BertForPreTraining, mode: str = "default", dynamic: bool | None = None,
@@ -32,3 +37,31 @@ def compile_model(model: BertForPreTraining, mode: str = "default", dynamic: boo
         layer.compile(**options)
     model.cls.predictions.transform.compile(**options)
     return model
+
+
+def compile_problem(mode: str, device: torch.device) -> str | None:
+    """Why Inductor cannot compile for `device` here (checked at start-up; found otherwise only in the
+    first step, after run_start); None when it can or for mode "none". On a GPU it writes Triton
+    kernels, so Triton must import; on the CPU it writes C++, so a C++ compiler must be found."""
+    if mode == "none":
+        return None
+    if device.type == "cuda":
+        return dependency_problem("triton", "Triton", f"--compile_mode {mode} on a GPU", TRITON_INSTALL,
+                                  "use --compile_mode none")
+    error = _cpp_compiler_error()
+    if error is None:
+        return None
+    return (f"--compile_mode {mode} on the CPU compiles C++ kernels, but Inductor finds no C++ compiler ({error}): "
+            "install g++ (or set CXX to one), or use --compile_mode none")
+
+
+def _cpp_compiler_error() -> str | None:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch keeps it elsewhere: the compile itself will say
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as err:  # torch's InvalidCxxCompiler, or an OSError running the candidates
+        return describe_error(err)
+    return None

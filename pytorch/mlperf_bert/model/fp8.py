@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..runtime.optional import dependency_problem
+
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
@@ -39,7 +41,7 @@ LAYER_GEMMS = ("attention.self.query", "attention.self.key", "attention.self.val
                "intermediate.dense", "output.dense")
 # torch._scaled_mm needs both dimensions of each weight to be multiples of 16.
 ALIGNMENT = 16
-INSTALL_HINT = "pip install 'torchao==0.18.*' (the [fp8] extra of this package)"
+INSTALL_HINT = "pip install 'torchao==0.18.*' (the [fp8] extra of this package), the release for torch 2.13"
 
 
 def is_fp8_layer(module: nn.Module, name: str) -> bool:
@@ -67,23 +69,31 @@ class _ImportNoise(logging.Filter):
 _NOISE = _ImportNoise()
 
 
-def _quiet_torchao_import() -> None:
-    """Imports torchao's FP8 training without the noise every rank would print (the filter stays: the
-    deprecation note comes again when torchao registers more enums, at its first conversion)."""
+def _quiet_torchao_logs() -> None:
+    """Keeps torchao's import from printing noise on every rank (the filter stays: the deprecation
+    note comes again when torchao registers more enums, at its first conversion)."""
     for name in ("torchao", "torch.utils._pytree"):
         logger = logging.getLogger(name)
         if _NOISE not in logger.filters:
             logger.addFilter(_NOISE)
+
+
+def _quiet_torchao_import() -> None:
+    _quiet_torchao_logs()
     import torchao.float8  # noqa: F401
 
 
 def torchao_missing() -> str | None:
-    """None when torchao's FP8 training imports; else the problem and the fix."""
-    try:
-        _quiet_torchao_import()
-    except ImportError as err:
-        return f"--precision fp8 trains through torchao, which does not import ({err}): {INSTALL_HINT}"
-    return None
+    """None when torchao's FP8 training imports; else one line: not installed, or installed but broken
+    (a torchao built for another torch fails in its own way, e.g. an AttributeError on a dtype)."""
+    _quiet_torchao_logs()
+    return dependency_problem("torchao.float8", "torchao", "--precision fp8", torchao_install_hint(),
+                              "use --precision bf16")
+
+
+def torchao_install_hint(torch_version: str = torch.__version__) -> str:
+    """How to install a torchao that fits this torch: each torchao release is built for one torch release."""
+    return f"{INSTALL_HINT}; each torchao release fits one torch release, and this is torch {torch_version}"
 
 
 def fp8_unavailable(device: torch.device) -> str | None:

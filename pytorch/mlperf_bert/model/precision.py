@@ -30,3 +30,22 @@ def autocast(device: torch.device, precision: str, cache_enabled: bool = True) -
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache_enabled)
+
+
+# bf16 tensor cores arrive with compute capability 8.0 (Ampere); FP8 needs 8.9 (`fp8.capability_problem`).
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def precision_problem(precision: str, device: torch.device) -> str | None:
+    """Why `device` cannot run --precision `precision`, with the fix; None when it can. The CPU runs
+    every precision (bf16 and fp16 autocast, fp8 emulated); a GPU below compute capability 8.0
+    (V100, T4) has no bf16 matrix units (fp8, bf16 outside its GEMMs, needs 8.9: `fp8_unavailable`)."""
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability >= BF16_MIN_CAPABILITY:
+        return None
+    major, minor = BF16_MIN_CAPABILITY
+    return (f"--precision {precision} needs bf16 tensor cores (compute capability >= {major}.{minor}: Ampere or "
+            f"newer), but {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use --precision "
+            "fp16 or fp32 on this GPU")

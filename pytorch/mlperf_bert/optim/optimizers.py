@@ -43,6 +43,8 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence, cast
 
 import torch
 
+from ..runtime.optional import DependencyError, dependency_problem, optional_import, require
+
 LAMB_NAMES = ("lamb",)
 ADAM_NAMES = ("adam", "adamw")
 IMPLEMENTATIONS = ("auto", "reference", "foreach", "apex")
@@ -339,14 +341,42 @@ class ForeachAdamW(ForeachKernels):
     trust_ratio = False
 
 
+# apex's fused optimizers: the Python package, and the CUDA extension its kernels live in (a
+# Python-only install of apex has the first without the second).
+APEX_MODULES = (("apex.optimizers", "NVIDIA apex"), ("amp_C", "apex's CUDA extension amp_C"))
+APEX_INSTALL = ("build apex from source for this torch and CUDA (pip install -v --no-build-isolation "
+                "--config-settings '--build-option=--cpp_ext' --config-settings '--build-option=--cuda_ext' "
+                "git+https://github.com/NVIDIA/apex)")
+APEX_ALTERNATIVE = "use --optimizer_impl foreach"
+
+
 def apex_available() -> bool:
-    """True when apex's fused optimizers (and their CUDA extensions) import."""
+    """True when apex's fused optimizers and their CUDA extension import; False when either is not
+    installed. An apex that is installed but fails to import (built for another torch) raises a
+    `DependencyError`: `--optimizer_impl auto` must not quietly run without it."""
+    return all([optional_import(module, package, "--optimizer_impl auto (apex where it imports)", APEX_INSTALL,
+                                APEX_ALTERNATIVE) for module, package in APEX_MODULES])
+
+
+def apex_problem(implementation: str, on_gpu: bool, device_steps: bool) -> str | None:
+    """Why --optimizer_impl `implementation` cannot run here (checked at start-up); None when it can.
+
+    apex's kernels take CUDA tensors only. `auto` picks apex only for eager steps on a GPU
+    (`_auto_implementation`), and there an apex that is installed but broken is refused rather than
+    skipped; "apex" with device steps (--cuda_graphs) is the config's to refuse.
+    """
     try:
-        import apex.optimizers  # noqa: F401
-        import amp_C  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        if implementation == "auto" and on_gpu and not device_steps:
+            apex_available()
+    except DependencyError as broken:
+        return str(broken)
+    if implementation != "apex":
+        return None
+    if not on_gpu:
+        return f"--optimizer_impl apex runs apex's CUDA kernels, and this run is on the CPU: {APEX_ALTERNATIVE} or auto"
+    problems = (dependency_problem(module, package, "--optimizer_impl apex", APEX_INSTALL, APEX_ALTERNATIVE)
+                for module, package in APEX_MODULES)
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def _build_apex(params: Any, name: str, lr: LearningRate, betas: tuple[float, float], eps: float,
@@ -367,20 +397,33 @@ def _build_apex(params: Any, name: str, lr: LearningRate, betas: tuple[float, fl
 
 
 def _resolve_implementation(name: str, implementation: str, max_grad_norm: float | None, lr: LearningRate,
-                            cuda_graphs: bool = False) -> str:
+                            cuda_graphs: bool = False, on_gpu: bool = True) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"optimizer implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if name not in LAMB_NAMES + ADAM_NAMES:
         raise ValueError(f"optimizer name must be one of {LAMB_NAMES + ADAM_NAMES}, got {name!r}")
     if implementation == "auto":
-        return _auto_implementation(name, max_grad_norm, lr, cuda_graphs)
-    if implementation == "apex" and cuda_graphs:
+        return _auto_implementation(name, max_grad_norm, lr, cuda_graphs, on_gpu)
+    if implementation != "apex":
+        return implementation
+    if cuda_graphs:
         raise ValueError(f"--optimizer_impl apex cannot run inside a CUDA graph: {APEX_NOT_GRAPH_SAFE}; "
                          "use --optimizer_impl foreach (or auto) with --cuda_graphs")
-    if implementation == "apex" and not apex_available():
-        raise ImportError("implementation 'apex' needs NVIDIA apex with its CUDA extensions; "
-                          "install it or choose 'foreach'")
+    for module, package in APEX_MODULES:
+        require(module, package, "--optimizer_impl apex", APEX_INSTALL, APEX_ALTERNATIVE)
+    problem = apex_problem(implementation, on_gpu, cuda_graphs)
+    if problem is not None:
+        raise ValueError(problem)
     return implementation
+
+
+def _on_gpu(params_or_groups: list) -> bool:
+    """Whether the parameters handed to the optimizer are CUDA tensors (the first one decides)."""
+    for item in params_or_groups:
+        first = next(iter(item["params"]), None) if isinstance(item, dict) else item
+        if first is not None:
+            return bool(first.is_cuda)
+    return False
 
 
 # Why apex's FusedLAMB / FusedAdam are never captured: both keep the step count as a Python int
@@ -389,14 +432,16 @@ def _resolve_implementation(name: str, implementation: str, max_grad_norm: float
 APEX_NOT_GRAPH_SAFE = "its step count and learning rate are host numbers a graph would freeze at capture"
 
 
-def _auto_implementation(name: str, max_grad_norm: float | None, lr: LearningRate, cuda_graphs: bool) -> str:
-    """apex for eager steps where it computes the same thing; foreach under CUDA graphs.
+def _auto_implementation(name: str, max_grad_norm: float | None, lr: LearningRate, cuda_graphs: bool,
+                         on_gpu: bool = True) -> str:
+    """apex for eager steps on a GPU where it computes the same thing; foreach under CUDA graphs and on
+    the CPU (apex's kernels take CUDA tensors only).
 
     apex takes a float lr only, and FusedAdam cannot clip globally: those stay on foreach.
     Under --cuda_graphs the step is captured, which apex's optimizers cannot be
     (APEX_NOT_GRAPH_SAFE), so foreach (whose capturable twin keeps all state on the device).
     """
-    if cuda_graphs:
+    if cuda_graphs or not on_gpu:
         return "foreach"
     apex_fits = not isinstance(lr, torch.Tensor) and (name in LAMB_NAMES or max_grad_norm is None)
     return "apex" if apex_fits and apex_available() else "foreach"
@@ -434,7 +479,8 @@ def build_optimizer(
     cuda_graphs: the step will be captured in a CUDA graph: "auto" then never picks apex,
       and "apex" is refused (see APEX_NOT_GRAPH_SAFE).
     """
-    chosen = _resolve_implementation(name, implementation, max_grad_norm, lr, cuda_graphs)
+    params_or_groups = list(params_or_groups)
+    chosen = _resolve_implementation(name, implementation, max_grad_norm, lr, cuda_graphs, _on_gpu(params_or_groups))
     _check_hyperparameters(lr, betas, eps, max_grad_norm)
     if chosen == "apex":
         return _build_apex(params_or_groups, name, lr, betas, eps, weight_decay, max_grad_norm)

@@ -3,8 +3,11 @@
 Owns: `distributed.py` (the process group from torchrun or SLURM variables), `exits.py`
 (every exit code, and the exit folder through which ranks hand theirs to a launcher),
 `launch.py` (torchrun's agent without its report for the trainer's own stops), `orphan.py` (a
-worker stops when its launcher dies) and `files.py`
-(the one atomic write, its fsync guarantees as parameters). `files.py` and this `__init__` are free of torch: data_prep imports them.
+worker stops when its launcher dies), `files.py`
+(the one atomic write, its fsync guarantees as parameters), `optional.py` (optional packages:
+missing, or installed but broken, as one line) and `load_errors.py` (why torch.load refused a
+file, as one line). `files.py`, `optional.py`, `load_errors.py` and this `__init__` are free of
+torch: data_prep imports them.
 
 May import: nothing
 """

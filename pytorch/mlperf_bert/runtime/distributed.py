@@ -48,6 +48,9 @@ def _int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
+# TCP ports the rendezvous store can listen on (0 would pick one the other ranks cannot know).
+PORTS = range(1, 65536)
+
 # Rank facts per launcher: MPICH / Intel MPI (hydra), Open MPI, PMIx (srun --mpi=pmix).
 MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -70,8 +73,17 @@ def dist_env_from(env: Mapping[str, str]) -> DistEnv:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside world size {world}; check RANK/WORLD_SIZE, PMI_RANK/PMI_SIZE "
                          "or SLURM_PROCID/SLURM_NTASKS")
+    local_world = min(local_world, world)
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local rank {local_rank} is outside the {local_world} ranks of this node; check "
+                         "LOCAL_RANK/LOCAL_WORLD_SIZE, MPI_LOCALRANKID/MPI_LOCALNRANKS or SLURM_LOCALID/"
+                         "SLURM_NTASKS_PER_NODE")
+    port = _int(env, "MASTER_PORT", default=29500)
+    if world > 1 and port not in PORTS:  # one process never opens the rendezvous
+        raise ValueError(f"MASTER_PORT={port} is outside 1..65535: give a free TCP port on the first node (29500 is "
+                         "usual)")
     addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
-    return DistEnv(rank, world, local_rank, min(local_world, world), addr, _int(env, "MASTER_PORT", default=29500))
+    return DistEnv(rank, world, local_rank, local_world, addr, port)
 
 
 # PyTorch's CUDA-graph notes: NCCL collectives captured in a graph (DDP inside a graphed step)

@@ -82,6 +82,7 @@ def say_once(line: str, environ: Mapping[str, str] = os.environ) -> None:
     The first rank to create `<exit folder>/said-<hash>` (exclusively) prints; without an exit
     folder every rank prints.
     """
+    line = " ".join(line.split("\n"))  # one line, also when a library's message spans several
     folder = exit_dir(environ)
     if folder is not None:
         marker = folder / f"said-{hashlib.sha1(line.encode()).hexdigest()[:16]}"

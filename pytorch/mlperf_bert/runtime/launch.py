@@ -24,10 +24,15 @@ preemption, a lost rank: `runtime/exits.py`). Here:
   its workers (a second signal cuts that wait short: then this process waits, up to torchrun's
   shutdown timeout); when every worker left a code, that is a clean stop too; otherwise (a
   worker still starting dies of the signal) torchrun's log lines and one line of ours follow,
-  exit 128 + the signal, as a shell reports a death by signal;
+  exit 128 + the signal, as a shell reports a death by signal. A worker the agent started but
+  did not yet track when the signal came gets it from here, and one still running at the end
+  is killed: no worker outlives this process;
 - the rendezvous store stopped answering mid-run (c10d: the agent that serves it, on the
   endpoint's node, died) and the agent stopped its workers: when each left a code (they saw a
   lost rank), that is a clean stop too; otherwise it is a crash;
+- values torchrun would take and then fail on with a traceback, or wait on forever (a static
+  --node_rank outside 0..NNODES-1, a port outside 1..65535, a node or process count below 1), are
+  refused before the agent starts: one line, exit code 2 (`args_problem`);
 - anything else is a **crash** (an uncaught exception exits 1 without a code, a signal kills a
   worker first): the held records and torchrun's report with its traceback are printed, as
   torchrun prints them, and the exit code is 1.
@@ -35,6 +40,7 @@ preemption, a lost rank: `runtime/exits.py`). Here:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -52,7 +58,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from .exits import EXIT_DIR_VARIABLE, TRAINER_EXITS, job_exit_code, recorded_exit_codes
+from .exits import EXIT_BAD_INPUT, EXIT_DIR_VARIABLE, TRAINER_EXITS, job_exit_code, recorded_exit_codes
 from .orphan import LAUNCHER_PID_VARIABLE
 
 AGENT_LOGGER = "torch.distributed"  # torchrun's agent, rendezvous and launcher log under this name
@@ -183,9 +189,97 @@ def wait_for_codes(folder: Path, workers: int, timeout_s: float,
     return codes
 
 
+# TCP ports a rendezvous can listen on (0 would make the store pick one no other node knows).
+PORTS = range(1, 65536)
+NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's --nproc_per_node words besides a count
+
+
+def node_range(nnodes: str) -> tuple[int, int] | None:
+    """torchrun's --nnodes (N or MIN:MAX) as (MIN, MAX), or None when it is neither with 1 <= MIN <= MAX."""
+    parts = nnodes.split(":")
+    if len(parts) > 2 or not all(part.isdigit() for part in parts):
+        return None
+    low, high = int(parts[0]), int(parts[-1])
+    return (low, high) if 1 <= low <= high else None
+
+
+def endpoint_port(endpoint: str) -> str | None:
+    """The port of a host:port (or [v6]:port) rendezvous endpoint; None without one (torchrun's default)."""
+    host, sep, port = endpoint.rpartition(":")
+    return port if sep and not host.endswith(":") and "]" not in port else None
+
+
+def args_problem(args: argparse.Namespace) -> str | None:
+    """torchrun's values that it would take and then fail on deep in its agent (a ValueError traceback) or
+    wait on forever (a static node rank no other node completes); one line naming the flag and the fix."""
+    nodes = node_range(args.nnodes)
+    if nodes is None:
+        return f"--nnodes {args.nnodes}: give the number of nodes (N >= 1) or MIN:MAX with 1 <= MIN <= MAX"
+    nproc = str(args.nproc_per_node)
+    if not (nproc.isdigit() and int(nproc) >= 1) and nproc not in NPROC_KEYWORDS:
+        return (f"--nproc_per_node {nproc}: give the number of processes on this node (>= 1; one per GPU), or one "
+                f"of {', '.join(NPROC_KEYWORDS)}")
+    static = args.rdzv_backend == "static" and not args.standalone
+    if static and not 0 <= args.node_rank < nodes[1]:
+        return (f"--node_rank {args.node_rank} is outside 0..{nodes[1] - 1} (--nnodes {args.nnodes}): give each node "
+                "its own rank in that range (a node with another rank waits forever for a rendezvous that never "
+                "completes)")
+    if args.standalone:  # torchrun picks the endpoint itself
+        return None
+    if args.rdzv_endpoint:
+        flag, port = "--rdzv_endpoint", endpoint_port(args.rdzv_endpoint)
+    elif static:
+        flag, port = "--master_port", None if args.master_port is None else str(args.master_port)
+    else:
+        return None
+    if port is not None and not (port.isdigit() and int(port) in PORTS):
+        return f"{flag}: port {port} is outside 1..65535: give a free TCP port in that range (29500 is usual)"
+    return None
+
+
+def signal_workers(signum: int, running: Callable[[], list[int]] = live_children) -> list[int]:
+    """Sends `signum` to every worker still running here; their pids."""
+    pids = running()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    return pids
+
+
+def stopped_by_agent(stopped: RendezvousConnectionError | SignalException, folder: Path, workers: int,
+                     timeout_s: float, held: HeldRecords) -> int:
+    """The exit code once the agent stopped its workers itself (a signal to it, or the rendezvous lost).
+
+    torchrun signals the workers it tracks and waits for them. A signal that reaches the agent while
+    it starts them leaves those already started untracked: every worker still running gets the
+    signal here (a tracked one again when a second signal cut torchrun's wait short: a second
+    Ctrl-C then ends the ranks at once, as it ends a rank run alone). Whatever still runs at the
+    timeout is killed: a rank waiting for a peer that never came would otherwise outlive this
+    process, and die later of the vanished store with a traceback of its own.
+    """
+    if isinstance(stopped, SignalException):
+        signal_workers(int(stopped.sigval))
+    codes = wait_for_codes(folder, workers, timeout_s)
+    code = signalled_stop_code(codes, workers)
+    if code is not None:
+        return code
+    signal_workers(signal.SIGKILL)
+    held.show()  # some worker went before it could say why: torchrun's lines (then ours)
+    if not isinstance(stopped, SignalException):
+        raise stopped
+    print(f"launch: stopped by {signal.Signals(stopped.sigval).name} before every rank stopped on its "
+          f"own ({len(codes)} of {workers} left an exit code): a rank still starting has no "
+          "checkpoint to leave; any rank's own traceback is above", file=sys.stderr)
+    return 128 + int(stopped.sigval)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs torchrun's agent on `argv` (torchrun's command line); the exit code (module docstring)."""
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = args_problem(args)
+    if problem is not None:
+        print(f"launch: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     with exit_folder() as folder, launcher_pid_exported(), held_agent_logs() as held:
         try:
             torchrun.run(args)
@@ -199,17 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (RendezvousConnectionError, SignalException) as stopped:  # the agent stopped its workers itself
             ignore_stop_signals()
             workers = torchrun.determine_local_world_size(args.nproc_per_node)
-            codes = wait_for_codes(folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S)
-            code = signalled_stop_code(codes, workers)
-            if code is not None:
-                return code
-            held.show()  # some worker went before it could say why: torchrun's lines (then ours)
-            if not isinstance(stopped, SignalException):
-                raise
-            print(f"launch: stopped by {signal.Signals(stopped.sigval).name} before every rank stopped on its "
-                  f"own ({len(codes)} of {workers} left an exit code): a rank still starting has no "
-                  "checkpoint to leave; any rank's own traceback is above", file=sys.stderr)
-            return 128 + int(stopped.sigval)
+            return stopped_by_agent(stopped, folder, workers, args.shutdown_timeout or SHUTDOWN_TIMEOUT_S, held)
         held.show()
     return 0
 

@@ -65,6 +65,7 @@ from ..config.settings import RESUME_AUTO
 from ..runtime.distributed import DistEnv
 from ..optim.loss_scale import LossScaler
 from ..runtime.files import TEMP_MARK, atomic_file
+from ..runtime.load_errors import unloadable_reason
 
 FORMAT = "mlperf_bert.run_checkpoint"
 VERSION = 2
@@ -255,7 +256,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
-        raise ResumeError(f"{path}: cannot read the checkpoint ({type(err).__name__}: {err}); resume from an "
+        raise ResumeError(f"{path}: cannot read the checkpoint: {unloadable_reason(path, err)}; resume from an "
                           "older one (pass its path to --resume_from_checkpoint)") from err
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ResumeError(f"{path}: not a run checkpoint of this trainer (an init checkpoint goes to "
@@ -269,6 +270,14 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return ckpt
 
 
+def first_detail(err: BaseException) -> str:
+    """torch's multi-line load_state_dict error as one clause: its first detail and how many follow."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[1].rstrip('.')} and {len(lines) - 2} more mismatches"
+
+
 def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEnv, device: torch.device,
             seed: int) -> None:
     """Loads model, optimizer, scaler and this rank's generators (train state and data: the caller).
@@ -280,8 +289,8 @@ def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEn
         parts.model.load_state_dict(ckpt["model"], strict=True)
         parts.optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, KeyError, ValueError) as err:
-        raise ResumeError(f"{path}: does not fit this model or optimizer ({err}); resume with the same "
-                          "--bert_config_path and --optimizer") from err
+        raise ResumeError(f"{path}: does not fit this model or optimizer ({first_detail(err)}); resume with the "
+                          "same --bert_config_path and --optimizer") from err
     if parts.scaler is not None and ckpt["scaler"]:
         parts.scaler.load_state_dict(ckpt["scaler"])
     if denv.rank < len(ckpt["rng"]):
