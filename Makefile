@@ -2,6 +2,7 @@
 #   make demo   creates .venv, installs, makes the demo data and trains the CPU demo to its target
 #   make test   creates .venv, installs, runs the whole test suite
 #   make gpu-check  on a GPU machine: the fake-CUDA dry run of every shipped config, run for real
+#   make mutants    plants each bug of tools/mutant_list.py and runs its tests (docs/TESTING.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean-demo gpu-check
+.PHONY: demo test venv clean-demo gpu-check mutants
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +38,11 @@ test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
 	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Mutation testing of the newest modules; MUTANT_ARGS="--module sharded" or "--only ID" narrows it.
+MUTANT_ARGS ?=
+mutants: $(TEST_STAMP)
+	OMP_NUM_THREADS=1 $(PY) tools/mutants.py $(MUTANT_ARGS)
 
 # The same steps the test suite dry-runs on fake CUDA, on this machine's GPU (tools/gpu_check.sh).
 gpu-check:

@@ -252,14 +252,17 @@ def test_a_closed_run_with_a_small_eval_set_is_told_to_use_the_full_one(demo_dat
 # tools/package_results.py: the same table on the logs it packages
 
 
+LOG_VALUES = {  # every ruled key, as a closed-division log that keeps the rules holds it
+    "global_batch_size": 448, "opt_name": "lamb", "opt_gradient_clip_norm": 1.0,
+    "opt_gradient_clip_mode": "after_allreduce", "opt_end_learning_rate": 0.0, "opt_learning_rate_decay_start_step": 0,
+    "opt_lamb_learning_rate_decay_poly_power": 1.0, "target_mlm_accuracy": 0.72, "eval_samples": 10000,
+    "eval_iter_samples": 150000, "eval_iter_start_samples": 150000, "init_checkpoint": "/ckpt/phase1.pt",
+    "max_sequence_length": 512, "max_predictions_per_seq": 76}
+
+
 def _closed_log(tmp_path: Path, **changed: object) -> Path:
     """A closed log with every ruled key, as the trainer writes it, with `changed` values."""
-    values = {"submission_division": "closed", "global_batch_size": 448, "opt_name": "lamb",
-              "opt_gradient_clip_norm": 1.0, "opt_gradient_clip_mode": "after_allreduce",
-              "opt_end_learning_rate": 0.0, "opt_learning_rate_decay_start_step": 0,
-              "opt_lamb_learning_rate_decay_poly_power": 1.0, "target_mlm_accuracy": 0.72, "eval_samples": 10000,
-              "eval_iter_samples": 150000, "eval_iter_start_samples": 150000, "init_checkpoint": "/ckpt/phase1.pt",
-              "max_sequence_length": 512, "max_predictions_per_seq": 76, **changed}
+    values = {"submission_division": "closed", **LOG_VALUES, **changed}
     path = tmp_path / "result_0.txt"
     path.write_text("".join(f':::MLLOG {json.dumps({"key": k, "value": v, "event_type": "POINT_IN_TIME"})}\n'
                             for k, v in values.items()))
@@ -319,3 +322,75 @@ def test_package_results_fails_a_package_with_a_log_that_breaks_a_rule(tmp_path)
     assert verdict.problems == ["results/SYS/bert/result_0.txt: closed division: the optimizer is LAMB (the only "
                                 "optimizer the BERT rows allow) (training_rules.adoc §9.1): opt_name must be lamb, "
                                 "the log says 'adam'"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every value a rule forbids, not one example of it
+
+
+def _forbidden_flag_values() -> list[tuple[str, str]]:
+    """Each value the trainer's flag accepts but the closed division does not: every clip mode but
+    the two global-norm orders of §14, every optimizer but LAMB."""
+    from mlperf_bert.config.closed_division import CLIP_MODES
+    from mlperf_bert.config.settings import CLIP_MODES as FLAG_CLIP_MODES, OPTIMIZERS
+
+    return ([("--clip_mode", mode) for mode in FLAG_CLIP_MODES if mode not in CLIP_MODES]
+            + [("--optimizer", name) for name in OPTIMIZERS if name != "lamb"])
+
+
+def test_the_forbidden_flag_values_are_the_ones_the_rules_name():
+    assert _forbidden_flag_values() == [("--clip_mode", "none"), ("--clip_mode", "bucketwise"),
+                                        ("--optimizer", "adam")]
+
+
+@pytest.mark.parametrize("flag, value", _forbidden_flag_values())
+def test_every_forbidden_value_of_a_one_of_rule_is_refused(tmp_path, flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} must be"):
+        parse_config([*_closed_flags(tmp_path), flag, value], 1)
+
+
+@pytest.mark.parametrize("key, values", [
+    ("opt_gradient_clip_mode", ["none", "bucketwise", "per_tensor", "", None]),
+    ("opt_name", ["adam", "adamw", "sgd", "lars", "LAMB", ""]),
+    ("init_checkpoint", ["", "none", None, 0]),
+    ("target_mlm_accuracy", [0.719, 0.7199, 0.7201, 0.721, 0.75]),
+    ("opt_gradient_clip_norm", [0.999, 1.001, 2.0, 0.0]),
+    ("max_sequence_length", [128, 384, 511, 513, 1024]),
+    ("max_predictions_per_seq", [20, 75, 77, 80]),
+    ("eval_samples", [9_999, 10_001, 5_000, 200]),
+])
+def test_every_forbidden_value_is_refused_on_a_log(key, values):
+    """The same table on logged values: every value near or unlike the required one breaks the rule."""
+    good = dict(LOG_VALUES)
+    assert broken_rules(good) == []
+    for value in values:
+        broken = broken_rules({**good, key: value})
+        assert [b.rule.key for b in broken] == [key], (key, value)
+
+
+def test_the_eval_interval_is_the_rules_formula_at_every_global_batch_size():
+    """§9.4's FLOOR(0.05 * (230.23 * GBS + 3,000,000), 25,000) in exact rational arithmetic, at every
+    global batch size from 1 to 2^14 and at the sizes of the shipped configs and NVIDIA's largest."""
+    from fractions import Fraction
+
+    def formula(gbs: int) -> int:
+        samples = Fraction(5, 100) * (Fraction(23023, 100) * gbs + 3_000_000)
+        return int(samples // 25_000) * 25_000
+
+    sizes = [*range(1, 1 << 14), 448, 3_072, 4_096, 8_192, 12_288, 16_384, 65_536]
+    assert [eval_interval_samples(g) for g in sizes] == [formula(g) for g in sizes]
+    # Where the FLOOR steps: the last global batch size of one interval and the first of the next.
+    assert (eval_interval_samples(4_343), eval_interval_samples(4_344)) == (175_000, 200_000)
+
+
+def test_a_config_breaking_two_rules_names_the_second_too(tmp_path):
+    from mlperf_bert.config.closed_division import closed_division_problem
+
+    cfg = parse_config([*_closed_flags(tmp_path), "--submission_division", "open", "--optimizer", "adam",
+                        "--max_seq_length", "384"], 1)
+    line = closed_division_problem(cfg)
+    assert line is not None and line.startswith("closed division: the optimizer is LAMB")
+    assert line.endswith(" (also broken: --max_seq_length)")
+    one = closed_division_problem(parse_config([*_closed_flags(tmp_path), "--submission_division", "open",
+                                                "--optimizer", "adam"], 1))
+    assert one is not None and "also broken" not in one

@@ -17,7 +17,9 @@ import pytest
 from conftest import TRAINER, run_cli, trainer_args
 from data_prep import prepare, verify_dataset
 from data_prep.packing import pack_index_table
-from mlperf_bert.data.integrity import PROBE_ROWS, check_integrity, eval_hashes, leaked, sequence_hashes
+from mlperf_bert.data.integrity import (
+    PROBE_ROWS, ShardDigest, check_integrity, eval_hashes, leaked, probed_rows, sequence_hashes,
+)
 from data_prep.tfrecords import example_class, masked_crc
 from mlperf_bert.data.shards import (
     FIXED_KEYS, REFUSED_NAME, DataError, Samples, decode, folder_problems, list_shards, read_samples, to_fixed,
@@ -144,7 +146,9 @@ def test_the_start_up_check_finds_eval_samples_in_the_rows_it_probes(demo_data, 
     root = _copy(demo_data, tmp_path)
     rows = len(read_samples(_shards(root)[1]))
     shard = _leak(root, (rows + 20 - PROBE_ROWS) // 2, 20)  # inside the middle block of the longer shard
-    with pytest.raises(DataError, match=rf"20 eval samples of .* in the rows sampled at start-up in {shard} \(20, "):
+    first = (rows + 20 - PROBE_ROWS) // 2
+    with pytest.raises(DataError, match=rf"20 eval samples of .* in the rows sampled at start-up in {shard} "
+                                        rf"\(20, first at row {first}\)"):
         check_integrity(_shards(root), root / "eval", 200)
     with pytest.raises(DataError, match=r"^10 eval samples"):  # a run evaluating on the first 10 only
         check_integrity(_shards(root), root / "eval", 10)
@@ -304,3 +308,56 @@ def test_import_keeps_eval_files_out_of_a_training_folder(demo_data, tmp_path):
     with pytest.raises(DataError, match=r"mixes eval files \(eval_10k.hdf5\) with training files"):
         prepare.cmd_import_tfrecord(prepare.build_parser().parse_args(
             ["import-tfrecord", "--input", str(tmp_path / "eval_10k"), "--out", str(tmp_path / "parts"), *args]))
+
+
+# The sample fields a hash covers: changing any one entry of any of them makes another sample.
+FIELDS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_field_of_a_sample_is_in_its_hash(demo_data, field):
+    """One entry of one field changed, in the first, a middle and the last sequence: that sequence's
+    hash changes and no other."""
+    samples = read_samples(list_shards(demo_data / "train")[0]).slice(0, 30)
+    before = sequence_hashes(samples)
+    for seq in (0, 14, 29):
+        changed = samples.take(np.arange(len(samples)))
+        values = getattr(changed, field)
+        if field == "next_sentence_labels":
+            at = seq
+        else:
+            lengths = changed.lengths if field in ("input_ids", "segment_ids") else changed.num_predictions
+            at = int(lengths[:seq].sum()) + int(lengths[seq]) // 2
+        values[at] = 1 - values[at] if field in ("segment_ids", "next_sentence_labels") else values[at] + 1
+        after = sequence_hashes(changed)
+        assert after[seq] != before[seq], (field, seq)
+        assert np.array_equal(np.delete(after, seq), np.delete(before, seq)), (field, seq)
+
+
+def test_the_probe_is_the_first_row_the_middle_block_and_the_last_row():
+    assert probed_rows(1000, 64).tolist() == [0, *range(468, 532), 999]
+    assert probed_rows(4321, 64).tolist() == [0, *range(2128, 2192), 4320]
+    assert probed_rows(65, 64).tolist() == list(range(65))
+    assert probed_rows(10, 64).tolist() == list(range(10))
+    assert probed_rows(1, 64).tolist() == [0]
+
+
+def test_empty_shards_are_not_copies_of_each_other(tmp_path):
+    empty = Samples.concat([])
+    for name in ("part_0.hdf5", "part_1.hdf5"):
+        write_samples(tmp_path / name, empty, "fixed", L, P)
+    check_integrity(list_shards(tmp_path), None, None)
+
+
+def test_a_leak_past_the_first_block_is_named_by_its_shard_row(demo_data):
+    """Shards at real sizes are read in blocks (verify_dataset's BLOCK_ROWS): the first leaked row is
+    the shard's row, not the block's."""
+    train = read_samples(list_shards(demo_data / "train")[0]).slice(0, 40)
+    evals = read_samples(list_shards(demo_data / "eval")[0])
+    eval_set = eval_hashes(demo_data / "eval")
+    digest = ShardDigest()
+    for block, rows in ((train.slice(0, 20), np.arange(0, 20)),
+                        (Samples.concat([train.slice(20, 27), evals.slice(5, 8), train.slice(27, 30)]),
+                         np.arange(20, 33))):
+        digest.add(block, rows, eval_set)
+    assert (digest.sequences, digest.leaked, digest.first_leaked_row) == (33, 3, 27)

@@ -37,7 +37,10 @@ from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.data.batch import FlatBatch
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.model.compiling import compile_model
-from mlperf_bert.model.fp8 import capability_problem, convert_to_fp8, fp8_layer_names
+from mlperf_bert.model import fp8
+from mlperf_bert.model.fp8 import (
+    LAYER_GEMMS, capability_problem, convert_to_fp8, fp8_config, fp8_layer_names, fp8_unavailable,
+)
 from mlperf_bert.startup import check_environment
 from mlperf_bert.train.checkpoint import read_checkpoint
 from mlperf_bert.train.step import forward_backward
@@ -80,6 +83,46 @@ def test_fp8_needs_weights_divisible_by_16() -> None:
     with pytest.raises(ValueError, match=r"intermediate.dense is 32 x 72; FP8 GEMMs need hidden_size and "
                                          r"intermediate_size divisible by 16"):
         convert_to_fp8(odd, CPU)
+
+
+# ---------------------------------------------------------------- the rule at real sizes, every capability
+
+BERT_LARGE_DEPTH = dataclasses.replace(TINY, num_hidden_layers=24, hidden_size=16, intermediate_size=32)
+
+
+def test_fp8_layers_at_bert_large_depth_are_every_layers_six_gemms() -> None:
+    """24 layers, as BERT-Large (a narrow width: no forward pass is needed to list and convert them):
+    the two-digit layer indices convert as the one-digit ones."""
+    model = BertForPreTraining(BERT_LARGE_DEPTH)
+    expected = [f"bert.encoder.layer.{i}.{name}" for i in range(24) for name in LAYER_GEMMS]
+    assert fp8_layer_names(model) == expected and len(expected) == 144
+    convert_to_fp8(model, CPU)
+    converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert converted == expected
+
+
+@pytest.mark.parametrize("major", range(5, 11))
+def test_fp8_needs_compute_capability_8_9_or_later_at_every_capability(major: int) -> None:
+    for minor in range(10):
+        problem = capability_problem((major, minor), "GPU")
+        assert (problem is None) == ((major, minor) >= (8, 9)), (major, minor)
+        if problem is not None:
+            assert f"but GPU is {major}.{minor}: use --precision bf16" in problem
+
+
+def test_fp8_recipe_pads_the_token_dimension_and_emulates_off_a_gpu() -> None:
+    """Unpadded batches hold any number of tokens: the weight-gradient GEMM's inner dimension must be
+    padded to the FP8 GEMM's multiple of 16."""
+    for emulate in (True, False):
+        config = fp8_config(emulate)
+        assert config.pad_inner_dim and config.emulate == emulate
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp8_without_torchao_is_refused_on_every_device(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """The CPU emulates FP8 through torchao too: without it no device can train in FP8."""
+    monkeypatch.setattr(fp8, "torchao_missing", lambda: "torchao does not import")
+    assert fp8_unavailable(torch.device(device)) == "torchao does not import"
 
 
 @pytest.fixture(scope="module")

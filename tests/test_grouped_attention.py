@@ -125,6 +125,24 @@ def test_grouped_host_lengths_never_read_the_device():
         host_lengths(cu.to("meta"), None)
 
 
+class _GpuLengths:
+    """cu_seqlens as a GPU holds it, on a machine without one: reading it is the stall to avoid."""
+
+    device = torch.device("cuda", 0)
+
+    def tolist(self) -> list[int]:
+        raise AssertionError("the sequence lengths were read from the device")
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu", "mps"])
+def test_grouped_host_lengths_never_read_a_gpu_tensor(device: str):
+    gpu = _GpuLengths()
+    gpu.device = torch.device(device, 0)
+    with pytest.raises(ValueError, match="host_seqlens"):
+        host_lengths(gpu, None)  # type: ignore[arg-type]
+    assert host_lengths(gpu, [3, 4]) == (3, 4)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------- the device's index maps
 
 

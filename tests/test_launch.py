@@ -3,6 +3,7 @@ line and its exit code; a crash keeps torchrun's report and its traceback."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from conftest import REPO, trainer_args
 from test_optional_dependencies import BREAKAGES, write_package
 from mlperf_bert.runtime.exits import (
     EXIT_BAD_INPUT,
+    EXIT_DIR_VARIABLE,
     EXIT_DIVERGED,
     EXIT_LOST_RANK,
     EXIT_PREEMPTED,
@@ -28,7 +30,10 @@ from mlperf_bert.runtime.exits import (
     recorded_exit_codes,
     say_once,
 )
-from mlperf_bert.runtime.launch import args_problem, clean_stop_code, signalled_stop_code, wait_for_codes
+from mlperf_bert.runtime.launch import (
+    HeldRecords, args_problem, clean_stop_code, exit_folder, ignore_stop_signals, launcher_pid_exported,
+    signalled_stop_code, wait_for_codes,
+)
 from mlperf_bert.runtime.orphan import LAUNCHER_PID_VARIABLE
 
 LAUNCHER = REPO / "pytorch" / "launch.py"
@@ -66,6 +71,63 @@ def _failures(*entries: tuple[int, int, int]) -> dict[int, ProcessFailure]:
 ])
 def test_clean_stop_code(failures, recorded, expected):
     assert clean_stop_code(failures, recorded) == expected
+
+
+@pytest.mark.parametrize("failures, recorded, expected", [
+    # rank 0 refused the input; the agent killed the straggler rank 1 outright
+    (_failures((10, EXIT_BAD_INPUT, 5), (11, -signal.SIGKILL, 6)), {10: EXIT_BAD_INPUT}, EXIT_BAD_INPUT),
+    # the first to fail died of SIGTERM from outside the agent: a crash, whatever came after
+    (_failures((10, -signal.SIGTERM, 5), (11, EXIT_LOST_RANK, 8)), {11: 76}, None),
+    # rank 3 failed first (the root cause), rank 0 was stopped after it
+    (_failures((10, -signal.SIGTERM, 9), (11, EXIT_LOST_RANK, 9), (12, EXIT_LOST_RANK, 9),
+               (13, EXIT_DIVERGED, 4)), {11: 76, 12: 76, 13: 3}, EXIT_DIVERGED),
+    # a recorded code that is not the code the worker exited with
+    (_failures((10, EXIT_BAD_INPUT, 5),), {10: EXIT_PREEMPTED}, None),
+])
+def test_clean_stop_code_tells_the_root_cause_from_the_teardown(failures, recorded, expected):
+    assert clean_stop_code(failures, recorded) == expected
+
+
+def test_stop_signals_are_all_ignored_once_the_agent_is_done():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        ignore_stop_signals()
+        assert {sig: signal.getsignal(sig) for sig in before} == {sig: signal.SIG_IGN for sig in before}
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_held_records_reach_each_handler_at_its_own_level():
+    logger = logging.getLogger("mlperf_bert_test_held")
+    logger.setLevel(logging.DEBUG)  # every record reaches the held handler; each handler's level decides
+    logger.propagate = False
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.handlers = [handler]
+    held = HeldRecords(logger)
+    logger.handlers = [held]
+    for level, message in ((logging.INFO, "info"), (logging.WARNING, "warning"), (logging.ERROR, "error")):
+        logger.log(level, message)
+    assert seen == []
+    held.show()
+    assert seen == ["warning", "error"] and held.records == []
+
+
+def test_the_exit_folder_and_the_launcher_pid_are_exported_only_while_the_launch_runs(monkeypatch):
+    monkeypatch.delenv(EXIT_DIR_VARIABLE, raising=False)
+    monkeypatch.delenv(LAUNCHER_PID_VARIABLE, raising=False)
+    with exit_folder() as folder, launcher_pid_exported():
+        assert os.environ[EXIT_DIR_VARIABLE] == str(folder) and folder.is_dir()
+        assert os.environ[LAUNCHER_PID_VARIABLE] == str(os.getpid())
+    assert EXIT_DIR_VARIABLE not in os.environ and LAUNCHER_PID_VARIABLE not in os.environ and not folder.exists()
+    monkeypatch.setenv(LAUNCHER_PID_VARIABLE, "123")
+    with launcher_pid_exported():
+        assert os.environ[LAUNCHER_PID_VARIABLE] == str(os.getpid())
+    assert os.environ[LAUNCHER_PID_VARIABLE] == "123"
+    with exit_folder({EXIT_DIR_VARIABLE: "/given"}) as given:
+        assert given == Path("/given") and EXIT_DIR_VARIABLE not in os.environ
 
 
 def test_signalled_stop_code_needs_a_code_from_every_worker():

@@ -1,0 +1,287 @@
+"""The sharded optimizer (optim/sharded.py) at many ranks in one process, against the unsharded one.
+
+Each rank is a thread of this process; the three collectives the sharded step makes
+(reduce-scatter, all-reduce, all-gather) are simulated by `Collectives`, summing the ranks'
+tensors in rank order. So the layouts that only show at real world sizes run in milliseconds:
+a total that no world size divides, shards of one element, ranks whose shard holds no piece
+of a parameter group (the groups lie one after the other in the flat buffer), 32 ranks.
+tests/test_sharded_optimizer.py runs the real thing (gloo processes, DDP, clip modes, fp16).
+
+Tolerance: the same formulas on the same numbers, except that a tensor's norm is the root of a
+sum of per-rank partial sums instead of one reduction, and the mean gradient is the sum of the
+ranks' gradients / W in rank order in both; a few fp32 roundings (rtol 1e-5 on weights that
+move by about lr = 0.05 per step). Each planted bug in the layout or the reductions moves a
+weight by a share of lr.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from mlperf_bert.optim import sharded
+from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
+from mlperf_bert.optim.sharded import build_sharded_optimizer
+
+SHAPES = [(5, 3), (3,), (4, 4), (7,), (2, 3), (1,), (5,)]  # 53 elements: no world size divides them
+LR, BETAS, EPS, WEIGHT_DECAY = 0.05, (0.9, 0.999), 1e-6, 0.01
+STEPS = 3
+WORLDS = [2, 3, 8, 32]
+
+
+class Collectives:
+    """torch.distributed's calls of the sharded step, for W ranks that are threads of this process."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.local = threading.local()
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self.world
+
+    def get_rank(self, group: Any = None) -> int:
+        return self.local.rank
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.local.rank] = tensor.detach().clone()
+        self.barrier.wait()
+        gathered = [t for t in self.slots if t is not None]
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return gathered
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
+        tensor.copy_(torch.stack(self._exchange(tensor)).sum(0))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
+        output.copy_(torch.stack(self._exchange(input)).sum(0).view(self.world, -1)[self.local.rank])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
+        output.copy_(torch.cat(self._exchange(input)))
+
+
+def on_ranks(world: int, work: Callable[[int], Any], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """work(rank) on `world` threads sharing simulated collectives; the results in rank order."""
+    collectives = Collectives(world)
+    monkeypatch.setattr(sharded, "dist", collectives)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        collectives.local.rank = rank
+        try:
+            results[rank] = work(rank)
+        except BaseException as err:  # one rank failing must not leave the others waiting
+            errors.append(err)
+            collectives.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+    if first is not None or errors:
+        raise first or errors[0]
+    return results
+
+
+def model() -> torch.nn.Module:
+    """Decayed matrices and undecayed vectors (named so `parameter_groups` tells them apart)."""
+    net = torch.nn.Module()
+    generator = torch.Generator().manual_seed(0)
+    for i, shape in enumerate(SHAPES):
+        name = f"bias{i}" if len(shape) == 1 else f"weight{i}"
+        net.register_parameter(name, torch.nn.Parameter(torch.randn(*shape, generator=generator)))
+    return net
+
+
+def local_grads(rank: int, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(*shape, generator=generator) for shape in SHAPES]
+
+
+def mean_grads(world: int, step: int) -> list[torch.Tensor]:
+    """What the reduce-scatter hands the ranks: the ranks' gradients / W, summed in rank order."""
+    per_rank = [[g / world for g in local_grads(rank, step)] for rank in range(world)]
+    return [torch.stack(parts).sum(0) for parts in zip(*per_rank)]
+
+
+def optimizer(net: torch.nn.Module, name: str, max_grad_norm: float | None, sharded_: bool, lr: Any = LR):
+    groups = parameter_groups(net, WEIGHT_DECAY)
+    if sharded_:
+        return build_sharded_optimizer(groups, name, lr, BETAS, EPS, WEIGHT_DECAY, max_grad_norm)
+    return build_optimizer(groups, name, lr, BETAS, EPS, WEIGHT_DECAY, max_grad_norm, implementation="foreach")
+
+
+def set_grads(net: torch.nn.Module, grads: list[torch.Tensor]) -> None:
+    for p, g in zip(net.parameters(), grads):
+        p.grad = g.clone()
+
+
+def weights(net: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+def unsharded_run(world: int, name: str, max_grad_norm: float | None, steps: int = STEPS):
+    net = model()
+    opt = optimizer(net, name, max_grad_norm, False)
+    for step in range(steps):
+        set_grads(net, mean_grads(world, step))
+        opt.step()
+    return net, opt
+
+
+def sharded_step(net: torch.nn.Module, opt: Any, rank: int, world: int, step: int) -> None:
+    set_grads(net, [g / world for g in local_grads(rank, step)])  # the comm hook's local bucket / W
+    opt.step()
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("name", ["lamb", "adam"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_steps_equal_unsharded_at_every_world_size(world, name, max_grad_norm, monkeypatch):
+    reference, _ = unsharded_run(world, name, max_grad_norm)
+
+    def work(rank: int) -> torch.Tensor:
+        net = model()
+        opt = optimizer(net, name, max_grad_norm, True)
+        for step in range(STEPS):
+            sharded_step(net, opt, rank, world, step)
+        return weights(net)
+
+    ranks = on_ranks(world, work, monkeypatch)
+    assert (weights(reference) - weights(model())).abs().max() > 0.5 * LR  # the weights moved
+    for rank, got in enumerate(ranks):
+        torch.testing.assert_close(got, weights(reference), rtol=1e-5, atol=1e-7, msg=f"rank {rank} of {world}")
+
+
+def test_the_layout_leaves_whole_groups_off_some_ranks():
+    """What the equality above covers: at 8 ranks some shards hold no piece of a group, at 32
+    most shards hold one or two elements, and 53 elements divide into no world size above 1."""
+    groups = parameter_groups(model(), WEIGHT_DECAY)
+    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+    assert sizes == [37, 16] and all(sum(sizes) % world for world in WORLDS)
+    shard = -(-sum(sizes) // 8)  # 7 elements: ranks 0 to 4 hold only decayed weights
+    assert sizes[0] > 5 * shard
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_the_state_dict_is_the_unsharded_layout_and_resumes_at_another_world_size(world, monkeypatch):
+    """Saved at `world` ranks after 2 steps: equal to the unsharded state; loaded at 2 ranks (and
+    unsharded), the third step equals the uninterrupted unsharded run's."""
+    reference, reference_opt = unsharded_run(world, "lamb", 0.5, steps=2)
+    saved_weights = weights(reference).clone()
+    want = reference_opt.state_dict()
+
+    def save(rank: int) -> dict:
+        net = model()
+        opt = optimizer(net, "lamb", 0.5, True)
+        for step in range(2):
+            sharded_step(net, opt, rank, world, step)
+        return opt.state_dict()
+
+    states = on_ranks(world, save, monkeypatch)
+    for state in states:
+        assert [g["step"] for g in state["param_groups"]] == [g["step"] for g in want["param_groups"]] == [2, 2]
+        assert sorted(state["state"]) == sorted(want["state"])
+        for index, entry in want["state"].items():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(state["state"][index][moment], entry[moment], rtol=1e-5, atol=1e-9)
+    set_grads(reference, mean_grads(world, 2))
+    reference_opt.step()
+
+    def resume(rank: int) -> torch.Tensor:
+        net = model()
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(saved_weights, net.parameters())
+        opt = optimizer(net, "lamb", 0.5, True)
+        opt.load_state_dict(states[0])
+        set_grads(net, [g / 2 for g in mean_grads(world, 2)])  # the same global gradient, from 2 ranks
+        opt.step()
+        return weights(net)
+
+    for got in on_ranks(2, resume, monkeypatch):
+        torch.testing.assert_close(got, weights(reference), rtol=1e-5, atol=1e-7)
+
+
+def test_a_fresh_unsharded_state_resets_the_moments_and_the_step_count(monkeypatch):
+    """A state saved before the first step (no moments, no step count) loaded into a sharded
+    optimizer that has stepped: its next step is a first step, as a fresh optimizer's."""
+    world = 3
+    fresh = optimizer(model(), "lamb", 0.5, False).state_dict()
+    assert fresh["state"] == {} and "step" not in fresh["param_groups"][0]
+    reference = model()
+    reference_opt = optimizer(reference, "lamb", 0.5, False)
+    set_grads(reference, mean_grads(world, 0))
+    reference_opt.step()
+
+    def work(rank: int) -> torch.Tensor:
+        net = model()
+        opt = optimizer(net, "lamb", 0.5, True)
+        for step in range(2):
+            sharded_step(net, opt, rank, world, step + 5)
+        with torch.no_grad():  # back to the first weights, in place (the parameters are views of the flat buffer)
+            for p, first in zip(net.parameters(), model().parameters()):
+                p.copy_(first)
+        opt.load_state_dict(fresh)
+        assert [g["step"] for g in opt.param_groups] == [0, 0]
+        sharded_step(net, opt, rank, world, 0)
+        return weights(net)
+
+    for got in on_ranks(world, work, monkeypatch):
+        torch.testing.assert_close(got, weights(reference), rtol=1e-5, atol=1e-7)
+
+
+def test_a_folded_flag_or_a_non_finite_gradient_on_one_rank_is_agreed_by_every_rank_for_one_step(monkeypatch):
+    world = 3
+
+    def work(rank: int) -> list[float]:
+        net = model()
+        opt = optimizer(net, "lamb", 0.5, True)
+        seen = []
+        for step in range(4):
+            if rank == 1 and step == 0:
+                opt.fold_flag(torch.tensor(1.0))  # a clipping hook's non-finite bucket norm, rank-local
+            grads = [g / world for g in local_grads(rank, step)]
+            if rank == 2 and step == 2:
+                grads[3][1] = float("inf")
+            set_grads(net, grads)
+            opt.step()
+            seen.append(float(opt.agreed_nonfinite))
+        return seen
+
+    assert on_ranks(world, work, monkeypatch) == [[1.0, 0.0, 1.0, 0.0]] * world
+
+
+def test_a_loaded_device_learning_rate_stays_the_tensor_the_step_reads(monkeypatch):
+    """A CUDA graph captured the lr tensor's address: loading a state writes into it, never replaces it."""
+    def work(rank: int) -> None:
+        saved_lr, live_lr = torch.tensor(0.02), torch.tensor(0.05)
+        source = optimizer(model(), "adam", None, True, lr=saved_lr)
+        state = source.state_dict()
+        opt = optimizer(model(), "adam", None, True, lr=live_lr)
+        opt.load_state_dict(state)
+        assert all(group["lr"] is live_lr for group in opt.param_groups)
+        assert float(live_lr) == pytest.approx(0.02)
+
+    on_ranks(2, work, monkeypatch)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "apex"])
+def test_every_implementation_but_the_multi_tensor_one_is_refused(implementation):
+    with pytest.raises(ValueError, match=f"--optimizer_impl {implementation} cannot be sharded: use foreach"):
+        build_sharded_optimizer(parameter_groups(model(), WEIGHT_DECAY), "lamb", LR, BETAS, EPS, WEIGHT_DECAY, None,
+                                implementation)
+
+
+@pytest.mark.parametrize("other", [torch.float64, torch.bfloat16])
+def test_parameters_of_another_dtype_are_refused(other):
+    net = model()
+    net.weight0.data = net.weight0.data.to(other)
+    with pytest.raises(ValueError, match="must share one dtype and device"):
+        build_sharded_optimizer(parameter_groups(net, WEIGHT_DECAY), "lamb", LR, BETAS, EPS, WEIGHT_DECAY, None)
