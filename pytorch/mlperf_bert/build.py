@@ -517,5 +517,8 @@ def open_run(prepared: Prepared) -> Run:
 
 def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,
               extra_hooks: Sequence[Hook] = (), supplied: Supplied = Supplied()) -> Run:
-    """`prepare_run` then `open_run` at once, for callers without an MLPerf clock (tests, the dry run)."""
-    return open_run(prepare_run(cfg, denv, device, stop, extra_hooks, supplied))
+    """`prepare_run` then `open_run` at once, for callers without an MLPerf clock (tests, the dry run),
+    whose MLPerf log writes from here on."""
+    run = open_run(prepare_run(cfg, denv, device, stop, extra_hooks, supplied))
+    run.eval.logger.release()
+    return run
