@@ -25,7 +25,7 @@ from .config.closed_division import INIT_SECONDS_KEY, init_overrun
 from .data.batch import FlatBatch
 from .build import Evaluation, Prepared, Run, build_evaluation, eval_schedule, open_run, prepare_run
 from .config.settings import TrainConfig
-from .runtime.distributed import DistEnv, all_reduce_sum
+from .runtime.distributed import DistEnv, all_reduce_sum, barrier
 from .train.evaluation_interval import EvalSchedule
 from .train.faults import Position, StepFacts, StopRequest, TrainingStopped, nonfinite_loss_error, rolled_back_error
 from .hooks.events import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
@@ -191,6 +191,8 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest
         record = log_run_start(prepared)
     else:
         record = log_run_start(prepared)  # the clock starts: from here on the dataset is read
+        # Rank 0 logs run_start; no rank may read before it, so every rank waits for rank 0 here.
+        barrier()
         with aborted_on_error(prepared.eval, prepared.state):
             training = open_run(prepared)
     try:

@@ -3,7 +3,9 @@
 Put this folder first on PYTHONPATH (Python imports `sitecustomize` at start-up, so torchrun's
 workers, which inherit the environment, record too) and set
   OPEN_AUDIT_LOG   the file that gets one line per open: "<time.time()> <pid> <path>"
-  OPEN_AUDIT_DIRS  the folders to watch, separated by os.pathsep.
+  OPEN_AUDIT_DIRS  the folders to watch, separated by os.pathsep;
+  OPEN_AUDIT_PAUSE optional "PATH:SECONDS": the process that opens PATH first waits SECONDS there
+                   (a slow rank 0 at the MLPerf log's first write, just before its run_start line).
 Python-level opens (`open`, `Path.read_text`, `os.open`) come from the audit hook; h5py opens its
 files in C, so `h5py.File` is wrapped when h5py is first imported.
 """
@@ -19,6 +21,8 @@ import time
 _LOG = os.environ.get("OPEN_AUDIT_LOG")
 _DIRS = tuple(os.path.realpath(d) + os.sep for d in os.environ.get("OPEN_AUDIT_DIRS", "").split(os.pathsep) if d)
 _busy = False
+_PAUSE_PATH, _, _PAUSE_S = os.environ.get("OPEN_AUDIT_PAUSE", "").rpartition(":")
+_paused = False
 
 
 def _record(path: object) -> None:
@@ -38,11 +42,22 @@ def _record(path: object) -> None:
             os.close(fd)
     finally:
         _busy = False
+_PAUSE_PATH, _, _PAUSE_S = os.environ.get("OPEN_AUDIT_PAUSE", "").rpartition(":")
+_paused = False
+
+
+def _pause(path: object) -> None:
+    global _paused
+    if _paused or not _PAUSE_PATH or not isinstance(path, (str, os.PathLike)) or os.fspath(path) != _PAUSE_PATH:
+        return
+    _paused = True
+    time.sleep(float(_PAUSE_S))
 
 
 def _audit(event: str, args: tuple) -> None:
     if event == "open" and args:
         _record(args[0])
+        _pause(args[0])
 
 
 def _wrap_h5py(module: object) -> None:
