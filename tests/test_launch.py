@@ -310,7 +310,11 @@ GOOD_LAUNCH_ARGS = [["--standalone", "--nproc_per_node=2"], ["--nproc_per_node=a
                     ["--nnodes=2", "--node_rank=1", "--master_port=65535"],
                     ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node000"],  # torchrun's default port
                     ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=[fe80::1]:29400", "--node_rank=7"],
-                    ["--standalone", "--master_port=0"]]  # standalone picks its own endpoint
+                    ["--standalone", "--master_port=0"],  # standalone picks its own endpoint
+                    ["--standalone", "--rdzv_endpoint=node000:70000"],  # and ignores one given
+                    ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=[fe80::1]"],  # IPv6, default port
+                    ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=[fd00::1:2]"],
+                    *(["--standalone", f"--nproc_per_node={word}"] for word in ("auto", "cpu", "gpu", "xpu"))]
 
 
 @pytest.mark.parametrize("flags, says", BAD_LAUNCH_ARGS)

@@ -45,7 +45,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     FP8: ("tests/test_fp8.py", "-k", "encoder_layers or bert_large or divisible or capability or recipe or gpu_without "
                                      "or without_torchao"),
     LAUNCH: ("tests/test_launch.py", "-k", "clean_stop or signalled or wait_for_codes or job_exit or exit_folder "
-                                           "or stop_signals or held_records"),
+                                           "or stop_signals or held_records or launch_value or values_in_range"),
 }
 
 
