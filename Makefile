@@ -37,7 +37,7 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
 	$(PY) -m mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # Mutation testing of the newest modules; MUTANT_ARGS="--module sharded" or "--only ID" narrows it.
 MUTANT_ARGS ?=
