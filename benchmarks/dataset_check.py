@@ -1,4 +1,5 @@
-"""Cost of the trainer's start-up check of a data folder (`data_validate.check_dataset`).
+"""Cost of the whole-folder row check of a data folder (`data_validate.check_dataset`; the trainer ran it
+before run_start up to 07588e5, now the rows are checked in data_prep and as a shard is read).
 
     python benchmarks/dataset_check.py --gigabytes 1 --formats fixed varlength packed --json check.json
     python benchmarks/dataset_check.py --data_dir /data/hdf5_4320_shards_varlength --limit_shards 40

@@ -3,7 +3,8 @@
     python benchmarks/integrity_check.py quick --out /tmp/quick --json quick.json
     python benchmarks/integrity_check.py full --gigabytes 1 --json full.json [--baseline /tmp/base]
 
-quick: the trainer's start-up check (`check_integrity`) on a folder shaped like NVIDIA's
+quick: the quick integrity check (`check_integrity`, `verify_dataset.py --quick`; the trainer's
+start-up check up to 07588e5) on a folder shaped like NVIDIA's
 `hdf5_4320_shards_varlength`: 4,320 varlength shards of 36,279 or 36,280 rows (156,726,829
 sequences in all, REFERENCE.md), plus a 10,000-sample eval shard. Only the rows the check reads
 (the first, the last and the middle `PROBE_ROWS`) hold data; the other rows of the chunked

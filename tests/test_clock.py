@@ -275,3 +275,15 @@ def test_a_bad_row_read_by_one_of_two_ranks_ends_the_run_with_run_stop_aborted(d
     assert "Traceback" not in done.stderr
     events = _mllog(tmp_path / "mlperf.log")
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
+
+
+def test_row_counts_come_from_the_record_only_while_it_is_current(verified):
+    """A shard rewritten with other rows after its verification: the stream reads its counts from the shards."""
+    from mlperf_bert.data.shards import read_samples, write_samples
+    from mlperf_bert.input.source_factory import recorded_rows
+
+    shard = sorted(verified.glob("*.hdf5"))[0]
+    counts = recorded_rows(str(verified))
+    assert counts is not None and counts[shard] == len(read_samples(shard))
+    write_samples(shard, read_samples(shard).slice(0, 100), "fixed", 64, 10)
+    assert recorded_rows(str(verified)) is None

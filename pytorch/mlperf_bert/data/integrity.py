@@ -13,7 +13,8 @@ labels, and next-sentence label, whatever the layout (fixed, varlength or packed
 sample made again from the same text with other masks is another sample.
 
 Two depths:
-- `check_integrity` (the trainer's start-up, on by default): per shard, the row count and the
+- `check_integrity` (`data_prep/verify_dataset.py --quick`, a pre-check; the trainer reads no row before
+  its clock starts): per shard, the row count and the
   hashes of its first row, its last row and a block of `PROBE_ROWS` rows in the middle. Shards
   that agree on all of these are compared in full (the first pair of each group) before the
   folder is refused, so a chance agreement never refuses good data. The probed sequences are
@@ -218,7 +219,7 @@ def leakage_message(where: Sequence[tuple[Path, int, int]], eval_source: Path | 
             "shards without the eval samples (data_prep/verify_dataset.py TRAIN_DIR EVAL_DIR counts them all)")
 
 
-# ---------------------------------------------------------------- the quick check (trainer start-up)
+# ---------------------------------------------------------------- the quick check (verify_dataset.py --quick)
 
 @dataclass(frozen=True)
 class Probe:

@@ -169,7 +169,7 @@ def check_widths(shards: list[Path]) -> None:
 
 
 def check_dataset(source: Path | str, limits: DataLimits, rank: int = 0, world_size: int = 1) -> list[Path]:
-    """The start-up check of a data folder (or one shard); returns its shards.
+    """The whole-folder check of a data folder (or one shard); returns its shards.
 
     Cheap checks first, on every shard: the folder is complete (`shards.folder_problems`:
     MANIFEST.json's files present with their sizes, no temporary files, no gaps in the

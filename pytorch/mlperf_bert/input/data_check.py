@@ -20,21 +20,12 @@ it (§6.4, Other Uses of Data). So before `run_start` a run reads only `VERIFIED
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..config.settings import TrainConfig
 from ..data.dataset import DataError, DataLimits
 from ..data.record import RECORD_NAME, Record, read_record, reverify_advice, stale_problems
 from ..data.static_batch import StaticShape
-
-
-@dataclass(frozen=True)
-class CheckedData:
-    """The records a run starts with (None: the folder has none, or an out-of-date one in the open division)."""
-
-    train: Record | None
-    eval: Record | None
 
 
 def _folder(path: str) -> Path:
@@ -84,7 +75,7 @@ def _eval_holds(record: Record, wanted: int, shortfall_advice: str) -> None:
 
 
 def check_data_before_clock(cfg: TrainConfig, limits: DataLimits, shortfall_advice: str,
-                            notes: bool = True) -> CheckedData:
+                            notes: bool = True) -> None:
     """Every data check of a run before `run_start`; raises DataError naming the folder and the fix.
 
     shortfall_advice: what to do when the eval set is smaller than --num_eval_examples.
@@ -97,7 +88,7 @@ def check_data_before_clock(cfg: TrainConfig, limits: DataLimits, shortfall_advi
         _fits(evals, limits)
         _eval_holds(evals, cfg.eval.num_eval_examples, shortfall_advice)
     if not cfg.run.do_train or cfg.data.input_dir is None:
-        return CheckedData(None, evals)
+        return
     train = _usable(Path(cfg.data.input_dir), closed, "training folder", notes, cfg.data.eval_dir)
     if train is not None:
         _fits(train, limits)
@@ -105,7 +96,6 @@ def check_data_before_clock(cfg: TrainConfig, limits: DataLimits, shortfall_advi
         raise DataError(f"closed division: {train.folder} was not checked for samples of the eval set "
                         f"{evals.folder} (training_rules.adoc §6.5: the eval set is held out); "
                         f"{reverify_advice(train.folder, evals.folder)}")
-    return CheckedData(train, evals)
 
 
 def recorded_shape(input_dir: str, rows: int, row_len: int) -> StaticShape:
