@@ -16,24 +16,26 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import threading
 import time
 
 _LOG = os.environ.get("OPEN_AUDIT_LOG")
 _DIRS = tuple(os.path.realpath(d) + os.sep for d in os.environ.get("OPEN_AUDIT_DIRS", "").split(os.pathsep) if d)
-_busy = False
+# Per thread: the eval set loads on a background thread while the main thread opens shards, and a
+# process-wide flag would drop whichever open came second.
+_state = threading.local()
 _PAUSE_PATH, _, _PAUSE_S = os.environ.get("OPEN_AUDIT_PAUSE", "").rpartition(":")
 _paused = False
 
 
 def _record(path: object) -> None:
-    global _busy
-    if _busy or not isinstance(path, (str, bytes, os.PathLike)):
+    if getattr(_state, "busy", False) or not isinstance(path, (str, bytes, os.PathLike)):
         return
     name = os.fsdecode(os.fspath(path))
     full = os.path.realpath(name)
     if not full.startswith(_DIRS):
         return
-    _busy = True
+    _state.busy = True
     try:
         fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -41,7 +43,7 @@ def _record(path: object) -> None:
         finally:
             os.close(fd)
     finally:
-        _busy = False
+        _state.busy = False
 _PAUSE_PATH, _, _PAUSE_S = os.environ.get("OPEN_AUDIT_PAUSE", "").rpartition(":")
 _paused = False
 
