@@ -14,6 +14,10 @@ STAMP := $(VENV)/.installed
 # Both install torchao (the fp8 extra): `PRECISION=fp8 make demo` and the fp8 tests need it.
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
+# Test files run side by side in pytest-xdist workers, one per CPU and at most 4 (a test may start
+# several trainer processes of its own); a file's tests stay on one worker, so its module-scoped
+# set-up runs once. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: demo test venv clean-demo gpu-check mutants
 
@@ -37,7 +41,7 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
 	$(PY) -m mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Mutation testing of the newest modules; MUTANT_ARGS="--module sharded" or "--only ID" narrows it.
 MUTANT_ARGS ?=

@@ -385,3 +385,15 @@ def test_grouped_trainer_runs_padded_and_unpadded_batches_alike(demo_data, tmp_p
             if ":::MLLOG" in line)) if e["key"] == "eval_accuracy"]
     assert accuracies["padded"] and accuracies["padded"] == pytest.approx(accuracies["unpadded"], abs=1e-6)
     assert json.loads((demo_data / "bert_config.json").read_text())["attention_probs_dropout_prob"] > 0
+
+
+def test_compiling_keeps_the_grouped_path_out_of_compiled_graphs():
+    """Group shapes change every batch: compile_model must make torch.compile break its graph around
+    the grouped call (torch.compiler.disable), and the eager entry point must then reach it."""
+    from mlperf_bert.model import compiling, grouped_attention as grouped
+
+    model = BertForPreTraining(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=16, max_position_embeddings=32))
+    compiling.compile_model(model, "default", backend="eager")  # backend eager: nothing is built until called
+    assert getattr(grouped._grouped_attention, "_torchdynamo_disable", False)
+    assert grouped._grouped_attention._torchdynamo_orig_callable is grouped._eager_grouped_attention

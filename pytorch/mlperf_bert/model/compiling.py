@@ -14,6 +14,7 @@ import torch
 from ..config.settings import COMPILE_MODES
 from ..runtime.optional import dependency_problem, describe_error
 from .bert import BertForPreTraining
+from .grouped_attention import keep_out_of_compiled_graphs
 
 TRITON_INSTALL = "pip install triton (torch's CUDA wheels bring the release that fits them)"
 
@@ -30,6 +31,7 @@ def compile_model(model: BertForPreTraining, mode: str = "default", dynamic: boo
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if mode == "none":
         return model
+    keep_out_of_compiled_graphs()
     options: dict[str, Any] = {"dynamic": dynamic, "backend": backend}
     if backend == "inductor":
         options["mode"] = mode

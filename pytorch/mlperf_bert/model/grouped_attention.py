@@ -226,10 +226,16 @@ def _on_side_streams(attend: Callable[[int], torch.Tensor], inputs: Sequence[tor
     return outs
 
 
-@torch.compiler.disable  # group shapes change with every batch; the streams stay outside compiled graphs
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: GroupedLayout,
                       dropout_p: float) -> torch.Tensor:
     """Attention over flat q, k, v [T, heads, dim], one SDPA call per length group; [T, heads, dim].
+    Outside compiled graphs once `keep_out_of_compiled_graphs` has run."""
+    return _grouped_attention(q, k, v, layout, dropout_p)
+
+
+def _eager_grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: GroupedLayout,
+                             dropout_p: float) -> torch.Tensor:
+    """`grouped_attention`'s work.
 
     One gather per input fills every group's cells at once and `split` hands each group its
     part, so the backward pass scatters each input's gradient once, not once per group.
@@ -248,3 +254,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
         outs = [attend(i) for i in range(len(layout.grids))]
     out_cells = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out_cells[layout.slot]
+
+
+_grouped_attention = _eager_grouped_attention
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Group shapes change with every batch and the streams are GPU-only: torch.compile must break its
+    graph around the grouped path, not trace it. `compile_model` calls this before compiling; it is not
+    a decorator because `torch.compiler.disable` imports torch._dynamo, seconds of start-up in every
+    process that never compiles."""
+    global _grouped_attention
+    if _grouped_attention is _eager_grouped_attention:
+        _grouped_attention = torch.compiler.disable(_eager_grouped_attention)
