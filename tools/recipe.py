@@ -70,8 +70,11 @@ def device_memory_gb(micro_batch: int) -> float:
 
 
 def max_micro_batch(memory_gb: float) -> int:
-    """The largest micro-batch whose estimate fits the usable part of the device's memory."""
-    return max(0, math.floor((memory_gb * USABLE_FRACTION - MODEL_STATE_GB) / ACTIVATION_GB_PER_SEQUENCE))
+    """The largest micro-batch whose `device_memory_gb` fits the usable part of the device's memory."""
+    usable, fits = memory_gb * USABLE_FRACTION, 0
+    while device_memory_gb(fits + 1) <= usable:
+        fits += 1
+    return fits
 
 
 # ---------------------------------------------------------------------------------------------
