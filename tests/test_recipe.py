@@ -71,6 +71,14 @@ def test_eight_a100s_get_nvidias_published_config(tmp_path):
     assert written["DGXSYSTEM"] == "T"
 
 
+def test_a_size_above_every_rcp_is_written_when_asked_with_its_status_and_a_limit_at_the_schedules_end(tmp_path, capsys):
+    path, exports = _write(tmp_path, "--gpus", "8", "--memory_gb", "80", "--gbs", "16392")
+    assert re.search(r"^\*\s+16392\s.*\smissing\s", capsys.readouterr().out, re.M)  # the chosen row
+    assert "# RCP (training 5.0.0, bert): GBS 16392 is above every RCP" in path.read_text()
+    schedule_end = int(exports["MAX_STEPS"]) * 16392
+    assert schedule_end <= int(exports["MAX_SAMPLES_TERMINATION"]) < schedule_end + 100_000
+
+
 def _trainer_flags(exports: dict[str, str], tmp_path: Path) -> list[str]:
     """The flags run_and_time.sh makes of these variables (its own table)."""
     table = re.findall(r'^\s+"(\w+) (--\w+)( switch)?"', (REPO / "run_and_time.sh").read_text(), re.M)

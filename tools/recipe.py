@@ -258,9 +258,10 @@ def config_text(chosen: Candidate, system: str, device: str, memory_gb: float, r
                 per_node: int | None = None) -> str:
     nodes, per = node_split(chosen.devices, per_node)
     gbs, interval = chosen.global_batch_size, eval_interval_samples(chosen.global_batch_size)
-    mean = chosen.expected_samples or chosen.window.rcp_mean or 0.0
-    limit = max(math.ceil(LIMIT_OVER_RCP_MEAN * mean / 100_000) * 100_000, interval)
     b = chosen.borrow
+    # Room past the expected end; above every RCP there is none to expect: the end of the LR schedule.
+    expected = LIMIT_OVER_RCP_MEAN * chosen.expected_samples if chosen.expected_samples else b.max_steps * gbs
+    limit = max(math.ceil(expected / 100_000) * 100_000, interval)
     header = [
         "# shellcheck shell=bash",
         f"# {nodes} node(s) x {per} {device} ({memory_gb:g} GB): written by tools/recipe.py.",
