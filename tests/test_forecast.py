@@ -88,6 +88,13 @@ def test_wall_time_follows_the_runs_own_pace_between_evals():
     assert result.seconds == pytest.approx(expected)
 
 
+def test_an_eval_before_training_is_left_out():
+    before = predict([(0.0, 0.34)], SCHEDULE_448, [10.0])
+    assert before.line() == "no forecast: no eval after the first training step yet"
+    evals, seconds = _evals([0.375, 0.40]), [90.0, 150.0]
+    assert predict([(0.0, 0.34), *evals], SCHEDULE_448, [10.0, *seconds]) == predict(evals, SCHEDULE_448, seconds)
+
+
 def test_a_schedule_far_outside_the_published_runs_gets_no_numbers():
     result = predict(_evals([0.4, 0.5]), 64_000)  # the CPU demo's 1,000 steps of 64
     assert result.outside and math.isnan(result.samples)

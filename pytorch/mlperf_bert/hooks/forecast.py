@@ -181,6 +181,12 @@ def predict(evals: Sequence[tuple[float, float]], schedule_samples: float,
         raise ValueError(f"schedule samples must be > 0, got {schedule_samples}")
     if eval_seconds is not None and len(eval_seconds) != len(evals):
         raise ValueError(f"{len(eval_seconds)} eval times for {len(evals)} evals")
+    # An eval before the first step (0 samples) tells neither the progress nor the pace.
+    trained = [i for i, (samples, _) in enumerate(evals) if samples > 0]
+    if not trained:
+        return Forecast(0, math.nan, math.nan, math.nan, False, None, "no eval after the first training step yet")
+    evals = [evals[i] for i in trained]
+    eval_seconds = None if eval_seconds is None else [eval_seconds[i] for i in trained]
     last_samples, last_accuracy = evals[-1]
     if last_accuracy >= target:
         now = None if eval_seconds is None else (eval_seconds[-1], eval_seconds[-1], eval_seconds[-1])
