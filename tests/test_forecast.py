@@ -90,7 +90,7 @@ def test_wall_time_follows_the_runs_own_pace_between_evals():
 
 def test_an_eval_before_training_is_left_out():
     before = predict([(0.0, 0.34)], SCHEDULE_448, [10.0])
-    assert before.line() == "no forecast: no eval after the first training step yet"
+    assert before.line() == "none (no eval after the first training step yet)"
     evals, seconds = _evals([0.375, 0.40]), [90.0, 150.0]
     assert predict([(0.0, 0.34), *evals], SCHEDULE_448, [10.0, *seconds]) == predict(evals, SCHEDULE_448, seconds)
 
@@ -98,7 +98,7 @@ def test_an_eval_before_training_is_left_out():
 def test_a_schedule_far_outside_the_published_runs_gets_no_numbers():
     result = predict(_evals([0.4, 0.5]), 64_000)  # the CPU demo's 1,000 steps of 64
     assert result.outside and math.isnan(result.samples)
-    assert result.line().startswith("no forecast: the LR schedule spans 64,000 samples")
+    assert result.line().startswith("none (the LR schedule spans 64,000 samples")
 
 
 @pytest.mark.parametrize("evals,seconds,message", [([], None, "at least one eval"),
@@ -134,7 +134,7 @@ def test_the_cli_forecasts_a_running_log_as_the_model_does(tmp_path, capsys):
                        [(r["time_ms"] - start) / 1000 for r in evals])
     assert forecast_cli.main([str(running)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"{running}: {expected.line()}"
+    assert out[0] == f"{running}: forecast: {expected.line()}"
     assert out[1].startswith("RCP: ") and "GBS 448 has its own RCP" in out[1]
     assert len(out) == 2  # a running log has no real end to show
     # the finished log replayed from its first 3 evals says the same, then its real end
@@ -178,7 +178,8 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, text, message):
 def test_the_script_runs_from_the_command_line():
     done = subprocess.run([sys.executable, str(REPO / "tools" / "forecast.py"), str(NVIDIA_448), "--evals", "2"],
                           capture_output=True, text=True, check=False)
-    assert done.returncode == 0 and "forecast (2 evals): 0.720 at " in done.stdout, done.stderr
+    assert done.returncode == 0 and ": forecast: 0.720 at " in done.stdout and ", from 2 evals\n" in done.stdout, \
+        done.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,8 +213,9 @@ def test_the_live_view_prints_the_forecast_after_every_eval(tmp_path):
     view.close()
     lines = [line for line in stream.getvalue().splitlines() if "forecast" in line]
     seconds = [60.0 * (i + 1) for i in range(len(evals))]
-    assert lines == [predict(evals[:k], SCHEDULE_448, seconds[:k]).line() for k in range(1, len(evals) + 1)]
-    assert (tmp_path / "train.log").read_text().count("forecast (") == len(evals)
+    assert lines == [f"forecast: {predict(evals[:k], SCHEDULE_448, seconds[:k]).line()}"
+                     for k in range(1, len(evals) + 1)]
+    assert (tmp_path / "train.log").read_text().count("forecast: 0.720 at ") == len(evals)
 
 
 @pytest.mark.parametrize("resumed,schedule", [(True, SCHEDULE_448), (False, 64_000)])
@@ -237,4 +239,4 @@ def test_the_summary_sets_the_early_forecast_beside_the_end(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     early = predict(evals[:3], SCHEDULE_448).line()
     latest = predict(evals, SCHEDULE_448).line()
-    assert f"forecast: {early}; after all 4 evals: {latest}\n" in summary
+    assert f"forecast: {early}; now {latest}\n" in summary

@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ForecastError, ScoringError) as err:
         print(f"forecast.py: {err}", file=sys.stderr)
         return 2
-    print(f"{args.log}: {forecast.line()}")
+    print(f"{args.log}: forecast: {forecast.line()}")
     print(rcp_outlook(forecast, window).line(forecast))
     if args.evals is not None and args.evals < len(run.evals):
         print(real_end(run))

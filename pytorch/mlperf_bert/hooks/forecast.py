@@ -95,17 +95,18 @@ class Forecast:
     outside: str = ""
 
     def line(self, target: float = TARGET_ACCURACY) -> str:
-        """One line, e.g. `forecast (3 evals): 0.720 at 2.51M samples (80%: 2.21M-2.86M), ...`."""
+        """One line, e.g. `0.720 at 2.51M samples (80%: 2.21M-2.86M), 1:02:03 after run_start
+        (0:55:00-1:10:00), from 3 evals`; `none (why)` without numbers."""
         if self.outside:
-            return f"no forecast: {self.outside}"
+            return f"none ({self.outside})"
         if self.reached:
-            return f"reached {target:.3f} at {samples_text(self.samples)} samples"
-        text = (f"forecast ({self.evals} eval{'s' if self.evals > 1 else ''}): {target:.3f} at "
-                f"{samples_text(self.samples)} samples (80%: {samples_text(self.low)}-{samples_text(self.high)})")
+            return f"{target:.3f} reached at {samples_text(self.samples)} samples"
+        text = (f"{target:.3f} at {samples_text(self.samples)} samples "
+                f"(80%: {samples_text(self.low)}-{samples_text(self.high)})")
         if self.seconds is not None:
             mid, low, high = self.seconds
             text += f", {duration(mid)} after run_start ({duration(low)}-{duration(high)})"
-        return text
+        return text + f", from {self.evals} eval{'s' if self.evals > 1 else ''}"
 
 
 def samples_text(samples: float) -> str:

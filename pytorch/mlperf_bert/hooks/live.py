@@ -166,7 +166,7 @@ class LiveView(Hook):
         if self.resumed or self.schedule_samples <= 0 or not self.evals:
             return ""
         forecast = predict(self.evals, self.schedule_samples, self.eval_seconds, self.target)
-        return "" if forecast.outside else forecast.line(self.target)
+        return "" if forecast.outside else f"forecast: {forecast.line(self.target)}"
 
     def percent_of_target(self, accuracy: float) -> float:
         return 100.0 * accuracy / self.target

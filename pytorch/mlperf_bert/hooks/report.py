@@ -62,13 +62,10 @@ def forecast_text(evals: Sequence[tuple[int, float]], schedule_samples: int, tar
     more evals than that, the latest one; "" when there is nothing to forecast from."""
     if schedule_samples <= 0 or not evals:
         return ""
-    first = predict(evals[:EARLY_EVALS], schedule_samples, target=target)
-    if first.outside:
-        return f"none ({first.outside})"
-    early = first.line(target)
-    if len(evals) <= EARLY_EVALS or evals[-1][1] >= target:
-        return early
-    return f"{early}; after all {len(evals)} evals: {predict(evals, schedule_samples, target=target).line(target)}"
+    early = predict(evals[:EARLY_EVALS], schedule_samples, target=target)
+    if early.outside or len(evals) <= EARLY_EVALS or evals[-1][1] >= target:
+        return early.line(target)
+    return f"{early.line(target)}; now {predict(evals, schedule_samples, target=target).line(target)}"
 
 
 def _pyplot() -> Any:
