@@ -208,6 +208,7 @@ def test_replay_of_a_shipped_demo_run_writes_its_summary_and_curves(tmp_path):
     seconds = (run.run_stop_ms - run.run_start_ms) / 1000
     assert text.startswith(f"status: success\ntime to train: {seconds:.1f} s")
     assert f"mlm_accuracy {run.evals[-1][1]:.4f}" in text and f"MLPerf log: {log}" in text
+    assert "\nforecast: none (the LR schedule spans 64,000 samples" in text  # the demo's 1,000 steps of 64
     _check_png(tmp_path / "out" / "curves.png")
     assert (tmp_path / "out" / "curves.png").stat().st_mode & 0o044  # readable by others (umask 022)
 

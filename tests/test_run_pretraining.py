@@ -183,6 +183,8 @@ def test_a_run_shows_its_progress_and_leaves_a_summary_and_curves(demo_data, tmp
     text = (out / "summary.txt").read_text()
     assert text.startswith("status: aborted\n") and text in result.stderr
     assert f"2: samples 48 mlm_accuracy {evals[1][1]:.4f}" in text
+    # the trainer hands the hooks its schedule: 6 steps of 8, far below the published runs' schedules
+    assert "\nforecast: none (the LR schedule spans 48 samples, outside the " in text
     _check_picture(out / "curves.png")
 
 

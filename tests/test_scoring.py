@@ -14,6 +14,7 @@ import pytest
 
 import package_results
 import scoring
+from _rcp_results import synthetic_result as _synthetic_result
 from compare import RunLog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,25 +143,6 @@ def test_an_rcp_the_checker_prunes_is_interpolated_and_said_so():
     window = scoring.rcp_window(4096, "5.0.0")
     assert (window.coverage, window.rcp_batch_sizes, window.pruned) == (scoring.INTERPOLATED, (448, 4608), True)
     assert "its own RCP is pruned" in window.describe()
-
-
-def _mllog(key: str, value, time_ms: int, **metadata) -> str:
-    record = {"namespace": "", "time_ms": time_ms, "event_type": "POINT_IN_TIME", "key": key,
-              "value": value, "metadata": metadata}
-    return ":::MLLOG " + json.dumps(record) + "\n"
-
-
-def _synthetic_result(folder: Path, olympic_samples: int, gbs: int = 768) -> Path:
-    """Ten result files whose olympic mean of samples to converge is `olympic_samples`: the eight
-    middle runs spread evenly around it, and one far faster and one far slower run dropped."""
-    folder.mkdir(parents=True)
-    spread = [0, 0, -4000, 4000, -8000, 8000, -12000, 12000, -400000, 400000]
-    for i, offset in enumerate(spread):
-        lines = [_mllog("submission_benchmark", "bert", 0), _mllog("global_batch_size", gbs, 0),
-                 _mllog("eval_accuracy", 0.7201, 1000, epoch_num=olympic_samples + offset),
-                 _mllog("run_stop", None, 1001, status="success")]
-        (folder / f"result_{i}.txt").write_text("".join(lines))
-    return folder
 
 
 def _official_rcp_checker(folder: Path) -> bool:

@@ -54,6 +54,7 @@ class RunLog:
     samples_reconstructed: bool  # True when the log's epoch_num is not a sample count (see below)
     sysjson: Mapping[str, Any] | None  # system description printed by the launcher, if any
     init_start_ms: int | None = None
+    eval_ms: tuple[int, ...] = ()  # when each eval's accuracy was logged, epoch milliseconds
 
     @property
     def init_seconds(self) -> float | None:
@@ -165,6 +166,7 @@ class _LogReader:
     values: dict[str, Any] = field(default_factory=dict)
     times: dict[str, int] = field(default_factory=dict)  # init_start / run_start / run_stop, epoch ms
     evals: list[tuple[float, float]] = field(default_factory=list)  # (epoch_num, accuracy)
+    eval_ms: list[int] = field(default_factory=list)  # time_ms of each of `evals`
     status: str | None = None
     sysjson: dict[str, Any] | None = None
 
@@ -174,6 +176,7 @@ class _LogReader:
             samples = _eval_samples(metadata)
             if samples is not None and isinstance(record.get("value"), (int, float)):
                 self.evals.append((samples, float(record["value"])))
+                self.eval_ms.append(int(record.get("time_ms", 0)))
         elif key in ("init_start", "run_start", "run_stop"):
             self.times.setdefault(key, int(record["time_ms"]))
             if key == "run_stop":
@@ -186,7 +189,8 @@ class _LogReader:
         samples, reconstructed = samples_axis(epoch_nums, self.values.get("global_batch_size"))
         points = tuple(zip(samples, (acc for _, acc in self.evals)))
         return RunLog(path, self.values, self.times.get("run_start"), self.times.get("run_stop"),
-                      self.status, points, reconstructed, self.sysjson, self.times.get("init_start"))
+                      self.status, points, reconstructed, self.sysjson, self.times.get("init_start"),
+                      tuple(self.eval_ms))
 
 
 def read_run(path: Path) -> RunLog:

@@ -55,9 +55,11 @@ def replay(progress: Path, mlperf_log: Path, out: Path, hook: Hook | None = None
     if not recorded:
         raise SystemExit(f"replay_run.py: no `step N samples S ... loss L lr X` lines in {progress}")
     batch = int(run.values.get("global_batch_size") or 1)
+    steps = run.values.get("opt_learning_rate_training_steps")  # the LR schedule, for the forecast line
+    schedule = int(steps) * batch if isinstance(steps, (int, float)) and steps > 0 else 0
     for h in hooks:
         h.run_start(RunStart(samples=0, step=0, stop_samples=recorded[-1].samples,
-                             global_batch_size=batch, output_dir=out))
+                             global_batch_size=batch, output_dir=out, schedule_samples=schedule))
     for event in recorded:
         for h in hooks:
             (h.step_end if isinstance(event, StepEnd) else h.eval_end)(event)

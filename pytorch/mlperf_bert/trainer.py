@@ -246,7 +246,8 @@ def train(run: Run, record: dict) -> RunResult:
 def run_start_event(run: Run) -> RunStart:
     state = run.state
     return RunStart(state.samples, state.step, stop_samples(run.cfg), run.cfg.global_batch_size,
-                    Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model)
+                    Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model,
+                    run.cfg.schedule.max_steps * run.cfg.global_batch_size)
 
 
 def log_run_start(run: Prepared | Run) -> dict:

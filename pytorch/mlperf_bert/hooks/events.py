@@ -35,6 +35,7 @@ class RunStart:
     output_dir: Path
     resumed: bool = False
     model: torch.nn.Module | None = None  # the model being trained (None where a hook is fed by hand)
+    schedule_samples: int = 0  # samples until the LR schedule ends (max_steps x global batch); 0: not known
 
 
 @dataclass(frozen=True)

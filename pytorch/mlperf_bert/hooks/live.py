@@ -18,19 +18,10 @@ from typing import Callable, TextIO
 from tqdm import tqdm
 
 from .events import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
+from .forecast import TARGET_ACCURACY, duration, predict
 
-TARGET_ACCURACY = 0.720
 TRAIN_LOG = "train.log"
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} seq [{elapsed}{postfix}]"
-
-
-def _duration(seconds: float) -> str:
-    """h:mm:ss, or "?" before there is a rate to extrapolate from."""
-    if seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds < 0:
-        return "?"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 def progress_line_due(event: StepEnd, log_every: int) -> bool:
@@ -86,15 +77,22 @@ class LiveView(Hook):
         self.fields = fields
         self.window = RateWindow(clock)
         self.evals: list[tuple[int, float]] = []
+        self.eval_seconds: list[float] = []  # after run_start, for the forecast's pace
         self.loss: float | None = None  # the latest loss the guard read with its agreement
         self.stop_samples = 0
+        self.schedule_samples = 0
+        self.started = 0.0
+        self.resumed = False
         self.log_path: Path | None = None
         self._log: TextIO | None = None
         self._bar: tqdm | None = None
 
     def run_start(self, event: RunStart) -> None:
         self.stop_samples = event.stop_samples
+        self.schedule_samples = event.schedule_samples
+        self.resumed = event.resumed
         self.window.restart(event.samples)
+        self.started = self.window.start_time
         event.output_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = event.output_dir / TRAIN_LOG
         self._log = self.log_path.open("a", buffering=1)
@@ -127,7 +125,11 @@ class LiveView(Hook):
 
     def eval_end(self, event: EvalEnd) -> None:
         self.evals.append((event.samples, event.accuracy))
+        self.eval_seconds.append(self.window.clock() - self.started)
         self._line(self.eval_line(event))
+        forecast = self.forecast_line()
+        if forecast:
+            self._line(forecast)
         self.window.restart(event.samples)
 
     def run_end(self, event: RunEnd) -> None:
@@ -150,12 +152,21 @@ class LiveView(Hook):
         return (f"step {event.step} samples {event.samples}/{self.stop_samples} "
                 f"samples/s {samples_s:.1f} tokens/s {tokens_s:.0f} loss {self._loss(4)} "
                 f"lr {event.learning_rate:.3e} skipped {event.skipped_steps} next_eval {event.next_eval_samples} "
-                f"eta_eval {_duration(eta)}{extra} {self.history()}")
+                f"eta_eval {duration(eta)}{extra} {self.history()}")
 
     def eval_line(self, event: EvalEnd) -> str:
         return (f"eval {len(self.evals)} step {event.step} samples {event.samples} mlm_accuracy "
                 f"{event.accuracy:.4f} ({self.percent_of_target(event.accuracy):.1f}% of target "
                 f"{self.target:.3f}) mlm_loss {event.loss:.4f} eval_seconds {event.seconds:.1f}")
+
+    def forecast_line(self) -> str:
+        """When the run reaches the target, from the evals so far (`hooks.forecast`). None for a
+        resumed run, whose earlier evals this view never saw, without the schedule's length, or
+        for a schedule the published runs do not cover (the summary says why)."""
+        if self.resumed or self.schedule_samples <= 0 or not self.evals:
+            return ""
+        forecast = predict(self.evals, self.schedule_samples, self.eval_seconds, self.target)
+        return "" if forecast.outside else f"forecast: {forecast.line(self.target)}"
 
     def percent_of_target(self, accuracy: float) -> float:
         return 100.0 * accuracy / self.target
@@ -172,7 +183,7 @@ class LiveView(Hook):
         eta = (event.next_eval_samples - event.samples) / samples_s
         skipped = f" skipped {event.skipped_steps}" if event.skipped_steps else ""  # fp16 overflows, when any
         return (f"{samples_s:.1f} seq/s {tokens_s:.0f} tok/s loss {self._loss(3)} "
-                f"lr {event.learning_rate:.2e}{skipped} eval in {_duration(eta)} {self.history()}")
+                f"lr {event.learning_rate:.2e}{skipped} eval in {duration(eta)} {self.history()}")
 
     def _loss(self, digits: int) -> str:
         """The latest loss read with the guard's agreement (none yet: `-`); never a read of its own."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .events import EvalEnd, Hook, RunEnd, RunStart, StepEnd
+from .forecast import predict
 from ..runtime.files import atomic_file, write_text_atomic
 from .live import TARGET_ACCURACY, TRAIN_LOG
 
@@ -37,6 +38,7 @@ class Summary:
     samples_per_second: float  # (samples - start_samples) / seconds, evals included
     target: float = TARGET_ACCURACY
     files: dict[str, str] = field(default_factory=dict)  # what -> path
+    forecast: str = ""  # what the forecast said after the first evals (and, short of the target, after the last)
 
     def text(self) -> str:
         reason = f" ({self.reason})" if self.reason else ""
@@ -47,8 +49,23 @@ class Summary:
                  f"throughput: {self.samples_per_second:.1f} samples/s (evals included)",
                  f"evals ({len(self.evals)}, target {self.target:.3f}):"]
         lines += [f"  {i}: samples {s} mlm_accuracy {a:.4f}" for i, (s, a) in enumerate(self.evals, 1)]
+        lines += [f"forecast: {self.forecast}"] if self.forecast else []
         lines += [f"{what}: {path}" for what, path in self.files.items()]
         return "\n".join(lines) + "\n"
+
+
+EARLY_EVALS = 3  # the summary sets the forecast made after this many evals beside the real end
+
+
+def forecast_text(evals: Sequence[tuple[int, float]], schedule_samples: int, target: float) -> str:
+    """The forecast after the first evals and, for a run that stopped short of the target with
+    more evals than that, the latest one; "" when there is nothing to forecast from."""
+    if schedule_samples <= 0 or not evals:
+        return ""
+    early = predict(evals[:EARLY_EVALS], schedule_samples, target=target)
+    if early.outside or len(evals) <= EARLY_EVALS or evals[-1][1] >= target:
+        return early.line(target)
+    return f"{early.line(target)}; now {predict(evals, schedule_samples, target=target).line(target)}"
 
 
 def _pyplot() -> Any:
@@ -119,11 +136,13 @@ class RunReport(Hook):
         self.evals: list[tuple[int, float]] = []
         self.output_dir = Path(".")
         self.start_samples = 0
+        self.schedule_samples = 0
         self.summary: Summary | None = None
 
     def run_start(self, event: RunStart) -> None:
         self.output_dir = event.output_dir
         self.start_samples = event.samples
+        self.schedule_samples = event.schedule_samples
         self.log_dir = self.log_dir or (self.mlperf_log.parent if self.mlperf_log else event.output_dir)
 
     def step_end(self, event: StepEnd) -> None:
@@ -155,6 +174,8 @@ class RunReport(Hook):
         for what, path in (("progress log", self.output_dir / TRAIN_LOG), ("MLPerf log", self.mlperf_log)):
             if path is not None and path.is_file():
                 files[what] = str(path)
+        evals = tuple(self.evals) or tuple(event.evals)
+        every_eval = event.evals if len(event.evals) > len(self.evals) else evals  # a resumed run's too
         return Summary(event.status, event.reason, event.seconds, event.step, event.samples,
-                       self.start_samples, tuple(self.evals) or tuple(event.evals),
-                       trained / event.seconds if event.seconds > 0 else 0.0, self.target, files)
+                       self.start_samples, evals, trained / event.seconds if event.seconds > 0 else 0.0,
+                       self.target, files, forecast_text(every_eval, self.schedule_samples, self.target))

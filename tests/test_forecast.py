@@ -1,0 +1,242 @@
+"""The run forecast: its rows refitted from the published logs, its backtest on systems it was
+not fitted on, tools/forecast.py on a published log and against the official RCP checker, and
+the forecast lines of the live view and the summary."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tarfile
+from dataclasses import astuple
+from pathlib import Path
+
+import pytest
+
+import forecast as forecast_cli
+import forecast_backtest
+from _rcp_results import official_verdict, synthetic_result
+from mlperf_bert.hooks.events import EvalEnd, RunEnd, RunStart
+from mlperf_bert.hooks.forecast import ROWS, SCHEDULE_RANGE, Forecast, fit, predict
+from mlperf_bert.hooks.live import LiveView
+from mlperf_bert.hooks.report import RunReport
+from scoring import rcp_window
+
+REPO = Path(__file__).resolve().parents[1]
+NVIDIA_448 = REPO / "tests/data/mlperf_logs/v2.0/NVIDIA/results/dgxa100_ngc22.04_pytorch/bert/result_0.txt"
+SCHEDULE_448 = 6700 * 448  # NVIDIA's v2.0 A100 schedule: 6,700 steps of 448
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> list[forecast_backtest.Published]:
+    folder = tmp_path_factory.mktemp("forecast_logs")
+    with tarfile.open(forecast_backtest.LOGS) as archive:
+        archive.extractall(folder, filter="data")
+    runs, skipped = forecast_backtest.load(folder)
+    assert (len(runs), skipped) == (405, 5)
+    return runs
+
+
+def test_the_shipped_rows_are_the_fit_of_the_published_logs(published):
+    refit = fit([p.observed for p in published])
+    assert [(r.evals, r.runs) for r in ROWS] == [(r.evals, r.runs) for r in refit]
+    for shipped, fitted in zip(ROWS, refit):
+        assert astuple(shipped)[1:6] == pytest.approx(astuple(fitted)[1:6], rel=1e-6), shipped.evals
+    schedules = [p.observed.schedule_samples for p in published]
+    assert SCHEDULE_RANGE == (min(schedules), max(schedules))
+
+
+@pytest.mark.parametrize("evals", [2, 3])
+def test_on_systems_left_out_of_the_fit_the_interval_holds_about_80_percent(published, evals):
+    outcomes = forecast_backtest.backtest(published, evals)
+    assert len({o.system for o in outcomes}) == 41
+    coverage = statistics.mean(o.covered for o in outcomes)
+    errors = [abs(o.samples[0] / o.real_samples - 1) for o in outcomes]
+    assert 0.72 <= coverage <= 0.88, coverage
+    assert statistics.median(errors) < 0.08
+    # the plain log-linear extrapolation the model replaces is far worse
+    naive = [abs(o.naive / o.real_samples - 1) for o in outcomes if o.naive is not None]
+    assert statistics.median(naive) > 5 * statistics.median(errors)
+
+
+def _evals(accuracies: list[float], interval: int = 150_000) -> list[tuple[float, float]]:
+    return [(interval * (i + 1.0), a) for i, a in enumerate(accuracies)]
+
+
+def test_the_forecast_follows_the_schedule_and_the_progress_and_never_ends_before_the_next_eval():
+    early = [0.375, 0.40, 0.48]
+    base = predict(_evals(early), SCHEDULE_448)
+    assert base.low < base.samples < base.high
+    assert predict(_evals(early), 2 * SCHEDULE_448).samples > base.samples  # a longer schedule ends later
+    assert predict(_evals([0.375, 0.40, 0.60]), SCHEDULE_448).samples < base.samples  # further along: sooner
+    late = predict(_evals([0.40] * 19 + [0.7195]), SCHEDULE_448)  # 20 evals in, just short of the target
+    assert late.low >= 21 * 150_000
+    reached = predict(_evals([0.40, 0.65, 0.7201]), SCHEDULE_448)
+    assert (reached.reached, reached.samples, reached.high) == (True, 450_000, 450_000)
+
+
+def test_wall_time_follows_the_runs_own_pace_between_evals():
+    evals = _evals([0.375, 0.40, 0.48])
+    seconds = [90.0, 150.0, 210.0]  # a minute a 150,000 samples after a 30 s start
+    result = predict(evals, SCHEDULE_448, seconds)
+    assert result.seconds is not None
+    pace = 60.0 / 150_000
+    expected = tuple(210.0 + (s - 450_000) * pace for s in (result.samples, result.low, result.high))
+    assert result.seconds == pytest.approx(expected)
+
+
+def test_an_eval_before_training_is_left_out():
+    before = predict([(0.0, 0.34)], SCHEDULE_448, [10.0])
+    assert before.line() == "none (no eval after the first training step yet)"
+    evals, seconds = _evals([0.375, 0.40]), [90.0, 150.0]
+    assert predict([(0.0, 0.34), *evals], SCHEDULE_448, [10.0, *seconds]) == predict(evals, SCHEDULE_448, seconds)
+
+
+def test_a_schedule_far_outside_the_published_runs_gets_no_numbers():
+    result = predict(_evals([0.4, 0.5]), 64_000)  # the CPU demo's 1,000 steps of 64
+    assert result.outside and math.isnan(result.samples)
+    assert result.line().startswith("none (the LR schedule spans 64,000 samples")
+
+
+@pytest.mark.parametrize("evals,seconds,message", [([], None, "at least one eval"),
+                                                   (_evals([0.4]), [1.0, 2.0], "2 eval times for 1 evals")])
+def test_bad_forecast_input_is_refused(evals, seconds, message):
+    with pytest.raises(ValueError, match=message):
+        predict(evals, SCHEDULE_448, seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/forecast.py
+
+
+def _running_log(source: Path, evals: int, target: Path) -> Path:
+    """The log as it stood when its `evals`-th eval was written (no run_stop yet)."""
+    lines, seen = [], 0
+    for line in source.read_text(encoding="latin-1").splitlines(keepends=True):
+        if seen == evals or '"key": "run_stop"' in line:
+            break
+        lines.append(line)
+        seen += '"key": "eval_accuracy"' in line
+    target.write_text("".join(lines))
+    return target
+
+
+def test_the_cli_forecasts_a_running_log_as_the_model_does(tmp_path, capsys):
+    running = _running_log(NVIDIA_448, 3, tmp_path / "result_0.txt")
+    records = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in NVIDIA_448.read_text().splitlines()
+               if ":::MLLOG " in line]
+    start = next(r["time_ms"] for r in records if r["key"] == "run_start")
+    evals = [r for r in records if r["key"] == "eval_accuracy"][:3]
+    expected = predict([(r["metadata"]["epoch_num"], r["value"]) for r in evals], SCHEDULE_448,
+                       [(r["time_ms"] - start) / 1000 for r in evals])
+    assert forecast_cli.main([str(running)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{running}: forecast: {expected.line()}"
+    assert out[1].startswith("RCP: ") and "GBS 448 has its own RCP" in out[1]
+    assert len(out) == 2  # a running log has no real end to show
+    # the finished log replayed from its first 3 evals says the same, then its real end
+    assert forecast_cli.main([str(NVIDIA_448), "--evals", "3"]) == 0
+    replay = capsys.readouterr().out.splitlines()
+    assert replay[0].split(": ", 1)[1] == out[0].split(": ", 1)[1]
+    assert replay[2] == "real end: 2.70M samples, 18.8 min after run_start"
+
+
+def _forecast(low: float, high: float) -> Forecast:
+    return Forecast(3, (low + high) / 2, low, high, False)
+
+
+def test_the_rcp_outlook_agrees_with_the_official_checker(tmp_path):
+    window = rcp_window(768, "5.0.0")
+    bound = math.ceil(window.min_mean or 0)
+    inside = forecast_cli.rcp_outlook(_forecast(bound, bound + 300_000), window)
+    below = forecast_cli.rcp_outlook(_forecast(bound - 300_000, bound - 1), window)
+    straddling = forecast_cli.rcp_outlook(_forecast(bound - 1, bound + 1), window)
+    assert (inside.status, below.status, straddling.status) == (forecast_cli.INSIDE, forecast_cli.BELOW,
+                                                                forecast_cli.UNCERTAIN)
+    # a result whose runs all land at the interval's low end (inside) or high end (below)
+    assert official_verdict(synthetic_result(tmp_path / "inside" / "bert", bound))[0] is True
+    assert official_verdict(synthetic_result(tmp_path / "below" / "bert", bound - 1))[0] is False
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "not an MLPerf run log"),
+    (':::MLLOG {"key": "submission_benchmark", "value": "bert", "time_ms": 0}\n', "no eval_accuracy line yet"),
+    (':::MLLOG {"key": "submission_benchmark", "value": "bert", "time_ms": 0}\n'
+     ':::MLLOG {"key": "eval_accuracy", "value": 0.4, "time_ms": 5, "metadata": {"epoch_num": 150000}}\n',
+     "no positive opt_learning_rate_training_steps in the log")])
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, text, message):
+    log = tmp_path / "result_0.txt"
+    log.write_text(text)
+    assert forecast_cli.main([str(log)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_the_script_runs_from_the_command_line():
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "forecast.py"), str(NVIDIA_448), "--evals", "2"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and ": forecast: 0.720 at " in done.stdout and ", from 2 evals\n" in done.stdout, \
+        done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The live view and the summary
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 500.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+ACCURACIES = [0.375, 0.40, 0.48, 0.63]
+
+
+def _start(tmp_path: Path) -> RunStart:
+    return RunStart(samples=0, step=0, stop_samples=4_500_000, global_batch_size=448, output_dir=tmp_path,
+                    schedule_samples=SCHEDULE_448)
+
+
+def test_the_live_view_prints_the_forecast_after_every_eval(tmp_path):
+    clock, stream = Clock(), io.StringIO()
+    view = LiveView(stream=stream, interactive=False, clock=clock)
+    view.run_start(_start(tmp_path))
+    evals = _evals(ACCURACIES)
+    for i, (samples, accuracy) in enumerate(evals):
+        clock.now += 60.0
+        view.eval_end(EvalEnd(step=i + 1, samples=int(samples), accuracy=accuracy, loss=2.0, seconds=5.0))
+    view.close()
+    lines = [line for line in stream.getvalue().splitlines() if "forecast" in line]
+    seconds = [60.0 * (i + 1) for i in range(len(evals))]
+    assert lines == [f"forecast: {predict(evals[:k], SCHEDULE_448, seconds[:k]).line()}"
+                     for k in range(1, len(evals) + 1)]
+    assert (tmp_path / "train.log").read_text().count("forecast: 0.720 at ") == len(evals)
+
+
+@pytest.mark.parametrize("resumed,schedule", [(True, SCHEDULE_448), (False, 64_000)])
+def test_a_resumed_run_or_an_uncovered_schedule_gets_no_forecast_line(tmp_path, resumed, schedule):
+    stream = io.StringIO()
+    view = LiveView(stream=stream, interactive=False, clock=Clock())
+    view.run_start(RunStart(samples=0, step=0, stop_samples=4_500_000, global_batch_size=448, output_dir=tmp_path,
+                            resumed=resumed, schedule_samples=schedule))
+    view.eval_end(EvalEnd(step=1, samples=150_000, accuracy=0.4, loss=2.0, seconds=5.0))
+    view.close()
+    assert "forecast" not in stream.getvalue() and "eval 1 step 1" in stream.getvalue()
+
+
+def test_the_summary_sets_the_early_forecast_beside_the_end(tmp_path):
+    report = RunReport(stream=io.StringIO())
+    report.run_start(_start(tmp_path))
+    evals = _evals(ACCURACIES)
+    for i, (samples, accuracy) in enumerate(evals):
+        report.eval_end(EvalEnd(step=i + 1, samples=int(samples), accuracy=accuracy, loss=2.0, seconds=5.0))
+    report.run_end(RunEnd("aborted", 4, 600_000, 300.0, reason="limit"))
+    summary = (tmp_path / "summary.txt").read_text()
+    early = predict(evals[:3], SCHEDULE_448).line()
+    latest = predict(evals, SCHEDULE_448).line()
+    assert f"forecast: {early}; now {latest}\n" in summary

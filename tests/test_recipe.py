@@ -1,0 +1,137 @@
+"""tools/recipe.py: its RCP statuses against the official RCP checker for 1 to 512 devices, its
+memory split, the hyperparameter set it borrows, and the config it writes (NVIDIA's 8-GPU choice,
+the trainer's closed-division rules)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import recipe
+from _rcp_results import official_verdict, synthetic_result
+from conftest import config_exports
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.closed_division import closed_division_problem
+from package_results import config_global_batch_size, read_config
+from scoring import ABOVE, BELOW, COVERED, INTERPOLATED
+
+REPO = Path(__file__).resolve().parents[1]
+RULESET = "5.0.0"
+# What the official checker answers for a result at each status (converging like the RCP mean).
+OFFICIAL = {COVERED: (True, "RCP found"), INTERPOLATED: (True, "RCP Interpolation"),
+            BELOW: (True, "RCP not found but slower convergence on smaller batch size"),
+            ABOVE: (False, "Missing RCP, please submit RCP with BS = {gbs}")}
+
+
+@pytest.fixture(scope="module")
+def sets() -> list[recipe.HyperparameterSet]:
+    return recipe.rcp_sets(RULESET) + recipe.config_sets(sorted(REPO.glob("config_*.sh")))
+
+
+def _write(tmp_path: Path, *args: str) -> tuple[Path, dict[str, str]]:
+    path = tmp_path / "config_T.sh"
+    assert recipe.main([*args, "--write", str(path)]) == 0
+    return path, config_exports(path)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 6, 8, 64, 512])
+def test_every_status_and_the_written_choice_are_what_the_official_checker_says(tmp_path, sets, devices):
+    found = recipe.candidates(devices, 80.0, RULESET, sets)
+    one_of_each = {c.window.coverage: c for c in found}
+    assert {COVERED, INTERPOLATED, ABOVE} <= set(one_of_each)
+    for coverage, candidate in one_of_each.items():
+        gbs = candidate.global_batch_size
+        mean = round(candidate.window.rcp_mean or 2_500_000)
+        verdict = official_verdict(synthetic_result(tmp_path / f"{gbs}" / "bert", mean, gbs))
+        passed, words = OFFICIAL[coverage]
+        assert verdict == (passed, words.format(gbs=gbs)), (devices, gbs, candidate.status)
+    # the written config's batch size, with its runs at the printed minimum and just under it
+    path, exports = _write(tmp_path, "--gpus", str(devices), "--memory_gb", "80")
+    gbs, _ = config_global_batch_size(read_config(path), path)
+    chosen = recipe.choose(found, 4)
+    assert chosen is not None and gbs == chosen.global_batch_size
+    assert int(exports["BATCHSIZE"]) >= 4 and chosen.window.coverage in (COVERED, INTERPOLATED)
+    bound = round(chosen.window.min_mean or 0)
+    assert official_verdict(synthetic_result(tmp_path / "at" / "bert", bound + 1, gbs))[0] is True
+    assert official_verdict(synthetic_result(tmp_path / "under" / "bert", bound - 1, gbs))[0] is False
+
+
+def test_eight_a100s_get_nvidias_published_config(tmp_path):
+    _, written = _write(tmp_path, "--gpus", "8", "--device", "A100")
+    nvidia = config_exports(REPO / "config_DGXA100_1x8.sh")
+    same = ("DGXNNODES", "DGXNGPU", "BATCHSIZE", "GRADIENT_STEPS", "LR", "MAX_STEPS", "WARMUP_STEPS",
+            "START_WARMUP_STEP", "OPT_LAMB_BETA_1", "OPT_LAMB_BETA_2", "WEIGHT_DECAY_RATE", "OPT_EPSILON",
+            "EVAL_ITER_START_SAMPLES", "EVAL_ITER_SAMPLES", "MAX_SAMPLES_TERMINATION", "TARGET_MLM_ACCURACY")
+    assert {k: float(written[k]) for k in same} == {k: float(nvidia[k]) for k in same}
+    assert set(nvidia) <= set(written)  # every variable NVIDIA's file sets
+    assert written["DGXSYSTEM"] == "T"
+
+
+def test_a_size_above_every_rcp_is_written_when_asked_with_its_status_and_a_limit_at_the_schedules_end(tmp_path, capsys):
+    path, exports = _write(tmp_path, "--gpus", "8", "--memory_gb", "80", "--gbs", "16392")
+    assert re.search(r"^\*\s+16392\s.*\smissing\s", capsys.readouterr().out, re.M)  # the chosen row
+    assert "# RCP (training 5.0.0, bert): GBS 16392 is above every RCP" in path.read_text()
+    schedule_end = int(exports["MAX_STEPS"]) * 16392
+    assert schedule_end <= int(exports["MAX_SAMPLES_TERMINATION"]) < schedule_end + 100_000
+
+
+def _trainer_flags(exports: dict[str, str], tmp_path: Path) -> list[str]:
+    """The flags run_and_time.sh makes of these variables (its own table)."""
+    table = re.findall(r'^\s+"(\w+) (--\w+)( switch)?"', (REPO / "run_and_time.sh").read_text(), re.M)
+    flags = ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--bert_config_path", str(tmp_path / "b.json"),
+             "--output_dir", str(tmp_path / "out"), "--do_train", "--init_checkpoint", str(tmp_path / "phase1.pt")]
+    for name, flag, switch in table:
+        if name in exports and not switch:
+            flags += [flag, exports[name]]
+        elif name in exports and exports[name] == "1":
+            flags.append(flag)
+    return flags
+
+
+@pytest.mark.parametrize("devices,memory", [(1, "24"), (6, "80")])
+def test_a_written_config_keeps_the_closed_division_rules(tmp_path, devices, memory):
+    _, exports = _write(tmp_path, "--gpus", str(devices), "--memory_gb", memory)
+    cfg = parse_config(_trainer_flags(exports, tmp_path), devices)
+    assert closed_division_problem(cfg) is None
+    assert cfg.global_batch_size == int(exports["BATCHSIZE"]) * devices
+
+
+def test_the_fewest_accumulation_steps_that_fit_the_memory():
+    limit = recipe.max_micro_batch(24.0)
+    assert recipe.device_memory_gb(limit) <= 24.0 * recipe.USABLE_FRACTION < recipe.device_memory_gb(limit + 1)
+    steps = recipe.accumulation_steps(448, limit)  # one 24 GB device at GBS 448
+    assert 448 % steps == 0 and 448 // steps <= limit
+    assert all(448 // fewer > limit for fewer in range(1, steps) if 448 % fewer == 0)
+    assert steps == 14  # 32 sequences a micro-batch
+
+
+def test_a_set_is_borrowed_from_its_own_batch_size_else_the_nearest(sets):
+    assert recipe.borrowable(448, sets).source == "RCP bert_ref_448"
+    assert recipe.borrowable(768, sets).source == "config_DGXB200_1x8.sh"  # NVIDIA's 768 set, the shipped configs'
+    assert recipe.borrowable(2048, sets).global_batch_size == 1536  # nearer than 3072 in ratio
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "0", "--memory_gb", "80"], "--gpus 0: give the number of accelerators"),
+    (["--gpus", "8"], "give --memory_gb M or --device NAME"),
+    (["--gpus", "8", "--device", "MI300X"], "--device MI300X: its memory is not known here; pass --memory_gb"),
+    (["--gpus", "8", "--memory_gb", "80", "--gbs", "100"], "--gbs 100: a global batch size must be a multiple of"),
+    (["--gpus", "8", "--memory_gb", "8"], "--memory_gb 8: one device needs 7.9 GB for a single sequence"),
+    (["--gpus", "8", "--memory_gb", "80", "--write", "x.sh"], "--write x.sh: name the file config_<SYSTEM>.sh"),
+    (["--gpus", "6", "--memory_gb", "80", "--gpus_per_node", "4", "--write", "config_A.sh"],
+     "--gpus_per_node 4: 6 devices do not split into nodes of 4")])
+def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    assert recipe.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1 and not any(tmp_path.iterdir()), err
+
+
+def test_the_script_runs_from_the_command_line():
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "recipe.py"), "--gpus", "8", "--device", "H100"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "choice: GBS 448 = 56 sequences" in done.stdout, done.stderr
