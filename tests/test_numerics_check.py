@@ -86,6 +86,20 @@ def test_captured_step_matches_eager(setup, reference):
     assert nc.first_outside(graphed) is None
 
 
+def test_packed_rows_with_padding_compare_real_tokens_only(setup):
+    """A row whose sequences leave a tail: its pad tokens, dummy sequences and padded predictions
+    never enter the comparison."""
+    rows = [[row[:-1] if r == 0 else row for r, row in enumerate(b.rows)] for b in setup.batches]
+    data = setup.cfg.data
+    packed = nc.layout_batches(rows, "packed", data.max_seq_length, data.max_predictions_per_seq)
+    assert packed[0].device_batch.num_tokens > packed[0].reference_batch.num_tokens
+    reference = nc.reference_captures(setup.reference, packed)
+    tokens = max(b.reference_batch.num_tokens for b in packed)
+    specs = nc.plan_rows(setup.bert, "fp32", data.max_seq_length, tokens, reference.shares)
+    results = nc.compare(specs, reference, nc.device_captures(model_for(setup, "fp32"), packed, "fp32", CPU))
+    assert nc.first_outside(results) is None, nc.format_table(results)
+
+
 # ---------------------------------------------------------------- planted faults
 
 
