@@ -19,7 +19,8 @@
 # Offline: wheels in carry/wheels (`make carry` fills it where a package registry is reachable) are
 # installed into a temporary folder put first on PYTHONPATH (pip install --no-index; nothing else on
 # the machine changes). Variables: PYTHON (python3), BERT_CONFIG (BERT-Large), BUDGET_S (510 s: 9 minutes
-# less a margin), CONFIGS (gpu-check's configs; default every config_*.sh without DEVICE=cpu).
+# less a margin), CONFIGS (gpu-check's configs; default every config_*.sh without DEVICE=cpu), BENCH_CONFIG
+# (the throughput benchmark's model: large), BRING_UP_DEVICE (cpu runs the GPU sequence on the CPU, to try it).
 # Exit status: 0 when every step that ran passed, 1 otherwise, 2 for a usage error.
 set -uo pipefail
 
@@ -77,7 +78,7 @@ install_carried() {
   if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
       "${wheels[@]}" >> "$log" 2>&1; then
     export PYTHONPATH="$work/site:$PYTHONPATH"
-    note "carry: installed ${#wheels[@]} wheel(s) offline: $(cd "$here/carry/wheels" && ls | tr '\n' ' ')"
+    note "carry: installed ${#wheels[@]} wheel(s) offline: ${wheels[*]##*/}"
   else
     note "carry: pip install --no-index of carry/wheels FAILED (see bring_up.log); using what is installed"
     failed=1
@@ -120,11 +121,13 @@ gpu_check_config() {
     plan_note="tools/plan.py: $( (cd "$here" && timeout 60 "$PYTHON" tools/plan.py "$config" 2>&1) | tee -a "$log" \
       | grep -i -m 1 'memory' || echo 'no memory line')"
   fi
-  note "    ${peak:-no peak memory line}; estimate: $plan_note"
+  note "    $(grep -E '^dry run: (passed|FAILED)|: error:' "$work/step.log" | tail -n 1); ${peak:-no peak memory line}; estimate: $plan_note"
 }
 
 if [[ $SMOKE == 1 ]]; then
   device=cpu
+elif [[ -n ${BRING_UP_DEVICE:-} ]]; then  # the full sequence on another device (cpu: to try the script itself)
+  device=$BRING_UP_DEVICE
 elif "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   device=cuda
 else
@@ -154,7 +157,7 @@ else
  "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
  "initializer_range": 0.02}
 JSON
-  large=(--bert_config_path "$bert" --max_seq_length 512 --rows 1 --batches 1)
+  large=(--bert_config_path "$bert" --rows 1 --batches 1)
   for p in "${precisions[@]}"; do
     numerics "$p" --precision "$p" --input_layout packed --compile_mode none "${large[@]}"
   done
@@ -163,11 +166,12 @@ JSON
   numerics "fast path $fast" --precision "$fast" --input_layout packed --compile_mode default --cuda_graphs "${large[@]}"
   [[ " ${precisions[*]} " == *" bf16 "* ]] && numerics "varlen bf16" --precision bf16 --input_layout unpadded \
     --attention_backend varlen "${large[@]}"
+  mapfile -t gpu_tests < <(cd "$here" && grep -l 'mark.gpu' tests/test_*.py)
   step "pytest gpu" 120 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/pytest_gpu.xml" \
-    $(grep -l 'mark.gpu' tests/test_*.py)
+    "${gpu_tests[@]}"
   bench=bf16
   [[ " ${precisions[*]} " == *" fp8 "* ]] && bench=bf16,fp8
-  step "throughput" 170 "$PYTHON" benchmarks/throughput.py --config large --precision "$bench" \
+  step "throughput" 170 "$PYTHON" benchmarks/throughput.py --config "${BENCH_CONFIG:-large}" --device "$device" --precision "$bench" \
     --layouts packed,hf_padded --rounds 3 --steps 5 --warmup 3 --json "$out/throughput.json"
   for config in ${CONFIGS:-$(cd "$here" && grep -L '^export DEVICE=cpu' config_*.sh)}; do
     gpu_check_config "$config"

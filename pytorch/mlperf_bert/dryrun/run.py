@@ -190,7 +190,7 @@ def run_steps(run: Run, recorder: Recorder, steps: int) -> int:
     for i in range(steps):
         recorder.phase = f"step {i + 1}"
         trainer.train_step(run, until)
-    peak = int(torch.cuda.max_memory_allocated())
+    peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
     recorder.phase = "eval"
     trainer.run_eval(run.eval, run.state, run.hooks)
     return peak
@@ -227,7 +227,7 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
         if problem is not None:
             raise ConfigError(problem)
     recorder = Recorder(fake=fake)
-    if not fake:
+    if not fake and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with built_run(cfg, denv, recorder, fake) as (run, log):
         peak = run_steps(run, recorder, steps)
@@ -235,7 +235,7 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
         attention = run.eval.model.bert.backend
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
                           log.captures, log.replays, dict(recorder.fp8_gemms), stepped, log.streams,
-                          log.event_records, log.stream_waits, peak_step_bytes=None if fake else peak)
+                          log.event_records, log.stream_waits, peak_step_bytes=peak or None)
     report.failures = findings(report)
     return report
 
