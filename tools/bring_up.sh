@@ -4,8 +4,8 @@
 # fit is skipped and says so):
 #   env        torch, CUDA device, compute capability, optional packages; the precisions it supports
 #   numerics   tools/numerics_check.py on BERT-Large (BERT_CONFIG) against its fp64 CPU reference:
-#              every supported precision (packed rows, eager), the shipped fast path (packed, compiled,
-#              CUDA graph; fp8 where supported, else bf16) and the varlen kernel on unpadded batches
+#              the shipped fast path (packed, compiled, CUDA graph; fp8 where supported, else bf16),
+#              every supported precision (packed rows, eager) and the varlen kernel on unpadded batches
 #   pytest     the GPU tests (pytest -m gpu)
 #   throughput benchmarks/throughput.py: packed vs HuggingFace padded, bf16 and fp8, interleaved rounds
 #   gpu-check  make gpu-check (tools/gpu_check.sh) one shipped config at a time, with each config's peak
@@ -108,12 +108,12 @@ PY
 numerics() {
   local name=$1
   shift
-  step "numerics $name" 120 "$PYTHON" tools/numerics_check.py --device "$device" --json "$work/numerics_${name// /_}.json" "$@"
+  step "numerics $name" 90 "$PYTHON" tools/numerics_check.py --device "$device" --json "$work/numerics_${name// /_}.json" "$@"
 }
 
 gpu_check_config() {
   local config=$1 plan_note="tools/plan.py not present: no estimate"
-  step "gpu-check $config" 150 env CONFIGS="$config" STEPS=3 PYTHON="$PYTHON" BERT_CONFIG="$bert" \
+  step "gpu-check $config" 100 env CONFIGS="$config" STEPS=3 PYTHON="$PYTHON" BERT_CONFIG="$bert" \
     bash tools/gpu_check.sh
   local peak
   peak=$(grep -o 'peak device memory[^;]*' "$work/step.log" | tail -n 1)
@@ -158,12 +158,13 @@ else
  "initializer_range": 0.02}
 JSON
   large=(--bert_config_path "$bert" --rows 1 --batches 1)
-  for p in "${precisions[@]}"; do
-    numerics "$p" --precision "$p" --input_layout packed --compile_mode none "${large[@]}"
-  done
   fast=bf16
   [[ " ${precisions[*]} " == *" fp8 "* ]] && fast=fp8
+  # The shipped configs' path first, then each precision eager, the ones MLPerf trains in first.
   numerics "fast path $fast" --precision "$fast" --input_layout packed --compile_mode default --cuda_graphs "${large[@]}"
+  for p in bf16 fp8 fp32 fp16; do
+    [[ " ${precisions[*]} " == *" $p "* ]] && numerics "$p" --precision "$p" --input_layout packed --compile_mode none "${large[@]}"
+  done
   [[ " ${precisions[*]} " == *" bf16 "* ]] && numerics "varlen bf16" --precision bf16 --input_layout unpadded \
     --attention_backend varlen "${large[@]}"
   mapfile -t gpu_tests < <(cd "$here" && grep -l 'mark.gpu' tests/test_*.py)
@@ -171,18 +172,18 @@ JSON
     mapfile -t gpu_tests < <(printf '%s\n' "${gpu_tests[@]}" | grep -v test_dali_input.py)
     note "pytest gpu: tests/test_dali_input.py left out: NVIDIA DALI is not installed here"
   fi
-  step "pytest gpu" 120 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/pytest_gpu.xml" \
+  step "pytest gpu" 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/pytest_gpu.xml" \
     "${gpu_tests[@]}"
   bench=bf16
   [[ " ${precisions[*]} " == *" fp8 "* ]] && bench=bf16,fp8
-  step "throughput" 170 "$PYTHON" benchmarks/throughput.py --config "${BENCH_CONFIG:-large}" --device "$device" --precision "$bench" \
+  step "throughput" 150 "$PYTHON" benchmarks/throughput.py --config "${BENCH_CONFIG:-large}" --device "$device" --precision "$bench" \
     --layouts packed,hf_padded --rounds 3 --steps 5 --warmup 3 --json "$out/throughput.json"
   for config in ${CONFIGS:-$(cd "$here" && grep -L '^export DEVICE=cpu' config_*.sh)}; do
     gpu_check_config "$config"
   done
 fi
 
-# One numerics.json: every check's report, in the order they ran.
+# One numerics.json: every check's report.
 "$PYTHON" - "$out/numerics.json" "$work"/numerics_*.json <<'PY' 2>>"$log" || true
 import json, sys
 reports = [json.load(open(path)) for path in sys.argv[2:]]
