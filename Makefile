@@ -54,3 +54,26 @@ gpu-check:
 
 clean-demo:
 	rm -rf demo_data demo_runs
+
+# One command on a new machine (tools/bring_up.sh, docs/BRING_UP.md): the GPU tests, the numerics check
+# in every precision the device supports, make gpu-check per config with its peak memory, and the
+# throughput benchmark; results and summary.txt in BRING_UP_OUT (default $OUT, else bring_up_out/).
+.PHONY: bring-up carry
+BRING_UP_OUT ?= $(if $(OUT),$(OUT),bring_up_out)
+bring-up:
+	PYTHON=$${PYTHON_GPU:-python3} bash tools/bring_up.sh "$(BRING_UP_OUT)"
+
+# The wheels bring-up installs offline (pip install --no-index), for a device machine's Python
+# (CARRY_PYTHON: 3.12, x86-64 Linux) that has torch and no package registry: torchao for --precision
+# fp8 (0.18 loads on torch >= 2.11) and mlperf-logging (the trainer's MLPerf log). flash-attn is not
+# carried: the registry has no wheel of it (a source build needs nvcc and about an hour); on torch >= 2.9
+# --attention_backend varlen runs PyTorch's own kernel instead.
+CARRY_DIR := carry/wheels
+CARRY_PYTHON ?= 3.12
+CARRY_WHEELS ?= torchao==0.18.0 mlperf-logging==4.1.68
+carry:
+	mkdir -p $(CARRY_DIR)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(CARRY_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(CARRY_DIR) $(CARRY_WHEELS)
+	du -sh $(CARRY_DIR)

@@ -28,6 +28,9 @@ def print_report(report: DryRunReport) -> None:
             print(f"    read x{n}  {where}")
     if cfg.run.precision == "fp8":
         print(f"  FP8 GEMMs (torch._scaled_mm) inside CUDA-graph captures: {report.fp8_gemms.get(CAPTURE, 0)}")
+    if report.peak_step_bytes is not None:
+        print(f"  peak device memory of the build and {report.steps} step(s): {report.peak_step_bytes / 2**30:.2f} GiB "
+              "(torch.cuda.max_memory_allocated; eval not included)")
     for failure in report.failures:
         print(f"FAIL: {failure}")
     print("dry run: " + ("FAILED" if report.failures else "passed"))

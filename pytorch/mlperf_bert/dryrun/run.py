@@ -63,6 +63,7 @@ class DryRunReport:
     event_records: int = 0
     stream_waits: int = 0
     failures: list[str] = field(default_factory=list)
+    peak_step_bytes: int | None = None  # real GPU only: the allocator's peak over the build and the steps
 
 
 class SyntheticSource:
@@ -180,16 +181,19 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def run_steps(run: Run, recorder: Recorder, steps: int) -> None:
+def run_steps(run: Run, recorder: Recorder, steps: int) -> int:
     """The hooks' run start, `steps` of the trainer's steps (the last one reads the window, as a block's last
-    step does), then an eval."""
+    step does), then an eval. Returns the allocator's peak bytes after the steps, before the eval (0 on
+    the fake device)."""
     until = steps * run.cfg.global_batch_size
     run.hooks.run_start(trainer.run_start_event(run))
     for i in range(steps):
         recorder.phase = f"step {i + 1}"
         trainer.train_step(run, until)
+    peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
     recorder.phase = "eval"
     trainer.run_eval(run.eval, run.state, run.hooks)
+    return peak
 
 
 @contextlib.contextmanager
@@ -223,13 +227,15 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
         if problem is not None:
             raise ConfigError(problem)
     recorder = Recorder(fake=fake)
+    if not fake and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     with built_run(cfg, denv, recorder, fake) as (run, log):
-        run_steps(run, recorder, steps)
+        peak = run_steps(run, recorder, steps)
         stepped = type(run.step.optimizer).__name__
         attention = run.eval.model.bert.backend
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
                           log.captures, log.replays, dict(recorder.fp8_gemms), stepped, log.streams,
-                          log.event_records, log.stream_waits)
+                          log.event_records, log.stream_waits, peak_step_bytes=peak or None)
     report.failures = findings(report)
     return report
 

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# Validates and measures a new machine in one call (`make bring-up`), sized to fit 9 minutes on one
+# H100 or H200. In order of value, each step within what is left of BUDGET_S (a step that would not
+# fit is skipped and says so):
+#   env        torch, CUDA device, compute capability, optional packages; the precisions it supports
+#   numerics   tools/numerics_check.py on BERT-Large (BERT_CONFIG) against its fp64 CPU reference:
+#              the shipped fast path (packed, compiled, CUDA graph; fp8 where supported, else bf16),
+#              every supported precision (packed rows, eager) and the varlen kernel on unpadded batches
+#   pytest     the GPU tests (pytest -m gpu)
+#   throughput benchmarks/throughput.py: packed vs HuggingFace padded, bf16 and fp8, interleaved rounds
+#   gpu-check  make gpu-check (tools/gpu_check.sh) one shipped config at a time, with each config's peak
+#              device memory of its steps (the dry run's line) beside tools/plan.py's estimate if present
+# Everything lands in one folder: summary.txt (one line per step, the verdict last), bring_up.log
+# (every step's output), numerics.json, throughput.json, pytest_gpu.xml.
+#
+#   bash tools/bring_up.sh [FOLDER]      # FOLDER: default $OUT, else ./bring_up_out
+#   SMOKE=1 bash tools/bring_up.sh DIR   # CPU smoke mode (demo-size model, seconds): what `make test` runs
+#
+# Offline: wheels in carry/wheels (`make carry` fills it where a package registry is reachable) are
+# installed into a temporary folder put first on PYTHONPATH (pip install --no-index; nothing else on
+# the machine changes). Variables: PYTHON (python3), BERT_CONFIG (BERT-Large), BUDGET_S (510 s: 9 minutes
+# less a margin), CONFIGS (gpu-check's configs; default every config_*.sh without DEVICE=cpu), BENCH_CONFIG
+# (the throughput benchmark's model: large), BRING_UP_DEVICE (cpu runs the GPU sequence on the CPU, to try it).
+# Exit status: 0 when every step that ran passed, 1 otherwise, 2 for a usage error.
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=${1:-${OUT:-$here/bring_up_out}}
+PYTHON=${PYTHON:-python3}
+SMOKE=${SMOKE:-0}
+budget=${BUDGET_S:-510}
+start=$SECONDS
+mkdir -p "$out" || { echo "bring_up.sh: cannot create the output folder $out" >&2; exit 2; }
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+summary=$out/summary.txt
+log=$out/bring_up.log
+: > "$summary"
+: > "$log"
+export PYTHONPATH="$here/pytorch:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=0
+
+note() { echo "$*" | tee -a "$summary"; }
+
+# step NAME LIMIT_S COMMAND...: runs COMMAND within min(LIMIT_S, the budget left), its output in the log;
+# one summary line: the step, its status, its seconds and the last line it printed.
+step() {
+  local name=$1 limit=$2 left rc t0 status
+  shift 2
+  : > "$work/step.log"
+  left=$((budget - (SECONDS - start)))
+  if ((left < 15)); then
+    note "$(printf '%-26s %-24s' "$name" "skipped: budget spent")"
+    return 0
+  fi
+  ((limit > left)) && limit=$left
+  t0=$SECONDS
+  { echo "=== $name: $*"; } >> "$log"
+  (cd "$here" && timeout --kill-after=10 "$limit" "$@") > "$work/step.log" 2>&1
+  rc=$?
+  cat "$work/step.log" >> "$log"
+  case $rc in
+    0) status=passed ;;
+    124 | 137) status="timed out (${limit} s)"; failed=1 ;;
+    *) status="FAILED (exit $rc)"; failed=1 ;;
+  esac
+  note "$(printf '%-26s %-24s %4d s  %s' "$name" "$status" $((SECONDS - t0)) "$(grep -v '^\s*$' "$work/step.log" | tail -n 1)")"
+  return 0
+}
+
+install_carried() {
+  local wheels=("$here"/carry/wheels/*.whl)
+  if [[ ! -e ${wheels[0]} ]]; then
+    note "carry: no wheels in carry/wheels (make carry fills it); using what is installed"
+    return
+  fi
+  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
+      "${wheels[@]}" >> "$log" 2>&1; then
+    export PYTHONPATH="$work/site:$PYTHONPATH"
+    note "carry: installed ${#wheels[@]} wheel(s) offline: ${wheels[*]##*/}"
+  else
+    note "carry: pip install --no-index of carry/wheels FAILED (see bring_up.log); using what is installed"
+    failed=1
+  fi
+}
+
+# The machine's facts, and the precisions it supports (the trainer's own start-up checks decide).
+describe_machine() {
+  "$PYTHON" - "$1" <<'PY'
+import importlib.util, platform, sys
+import torch
+from mlperf_bert.model.fp8 import fp8_unavailable
+from mlperf_bert.model.precision import precision_problem
+device = torch.device(sys.argv[1])
+name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+cc = ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else "-"
+found = {m: importlib.util.find_spec(m) is not None for m in ("torchao", "flash_attn", "triton", "mlperf_logging")}
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, device {name}, "
+      f"compute capability {cc}; " + ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in found.items()))
+supported = [p for p in ("fp32", "bf16", "fp16", "fp8")
+             if not (p == "fp16" and device.type != "cuda") and precision_problem(p, device) is None
+             and (p != "fp8" or fp8_unavailable(device) is None)]
+print("precisions: " + " ".join(supported))
+PY
+}
+
+numerics() {
+  local name=$1
+  shift
+  step "numerics $name" 90 "$PYTHON" tools/numerics_check.py --device "$device" --json "$work/numerics_${name// /_}.json" "$@"
+}
+
+gpu_check_config() {
+  local config=$1 plan_note="tools/plan.py not present: no estimate"
+  step "gpu-check $config" 100 env CONFIGS="$config" STEPS=3 PYTHON="$PYTHON" BERT_CONFIG="$bert" \
+    bash tools/gpu_check.sh
+  local peak
+  peak=$(grep -o 'peak device memory[^;]*' "$work/step.log" | tail -n 1)
+  if [[ -f $here/tools/plan.py ]]; then
+    plan_note="tools/plan.py: $( (cd "$here" && timeout 60 "$PYTHON" tools/plan.py "$config" 2>&1) | tee -a "$log" \
+      | grep -i -m 1 'memory' || echo 'no memory line')"
+  fi
+  note "    $(grep -E '^dry run: (passed|FAILED)|: error:' "$work/step.log" | tail -n 1); ${peak:-no peak memory line}; estimate: $plan_note"
+}
+
+if [[ $SMOKE == 1 ]]; then
+  device=cpu
+elif [[ -n ${BRING_UP_DEVICE:-} ]]; then  # the full sequence on another device (cpu: to try the script itself)
+  device=$BRING_UP_DEVICE
+elif "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  device=cuda
+else
+  echo "bring_up.sh: no CUDA device visible to $PYTHON; SMOKE=1 runs the CPU smoke mode" >&2
+  exit 2
+fi
+
+note "bring-up $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown), $([[ $SMOKE == 1 ]] && echo 'CPU smoke mode' || echo "budget ${budget} s")"
+[[ $SMOKE == 1 ]] || install_carried
+facts=$(cd "$here" && describe_machine "$device" 2>>"$log") || { note "env: FAILED: torch or this package does not import (bring_up.log)"; exit 1; }
+note "env: $(head -n 1 <<< "$facts")"
+read -r -a precisions <<< "$(sed -n 's/^precisions: //p' <<< "$facts")"
+note "env: precisions supported: ${precisions[*]}"
+
+if [[ $SMOKE == 1 ]]; then
+  # The demo-size model, one precision, each step in its smallest form: the script cannot rot.
+  numerics fp32 --precision fp32 --input_layout packed --rows 1 --batches 1
+  note "pytest gpu: skipped (CPU smoke mode; would run $(cd "$here" && grep -l 'mark.gpu' tests/test_*.py | tr '\n' ' '))"
+  step "throughput tiny" 60 "$PYTHON" benchmarks/throughput.py --config tiny --device cpu --precision fp32 \
+    --layouts packed --rounds 1 --steps 1 --warmup 0 --json "$out/throughput.json"
+  note "gpu-check: skipped (CPU smoke mode; make gpu-check needs a GPU)"
+else
+  bert=${BERT_CONFIG:-$work/bert_config.json}
+  [[ -n ${BERT_CONFIG:-} ]] || cat > "$bert" <<'JSON'
+{"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+ "intermediate_size": 4096, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+ "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+ "initializer_range": 0.02}
+JSON
+  large=(--bert_config_path "$bert" --rows 1 --batches 1)
+  fast=bf16
+  [[ " ${precisions[*]} " == *" fp8 "* ]] && fast=fp8
+  # The shipped configs' path first, then each precision eager, the ones MLPerf trains in first.
+  numerics "fast path $fast" --precision "$fast" --input_layout packed --compile_mode default --cuda_graphs "${large[@]}"
+  for p in bf16 fp8 fp32 fp16; do
+    [[ " ${precisions[*]} " == *" $p "* ]] && numerics "$p" --precision "$p" --input_layout packed --compile_mode none "${large[@]}"
+  done
+  [[ " ${precisions[*]} " == *" bf16 "* ]] && numerics "varlen bf16" --precision bf16 --input_layout unpadded \
+    --attention_backend varlen "${large[@]}"
+  mapfile -t gpu_tests < <(cd "$here" && grep -l 'mark.gpu' tests/test_*.py)
+  if ! "$PYTHON" -c 'import nvidia.dali' 2> /dev/null; then  # its wheel is far over what can be carried
+    mapfile -t gpu_tests < <(printf '%s\n' "${gpu_tests[@]}" | grep -v test_dali_input.py)
+    note "pytest gpu: tests/test_dali_input.py left out: NVIDIA DALI is not installed here"
+  fi
+  step "pytest gpu" 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/pytest_gpu.xml" \
+    "${gpu_tests[@]}"
+  bench=bf16
+  [[ " ${precisions[*]} " == *" fp8 "* ]] && bench=bf16,fp8
+  step "throughput" 150 "$PYTHON" benchmarks/throughput.py --config "${BENCH_CONFIG:-large}" --device "$device" --precision "$bench" \
+    --layouts packed,hf_padded --rounds 3 --steps 5 --warmup 3 --json "$out/throughput.json"
+  for config in ${CONFIGS:-$(cd "$here" && grep -L '^export DEVICE=cpu' config_*.sh)}; do
+    gpu_check_config "$config"
+  done
+fi
+
+# One numerics.json: every check's report.
+"$PYTHON" - "$out/numerics.json" "$work"/numerics_*.json <<'PY' 2>>"$log" || true
+import json, sys
+reports = [json.load(open(path)) for path in sys.argv[2:]]
+json.dump(reports, open(sys.argv[1], "w"), indent=1)
+PY
+note "bring-up: $([[ $failed == 0 ]] && echo passed || echo 'FAILED (the lines above)') in $((SECONDS - start)) s; details in $log"
+exit "$failed"
