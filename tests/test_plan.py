@@ -5,7 +5,6 @@ in one line."""
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, run_cli
+from conftest import REPO
 from mlperf_bert.dryrun.cost import MATMUL, OTHER, OpCost, PhaseCost
 from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, memory_from_dict
 from mlperf_bert.dryrun.shipped import BERT_LARGE, exports
@@ -144,11 +143,11 @@ def test_plan_prints_memory_step_and_time_to_train(traced: dict[str, dict[str, A
     assert (tmp_path / "ttt.png").stat().st_size > 10_000
 
 
-def test_plan_script_runs_from_the_command_line(traced: dict[str, dict[str, Any]]) -> None:
+def test_plan_takes_another_device(traced: dict[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
     """The H200 recipe on B200s: the same trace (cached), another device's rates and memory."""
-    done = run_cli([sys.executable, "tools/plan.py", "config_DGXH200_1x8.sh", "--device", "B200"])
-    assert done.returncode == 0, done.stderr
-    assert "8 x B200, global batch 768" in done.stdout and "GB of 180 GB" in done.stdout, done.stdout
+    assert plan.main([str(REPO / "config_DGXH200_1x8.sh"), "--device", "B200"]) == 0
+    out = capsys.readouterr().out
+    assert "8 x B200, global batch 768" in out and "GB of 180 GB" in out, out
 
 
 def test_hypothetical_system_spreads_the_gpus_over_nodes() -> None:
@@ -168,3 +167,11 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str, capsys: py
     assert plan.main([str(REPO / args[0]), *args[1:]]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args", [[], ["config_DGXH200_1x8.sh", "--device", "TPU"], ["config_DGXH200_1x8.sh", "--gpus", "x"]])
+def test_bad_flags_are_one_line_and_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        plan.main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("plan.py: ") and len(err.strip().splitlines()) == 1, err

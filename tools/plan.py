@@ -35,7 +35,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NoReturn, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "pytorch"), str(REPO / "tools")]
@@ -57,7 +57,6 @@ LOGS = REPO / "tests" / "data" / "mlperf_logs"
 SYSTEM_DEVICES = {"DGXA100": "A100", "SamsungA100": "A100", "DGXH100": "H100", "DGXH200": "H200",
                   "DGXB200": "B200", "GB200": "GB200"}
 GPUS_PER_NODE = {"GB200": 4}  # a GB200 compute tray; every other system: 8 per node
-INIT_FIXED_S = 30.0  # before run_start: processes, the model and optimizer on the device (NVIDIA's logs: 17-60 s)
 
 
 class PlanError(Exception):
@@ -294,10 +293,7 @@ def overlaps(env: Mapping[str, str]) -> bool:
 
 def residual_spread() -> float:
     """The largest |log(predicted / published)| of the calibration: the step time's range."""
-    return float(CALIBRATION_SPREAD)
-
-
-CALIBRATION_SPREAD = 0.276  # `tools/plan.py --calibrate`: the largest |log(predicted / published)| of its fit
+    return step_model.constant("step_time_spread")
 
 
 def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[str, Any]) -> Prediction:
@@ -315,7 +311,7 @@ def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[s
     schedule = EvalSchedule.for_batch_size(gbs, _int(env.get("EVAL_ITER_START_SAMPLES")),
                                            _int(env.get("EVAL_ITER_SAMPLES")))
     warmups = DDP_WARMUP_STEPS if gpus > 1 else WARMUP_STEPS
-    init = INIT_FIXED_S + ((warmups + 1) * step.seconds if env.get("CUDA_GRAPHS") == "1" else 0.0)
+    init = step_model.constant("init_fixed_s") + ((warmups + 1) * step.seconds if env.get("CUDA_GRAPHS") == "1" else 0.0)
     return Prediction(name, device, gpus, gbs, memory, step_model.memory_fit(memory, device), step,
                       (step.seconds / spread, step.seconds * spread),
                       step_model.eval_seconds(work, device, gpus, per_node=per_node), window, schedule, mean,
@@ -386,11 +382,15 @@ def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) 
     shown = [(p, pubs[p.name]) for p in preds if p.name in pubs and pubs[p.name].minutes]
     for p, pub in shown:
         ttt, low, high = p.ttt
-        ax.errorbar([pub.minutes], [ttt], yerr=[[ttt - low], [high - ttt]], fmt="o", capsize=3)
-        ax.annotate(p.name.removeprefix("config_").removesuffix(".sh"), (pub.minutes, ttt), fontsize=7,
+        published_minutes = pub.minutes or 0.0  # `shown` holds only those with minutes
+        ax.errorbar([published_minutes], [ttt], yerr=[[ttt - low], [high - ttt]], fmt="o", capsize=3)
+        ax.annotate(p.name.removeprefix("config_").removesuffix(".sh"), (published_minutes, ttt), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
-    top = max([high for p, _ in shown for high in [p.ttt[2]]] + [pub.minutes or 0 for _, pub in shown] + [1])
-    ax.plot([0, top * 1.1], [0, top * 1.1], "k--", linewidth=0.8, label="predicted = published")
+    values = [v for p, pub in shown for v in (p.ttt[1], p.ttt[2], pub.minutes or 1)] or [1.0]
+    ends = [min(values) / 1.5, max(values) * 1.5]
+    ax.plot(ends, ends, "k--", linewidth=0.8, label="predicted = published")
+    ax.set_xscale("log")
+    ax.set_yscale("log")  # 0.4 to 20 minutes on one picture
     ax.set_xlabel("published time to train (min, olympic mean)")
     ax.set_ylabel("predicted time to train (min)")
     ax.set_title("tools/plan.py: predicted against published")
@@ -404,8 +404,14 @@ def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) 
 # The command line
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse adds the usage)
+        print(f"plan.py: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", type=Path, help="a config_*.sh file")
     p.add_argument("--gpus", type=int, help="plan the config's recipe on this many devices (a hypothetical system)")
     p.add_argument("--device", choices=sorted(DEVICES), help="the device (default: the config's DGXSYSTEM's)")

@@ -89,6 +89,10 @@ CALIBRATION: dict[str, Constant] = {
     "network_efficiency": Constant(0.80, "NCCL bus bandwidth over the link's rate (nccl-tests all_reduce_perf)"),
     "eval_fixed_s": Constant(0.5, "per eval: the accuracy all-reduce, its host read and the MLPerf log lines"),
     "run_fixed_s": Constant(5.0, "after run_start, outside steps and evals: first batches, the eval set's read"),
+    "step_time_spread": Constant(0.276, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
+                                        "left by the fit; the step time's range is this factor each way"),
+    "init_fixed_s": Constant(30.0, "before run_start, besides graph warm-up and capture: processes, model and "
+                                   "optimizer on the device (NVIDIA v2.0 A100 logs: init_start to run_start 17 s)"),
     "memory_margin": Constant(0.10, "the caching allocator's rounding and fragmentation, over the traced bytes"),
     "memory_reserved_gib": Constant(3.0, "CUDA context, cuBLAS/attention workspaces and NCCL buffers per GPU"),
 }

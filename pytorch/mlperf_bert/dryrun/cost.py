@@ -8,7 +8,7 @@ is checked against the CPU allocator (tests/test_cost.py):
   a storage); the bytes leave when the storage dies (a weak reference's callback). Storages made
   while a CUDA graph is captured live in the graph's private pool, which never gives memory back:
   the device holds max(pool bytes live at once) from the capture on, whatever Python frees. So
-  `device_bytes` = live bytes outside the pool + the pool's high-water mark. Not modelled: the
+  `device_bytes` = live bytes outside the pool + the pool's high-water mark. Not counted: the
   caching allocator's rounding and fragmentation, kernel workspaces (cuBLAS, attention), the CUDA
   context and NCCL's buffers; `mlperf_bert.plan.memory` adds them as stated margins.
 - Work: every op on the device is counted under its phase with its FLOPs

@@ -30,13 +30,13 @@ from unittest import mock
 
 REPO = Path(__file__).resolve().parents[3]
 # The benchmark's model (REFERENCE: BERT-Large uncased, vocabulary 30522).
-BERT_LARGE = {"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
-              "intermediate_size": 4096, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-              "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
-              "initializer_range": 0.02}
+BERT_LARGE: dict[str, Any] = {
+    "vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "intermediate_size": 4096, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
+    "max_position_embeddings": 512, "type_vocab_size": 2, "initializer_range": 0.02}
 STEPS = 2  # a graphed config traces its capture; an eager one its second step (the first builds the state)
-GRAPH_WARMUP_STEPS = 1
-TRACED_LAYERS = (1, 2)  # encoder layers of the two traces a config's estimate is extrapolated from  # before a capture: every warm-up step is the same, one builds the optimizer state
+GRAPH_WARMUP_STEPS = 1  # before a capture: every warm-up step is the same, one builds the optimizer state
+TRACED_LAYERS = (1, 2)  # encoder layers of the two traces a config's estimate is extrapolated from
 
 
 def exports(config: Path) -> dict[str, str]:
