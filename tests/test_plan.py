@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO
 from mlperf_bert.dryrun.cost import MATMUL, OTHER, OpCost, PhaseCost
-from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, memory_from_dict
+from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, extrapolate, memory_from_dict
 from mlperf_bert.dryrun.shipped import BERT_LARGE, exports
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 
@@ -78,6 +78,20 @@ def test_memory_fit_counts_the_margins() -> None:
     just = MemoryEstimate(1, 1, 1, 0, int(limit) - 1, 0, 1)
     over = MemoryEstimate(1, 1, 1, 0, int(limit) + (1 << 20), 0, 1)
     assert step_model.memory_fit(just, device).fits and not step_model.memory_fit(over, device).fits
+
+
+def test_extrapolation_from_one_and_two_layers_is_linear() -> None:
+    """a + b x layers for every count: one layer's ops and collectives, plus 23 more of the second trace's growth."""
+    def traced(layers: int) -> tuple[MemoryEstimate, StepWork]:
+        ops = Counter({OpCost("mm", MATMUL, 6, 10): 4 * layers + 1, OpCost("_foreach_add", OTHER, 0, 8 * layers): 1})
+        comms = Counter({("allreduce_", 100): layers + 1})
+        memory = MemoryEstimate(*(10 * layers + i for i in range(7)))
+        return memory, StepWork(PhaseCost(5 * layers, layers, ops, comms), PhaseCost(), 2.0, True)
+
+    memory, work = extrapolate(traced(1), traced(2), 24)
+    assert memory == traced(24)[0]
+    assert work.step.ops == traced(24)[1].step.ops and work.step.collectives == traced(24)[1].step.collectives
+    assert (work.step.peak_bytes, work.eval_scale, work.captured) == (120, 2.0, True)
 
 
 def _work(collective_bytes: int = 0, ops: int = 1000) -> StepWork:
