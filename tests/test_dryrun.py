@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import stat
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from mlperf_bert.dryrun.native import NativeBuildError, load
+from mlperf_bert.dryrun.shipped import executable, exports, launch_env
 
 GPU_CONFIGS = sorted(p.name for p in REPO.glob("config_*.sh") if "export DEVICE=cpu" not in p.read_text())
 TINY_BERT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -25,25 +25,11 @@ TINY_BERT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_
              "initializer_range": 0.02}
 
 
-def _exports(config: Path) -> dict[str, str]:
-    return dict(re.findall(r"^export (\w+)=(\S+)", config.read_text(), flags=re.M))
-
-
 def _dry_run_env(tmp_path: Path, config: Path) -> dict[str, str]:
     """The config's variables, tiny model and data folders, one process as rank 0 of the full world."""
-    (tmp_path / "bert_config.json").write_text(json.dumps(TINY_BERT))
-    for name in ("data", "eval", "out"):
-        (tmp_path / name).mkdir(exist_ok=True)
-    (tmp_path / "data" / "strata.json").write_text("{}")  # --balance local_presort's start-up check; no data is read
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f"#!/bin/bash\nexec {sys.executable} -m mlperf_bert.dryrun --steps 3 -- \"$@\"\n")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    exports = _exports(config)
-    world = int(exports["DGXNGPU"]) * int(exports["DGXNNODES"])
-    return {**exports, "PYTHON": str(wrapper), "BERT_CONFIG": str(tmp_path / "bert_config.json"),
-            "DATADIR_PHASE2": str(tmp_path / "data"), "EVALDIR": str(tmp_path / "eval"),
-            "OUTPUT_DIR": str(tmp_path / "out"), "RANK": "0", "WORLD_SIZE": str(world), "SEED": "1",
-            "DIVISION": "open"}  # random weights (no phase-1 checkpoint here): not a closed-division run
+    wrapper = executable(tmp_path / "python",
+                         f"#!/bin/bash\nexec {sys.executable} -m mlperf_bert.dryrun --steps 3 -- \"$@\"\n")
+    return launch_env(exports(config), tmp_path, TINY_BERT, wrapper)
 
 
 # FP8 GEMMs of one training step of TINY_BERT: 2 layers x 6 linears x 3 (forward, input and weight gradients).
@@ -64,13 +50,14 @@ def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> No
     assert "Traceback" not in output, output
     assert re.search(r"step 3: \d+ host read", output) and "eval:" in output, output
     assert "inside a CUDA-graph capture" not in output, output
+    assert re.search(r"memory per device: training peak \d+\.\d+ GiB, eval peak", output), output
     # DIST_OPTIMIZER=1 reaches the trainer: the sharded step's reduce-scatter, partial-norm all-reduces
     # and all-gather ran on the fake process group at the config's full world size (inside the graph too).
     sharded = re.search(r"optimizer \S+ \((\w*Sharded\w+)\)", output)
-    assert (sharded is not None) == (_exports(REPO / config).get("DIST_OPTIMIZER") == "1"), output
+    assert (sharded is not None) == (exports(REPO / config).get("DIST_OPTIMIZER") == "1"), output
     assert not _extra_reads(output), output
     assert result.returncode == 0, output
-    if _exports(REPO / config)["PRECISION"] == "fp8":  # the FP8 GEMMs are in the graph (run.findings fails without)
+    if exports(REPO / config)["PRECISION"] == "fp8":  # the FP8 GEMMs are in the graph (run.findings fails without)
         captured = re.search(r"FP8 GEMMs \(torch\._scaled_mm\) inside CUDA-graph captures: (\d+)", output)
         assert captured and int(captured.group(1)) == FP8_GEMMS_PER_STEP, output
 

@@ -6,7 +6,10 @@ steps and an eval under FakeTensorMode (`run`), prints the host reads per step w
 source lines (`record`) and the side streams, event records and stream waits it saw
 (`cuda_standins`: the grouped attention's groups show there), and fails on a host read or
 host<->device copy inside a CUDA-graph capture or on more host reads per sync window than
-the config promises. With `--real` the same code runs on a real GPU (`make gpu-check`).
+the config promises. With `--real` the same code runs on a real GPU (`make gpu-check`). It also prints one
+device's memory estimate (`cost` counts live device bytes and each op's work per phase,
+`estimate` reads the peaks off it); `shipped` traces config_*.sh files at BERT-Large shapes for
+tools/plan.py.
 
 Nothing in this package may import torch at import time: `__main__` loads the fake device
 first.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -14,6 +16,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                        "WORLD_SIZE/RANK set the ranks, as for the trainer.")
     p.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
     p.add_argument("--real", action="store_true", help="run on the real GPU instead of the fake device")
+    p.add_argument("--cost_json", type=Path, default=None, metavar="FILE",
+                   help="write one device's memory estimate and the traced step's and eval's work here (JSON)")
     split = argv.index("--") if "--" in argv else len(argv)
     return p.parse_args(argv[:split]), argv[split + 1:]
 
@@ -36,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dry run: the trainer refuses these flags: {refused}", file=sys.stderr)
         return 2
     print_report(report)
+    if opts.cost_json is not None and report.memory is not None and report.work is not None:
+        opts.cost_json.write_text(json.dumps({"memory": vars(report.memory), "work": report.work.to_dict(),
+                                              "world_size": report.world_size}) + "\n")
     return 1 if report.failures else 0
 
 

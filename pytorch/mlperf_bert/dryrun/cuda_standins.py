@@ -5,12 +5,14 @@ calls' shape (what was captured, how often it was replayed, how often the host w
 side streams were made, how often an event was recorded and a stream waited for one) in a
 `CudaLog`, and mark the `Recorder` as capturing between `capture_begin` and `capture_end`, so
 that host reads and copies inside a capture are caught. `install` patches them into
-`torch.cuda` for the length of a `with` block.
+`torch.cuda` (with a device-less `torch.futures.Future`, and SDPA choosing its kernel as on a GPU) for
+the length of a `with` block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -115,6 +117,39 @@ def _stream(stream: Any) -> Iterator[None]:
     yield
 
 
+class _Future(torch.futures.Future):
+    """A future that keeps no devices: a CUDA one (`Future(devices=[cuda])`, the clipping hooks' held
+    buckets) refuses a fake tensor, whose storage is on 'meta'."""
+
+    def __init__(self, *, devices: Any = None) -> None:
+        super().__init__()
+
+    def __class_getitem__(cls, item: Any) -> type:  # `Future[...]` in annotations evaluated at run time
+        return cls
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _gpu_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **extra: Any) -> torch.Tensor:
+    """SDPA as a GPU runs it for fp16 / bf16 inputs: flash attention without a mask, memory-efficient attention
+    (the mask as an additive bias) with one. A CPU-only torch has no CUDA kernel choice, and the fake device
+    would run the math path, which materialises every score, probability and dropout mask."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or extra:
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     **extra)
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+    bias = attn_mask
+    if attn_mask.dtype == torch.bool:
+        bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~attn_mask, -math.inf)
+    bias = bias.expand(*query.shape[:-1], key.shape[-2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, query.requires_grad,
+                                                                  dropout_p, is_causal, scale=scale)[0]
+
+
 @dataclass
 class _State:
     recorder: Recorder = field(default_factory=Recorder)
@@ -155,11 +190,16 @@ STANDINS: dict[str, Any] = {
 def install(recorder: Recorder) -> Iterator[CudaLog]:
     """Patches torch.cuda with the stand-ins, recording into `recorder`; restores on exit."""
     saved = {name: getattr(torch.cuda, name, None) for name in STANDINS}
+    future = torch.futures.Future
     _state.recorder, _state.log = recorder, CudaLog()
     for name, value in STANDINS.items():
         setattr(torch.cuda, name, value)
+    torch.futures.Future = _Future  # type: ignore[misc]
+    torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa  # type: ignore[assignment]
     try:
         yield _state.log
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+        torch.futures.Future = future  # type: ignore[misc]
+        torch.nn.functional.scaled_dot_product_attention = _SDPA

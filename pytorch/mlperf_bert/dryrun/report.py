@@ -26,6 +26,9 @@ def print_report(report: DryRunReport) -> None:
         print(f"  {phase}: {sum(reads.values())} host read(s), {sum(copies.values())} host<->device copy(ies){fp8}")
         for where, n in reads.items():
             print(f"    read x{n}  {where}")
+    if report.memory is not None:
+        for line in report.memory.lines():
+            print(f"  {line}")
     if cfg.run.precision == "fp8":
         print(f"  FP8 GEMMs (torch._scaled_mm) inside CUDA-graph captures: {report.fp8_gemms.get(CAPTURE, 0)}")
     if report.peak_step_bytes is not None:

@@ -42,6 +42,8 @@ from ..input.sources import TokenImbalance
 from ..data.static_batch import StaticShape
 from . import cuda_standins
 from .bucketed import BucketedDataParallel
+from .cost import CostTracer
+from .estimate import MemoryEstimate, StepWork, estimate
 from .record import Event, Recorder, counting_fp8_gemms
 
 MAX_SEQS_PER_PACK = 3  # K of the packed shards (data_prep pack)
@@ -64,6 +66,8 @@ class DryRunReport:
     stream_waits: int = 0
     failures: list[str] = field(default_factory=list)
     peak_step_bytes: int | None = None  # real GPU only: the allocator's peak over the build and the steps
+    memory: MemoryEstimate | None = None  # one device's peaks (estimate.py)
+    work: StepWork | None = None  # one step's and one eval's ops and collectives
 
 
 class SyntheticSource:
@@ -196,10 +200,16 @@ def run_steps(run: Run, recorder: Recorder, steps: int) -> int:
     return peak
 
 
+def cost_tracer(recorder: Recorder) -> CostTracer:
+    """Memory and work per phase, in the recorder's phases and captures."""
+    return CostTracer(phase=lambda: recorder.phase, capturing=recorder.in_capture_now)
+
+
 @contextlib.contextmanager
-def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True
-              ) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
-    """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` watching, and the log of CUDA calls."""
+def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True,
+              tracer: CostTracer | None = None) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
+    """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` (and `tracer`) watching, and the log of
+    CUDA calls."""
     device = torch.device("cuda", 0)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
 
@@ -208,7 +218,8 @@ def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = 
 
     with standins():  # the attention back-end's choice asks the (fake) GPU its compute capability
         parts = supplied(cfg, device)
-    with fake_process_group(denv.world_size), standins() as log, counting_fp8_gemms(recorder), mode, recorder:
+    traced = tracer if tracer is not None else contextlib.nullcontext()
+    with fake_process_group(denv.world_size), standins() as log, counting_fp8_gemms(recorder), mode, recorder, traced:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
         try:
             yield run, log
@@ -229,13 +240,19 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     recorder = Recorder(fake=fake)
     if not fake and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with built_run(cfg, denv, recorder, fake) as (run, log):
+    tracer = cost_tracer(recorder)
+    with built_run(cfg, denv, recorder, fake, tracer) as (run, log):
         peak = run_steps(run, recorder, steps)
         stepped = type(run.step.optimizer).__name__
         attention = run.eval.model.bert.backend
+        share = math.ceil(cfg.eval.num_eval_examples / denv.world_size)  # this rank's eval sequences
+        batches = run.eval.data.batches()
+        memory, work = estimate(tracer, steps, list(run.eval.model.parameters()), run.step.optimizer, batches,
+                                sum(batch.num_sequences for batch in batches), share)
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
                           log.captures, log.replays, dict(recorder.fp8_gemms), stepped, log.streams,
-                          log.event_records, log.stream_waits, peak_step_bytes=peak or None)
+                          log.event_records, log.stream_waits, peak_step_bytes=peak or None, memory=memory,
+                          work=work)
     report.failures = findings(report)
     return report
 

@@ -101,6 +101,12 @@ class ClipMode(str, Enum):
     BUCKETWISE = "bucketwise"
 
 
+def all_reduce_overlaps_backward(mode: ClipMode) -> bool:
+    """The module table's last column: whether DDP's all-reduce runs while the backward pass still computes
+    (before_allreduce holds every bucket until the backward has ended)."""
+    return mode != ClipMode.BEFORE_ALLREDUCE
+
+
 def _parse_mode(mode: ClipMode | str) -> ClipMode:
     try:
         return ClipMode(mode)

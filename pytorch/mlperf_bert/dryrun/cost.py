@@ -1,0 +1,191 @@
+"""What a traced run costs one device: live memory, and each op's FLOPs, bytes and collectives.
+
+`CostTracer` is a TorchDispatchMode beside the `Recorder` (it takes the Recorder's phase and
+capture flag). It works on fake tensors and on real ones alike, which is how its accounting
+is checked against the CPU allocator (tests/test_cost.py):
+
+- Memory: every op output on the traced device type adds its storage's bytes once (views share
+  a storage); the bytes leave when the storage dies (a weak reference's callback). Storages made
+  while a CUDA graph is captured live in the graph's private pool, which never gives memory back:
+  the device holds max(pool bytes live at once) from the capture on, whatever Python frees. So
+  `device_bytes` = live bytes outside the pool + the pool's high-water mark. Not counted: the
+  caching allocator's rounding and fragmentation, kernel workspaces (cuBLAS, attention), the CUDA
+  context and NCCL's buffers; `mlperf_bert.plan.memory` adds them as stated margins.
+- Work: every op on the device is counted under its phase with its FLOPs
+  (`torch.utils.flop_counter`'s formulas; matrix products and attention are "matmul", and
+  "fp8" when an operand is an FP8 tensor subclass, torchao's) and the bytes of its tensor operands
+  and results (what it reads and writes once; a view moves nothing). Identical ops are merged
+  with a count, so a 24-layer model keeps one entry per distinct op.
+- Collectives (`c10d` ops on the process group): kind and bytes of the largest buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+MATMUL, FP8, OTHER = "matmul", "fp8", "other"
+CAPTURE_PHASE = "capture"
+# Ops that compute no values: their outputs alias or merely allocate (no kernel reads or writes them).
+_NO_TRAFFIC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+               "_unsafe_view", "lift_fresh", "set_", "record_stream", "_local_scalar_dense")
+
+
+class OpCost(NamedTuple):
+    name: str  # the aten op
+    kind: str  # MATMUL, FP8 or OTHER
+    flops: int
+    bytes: int  # bytes read and written once
+
+
+@dataclass
+class PhaseCost:
+    """One phase (build, capture, step N, eval): its memory high-water mark and its work."""
+
+    peak_bytes: int = 0  # device bytes at the phase's highest point (pool included)
+    start_bytes: int = 0  # device bytes when it began
+    ops: Counter[OpCost] = field(default_factory=Counter)
+    collectives: Counter[tuple[str, int]] = field(default_factory=Counter)  # (kind, bytes) -> calls
+
+    def flops(self, kind: str | None = None) -> int:
+        return sum(op.flops * n for op, n in self.ops.items() if kind is None or op.kind == kind)
+
+    @property
+    def kernels(self) -> int:
+        return sum(self.ops.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak_bytes, "start_bytes": self.start_bytes,
+                "ops": [[*op, n] for op, n in self.ops.items()],
+                "collectives": [[kind, size, n] for (kind, size), n in self.collectives.items()]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PhaseCost":
+        ops: Counter[OpCost] = Counter({OpCost(*op[:4]): op[4] for op in data["ops"]})
+        comms: Counter[tuple[str, int]] = Counter({(k, s): n for k, s, n in data["collectives"]})
+        return cls(data["peak_bytes"], data["start_bytes"], ops, comms)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own storage: a wrapper subclass (FP8) stands for its inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in _plain(getattr(t, name))]
+    return [t]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return sum(p.numel() * p.element_size() for p in _plain(t))
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for p in _plain(t))
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that cannot read this call's shapes (a wrapper subclass): no count
+        return 0
+
+
+@dataclass
+class CostTracer(TorchDispatchMode):
+    """Counts live device memory and each op's work per phase (see the module docstring).
+
+    phase / capturing: callables giving the current phase label and whether a CUDA graph is
+    being captured (the Recorder's, in a dry run). device_type: the memory counted ("cuda"; "cpu"
+    when the accounting is checked on real CPU tensors).
+    """
+
+    phase: Callable[[], str] = lambda: "build"
+    capturing: Callable[[], bool] = lambda: False
+    device_type: str = "cuda"
+    phases: dict[str, PhaseCost] = field(default_factory=dict)
+    outside: int = 0  # live bytes outside a graph pool
+    pool_live: int = 0  # live bytes inside the graph pool
+    pool_reserved: int = 0  # the pool's high-water mark: held from the capture on
+    _live: dict[int, tuple[weakref.ref, int, bool]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    @property
+    def device_bytes(self) -> int:
+        return self.outside + self.pool_reserved
+
+    def current(self) -> PhaseCost:
+        name = CAPTURE_PHASE if self.capturing() else self.phase()
+        cost = self.phases.get(name)
+        if cost is None:
+            cost = self.phases[name] = PhaseCost(self.device_bytes, self.device_bytes)
+        return cost
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = self.current()
+        for t in _tensors(out):
+            for plain in _plain(t):
+                self._allocated(plain)
+        cost.peak_bytes = max(cost.peak_bytes, self.device_bytes)
+        if func.namespace == "c10d":
+            self._collective(cost, func, args)
+        elif func.namespace == "aten" and not func.is_view and func._overloadpacket.__name__ not in _NO_TRAFFIC:
+            self._work(cost, func, args, kwargs, out)  # prim ops (a fake tensor's .device) run no kernel
+        return out
+
+    def _allocated(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type:
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return
+        size, in_pool = storage.nbytes(), self.capturing()
+        self._live[key] = (weakref.ref(storage, lambda _, key=key: self._freed(key)), size, in_pool)  # type: ignore[misc]
+        if in_pool:
+            self.pool_live += size
+            self.pool_reserved = max(self.pool_reserved, self.pool_live)
+        else:
+            self.outside += size
+
+    def _freed(self, key: int) -> None:
+        _, size, in_pool = self._live.pop(key)
+        if in_pool:
+            self.pool_live -= size
+        else:
+            self.outside -= size
+
+    def _work(self, cost: PhaseCost, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        operands = _tensors((args, kwargs))
+        results = _tensors(out)
+        if not any(t.device.type == self.device_type for t in operands + results):
+            return
+        flops = _flops(func, args, kwargs, out)
+        kind = OTHER if flops == 0 else FP8 if any(_is_fp8(t) for t in operands) else MATMUL
+        moved = sum(_nbytes(t) for t in operands + results)
+        cost.ops[OpCost(func._overloadpacket.__name__, kind, flops, moved)] += 1
+
+    @staticmethod
+    def _collective(cost: PhaseCost, func: Any, args: tuple) -> None:
+        buffers = _tensors(args)
+        if buffers:
+            cost.collectives[(func._overloadpacket.__name__, max(_nbytes(t) for t in buffers))] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pool_reserved": self.pool_reserved, "phases": {k: v.to_dict() for k, v in self.phases.items()}}

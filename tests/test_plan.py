@@ -1,0 +1,191 @@
+"""tools/plan.py and tools/step_model.py: every shipped GPU config's traced memory fits its device, the
+memory and step-time model behave as the trainer does, and the command line plans a config or refuses it
+in one line."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import REPO
+from mlperf_bert.dryrun.cost import MATMUL, OTHER, OpCost, PhaseCost
+from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, extrapolate, memory_from_dict
+from mlperf_bert.dryrun.shipped import BERT_LARGE, exports
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining
+
+import plan
+import step_model
+
+CONFIGS = plan.shipped_gpu_configs()
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict[str, dict[str, Any]]:
+    """Each shipped GPU config's BERT-Large dry run, traced once (cached across sessions by plan.traces)."""
+    envs = {c.name: exports(c) for c in CONFIGS}
+    return plan.traces(envs)
+
+
+@pytest.fixture(scope="module")
+def predictions(traced: dict[str, dict[str, Any]]) -> dict[str, plan.Prediction]:
+    return {c.name: plan.predict(c.name, exports(c), step_model.DEVICES[plan.device_of(exports(c), c)],
+                                 traced[c.name]) for c in CONFIGS}
+
+
+def test_every_shipped_gpu_config_fits_its_device(predictions: dict[str, plan.Prediction]) -> None:
+    """`make test` fails a shipped config whose traced peak (with the allocator's margin) exceeds its device."""
+    assert {p.name for p in predictions.values()} == {c.name for c in CONFIGS}
+    too_big = {name: f"{p.fit.needed_bytes / 1e9:.1f} GB > {p.device.memory_bytes / 1e9:.0f} GB"
+               for name, p in predictions.items() if not p.fit.fits}
+    assert not too_big, too_big
+
+
+def test_traced_dry_runs_raise_no_findings(traced: dict[str, dict[str, Any]]) -> None:
+    assert {name: t["failures"] for name, t in traced.items() if t["failures"]} == {}
+
+
+def test_weights_are_the_bert_large_parameters_on_every_config(traced: dict[str, dict[str, Any]]) -> None:
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in BertForPreTraining(BertConfig(**BERT_LARGE)).parameters())
+    for name, t in traced.items():
+        weights = memory_from_dict(t["memory"]).weights
+        # fp32 master weights; a sharded optimizer's are views of one flat buffer padded to whole shards.
+        assert 4 * numel <= weights < 4 * (numel + t["world_size"]), (name, weights)
+
+
+def test_sharding_divides_the_optimizer_state_and_graphs_hold_a_pool(traced: dict[str, dict[str, Any]]) -> None:
+    memory = {name: memory_from_dict(t["memory"]) for name, t in traced.items()}
+    whole = memory["config_DGXA100_1x8.sh"].optimizer_state  # unsharded LAMB: two fp32 moments per weight
+    assert whole >= 2 * memory["config_DGXA100_1x8.sh"].weights
+    sharded = [c.name for c in CONFIGS if exports(c).get("DIST_OPTIMIZER") == "1"]
+    # Sharded: the flat gradient (as large as the weights) and this rank's 1/1,024 of the moments.
+    assert sharded and all(memory[name].optimizer_state - memory[name].weights < whole / 100 for name in sharded)
+    for c in CONFIGS:
+        graphed = exports(c).get("CUDA_GRAPHS") == "1"
+        assert (memory[c.name].graph_pool > 0) == graphed, c.name
+        assert memory[c.name].train_peak > memory[c.name].persistent > memory[c.name].weights, c.name
+
+
+def test_memory_fit_counts_the_margins() -> None:
+    device = step_model.DEVICES["H100"]
+    reserved = step_model.constant("memory_reserved_gib") * (1 << 30)
+    limit = (device.memory_bytes - reserved) / (1 + step_model.constant("memory_margin"))
+    just = MemoryEstimate(1, 1, 1, 0, int(limit) - 1, 0, 1)
+    over = MemoryEstimate(1, 1, 1, 0, int(limit) + (1 << 20), 0, 1)
+    assert step_model.memory_fit(just, device).fits and not step_model.memory_fit(over, device).fits
+
+
+def test_extrapolation_from_one_and_two_layers_is_linear() -> None:
+    """a + b x layers for every count: one layer's ops and collectives, plus 23 more of the second trace's growth."""
+    def traced(layers: int) -> tuple[MemoryEstimate, StepWork]:
+        ops = Counter({OpCost("mm", MATMUL, 6, 10): 4 * layers + 1, OpCost("_foreach_add", OTHER, 0, 8 * layers): 1})
+        comms = Counter({("allreduce_", 100): layers + 1})
+        memory = MemoryEstimate(*(10 * layers + i for i in range(7)))
+        return memory, StepWork(PhaseCost(5 * layers, layers, ops, comms), PhaseCost(), 2.0, True)
+
+    memory, work = extrapolate(traced(1), traced(2), 24)
+    assert memory == traced(24)[0]
+    assert work.step.ops == traced(24)[1].step.ops and work.step.collectives == traced(24)[1].step.collectives
+    assert (work.step.peak_bytes, work.eval_scale, work.captured) == (120, 2.0, True)
+
+
+def _work(collective_bytes: int = 0, ops: int = 1000) -> StepWork:
+    step = PhaseCost(ops=Counter({OpCost("mm", MATMUL, 10**12, 10**9): 1, OpCost("add", OTHER, 0, 10**6): ops}),
+                     collectives=Counter({("allreduce_", collective_bytes): 1}))
+    return StepWork(step, PhaseCost(), 1.0, captured=False)
+
+
+def test_step_time_follows_the_device_the_link_and_the_overlap() -> None:
+    work = _work(collective_bytes=1 << 30)
+    a100, h100 = step_model.DEVICES["A100"], step_model.DEVICES["H100"]
+    assert step_model.step_time(work, h100, 8, True).compute_s < step_model.step_time(work, a100, 8, True).compute_s
+    nvlink, ib = step_model.step_time(work, h100, 8, False), step_model.step_time(work, h100, 16, False, per_node=2)
+    assert nvlink.link.name == "NVLink" and ib.link.name == "InfiniBand" and ib.comm_s > 4 * nvlink.comm_s
+    assert step_model.link_of(h100, 16, per_node=2).bytes_per_s == 2 * h100.network_bytes_per_s  # a node's NICs
+    hidden = step_model.step_time(work, h100, 8, True)
+    assert hidden.exposed_comm_s == max(hidden.comm_s - 2 / 3 * hidden.compute_s, 0) < nvlink.exposed_comm_s
+    # A ring all-reduce moves 2(n-1)/n of the buffer over each link.
+    expected = 2 * 7 / 8 * (1 << 30) / (h100.nvlink_bytes_per_s * step_model.constant("network_efficiency"))
+    assert math.isclose(nvlink.comm_s, expected + step_model.constant("collective_latency_us") * 1e-6)
+    assert step_model.step_time(_work(ops=10**6), h100, 1, False).bound.startswith("host-bound")
+
+
+def test_overlap_follows_the_clip_mode_and_the_sharded_optimizer() -> None:
+    assert plan.overlaps({"CLIP_MODE": "bucketwise"}) and plan.overlaps({"CLIP_MODE": "after_allreduce"})
+    assert not plan.overlaps({"CLIP_MODE": "before_allreduce"})
+    assert not plan.overlaps({"CLIP_MODE": "after_allreduce", "DIST_OPTIMIZER": "1"})
+
+
+def test_calibrated_step_time_is_near_the_published_rates(predictions: dict[str, plan.Prediction]) -> None:
+    """The calibration's promise: every published rate within the range the plan prints."""
+    calibrated = {name: pub for name, pub in plan.published().items() if pub.rate is not None}
+    assert len(calibrated) == 5, calibrated
+    for name, pub in calibrated.items():
+        rate = predictions[name].rate(pub.includes_eval)
+        assert abs(math.log(rate / pub.rate)) <= plan.residual_spread() + 1e-9, (name, rate, pub.rate)
+
+
+def test_published_h200_rate_is_the_reference_range() -> None:
+    """The log parser's rate for NVIDIA's v4.0 H200 runs: REFERENCE.md's 1,064-1,095 per GPU between evals."""
+    assert 1000 < (plan.published()["config_DGXH200_1x8.sh"].rate or 0) < 1150
+
+
+def test_time_to_train_counts_steps_and_evals(predictions: dict[str, plan.Prediction]) -> None:
+    p = predictions["config_DGXH200_1x8.sh"]
+    ttt, low, high = p.ttt
+    assert low < ttt < high
+    assert p.samples == pytest.approx(p.window.rcp_mean) and p.samples_range[0] == pytest.approx(p.window.min_mean)
+    # 2,443,934 samples at GBS 768 with evals every 150,000 from 150,000: the run stops at the 17th eval.
+    assert p.evals(p.samples) == 17 and p.stop_samples(p.samples) == math.ceil(17 * 150_000 / 768) * 768
+    by_hand = (step_model.constant("run_fixed_s") + p.stop_samples(p.samples) / 768 * p.step.seconds
+               + 17 * p.eval_s) / 60
+    assert ttt == pytest.approx(by_hand)
+
+
+def test_plan_prints_memory_step_and_time_to_train(traced: dict[str, dict[str, Any]], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main([str(REPO / "config_DGXH200_1x8.sh"), "--plot", str(tmp_path / "ttt.png")]) == 0
+    out = capsys.readouterr().out
+    for piece in ("memory per device: training", "GB of 141 GB: headroom", "samples/s", "RCP mean 2,443,934",
+                  "evals: 17", "time to train:"):
+        assert piece in out, out
+    assert (tmp_path / "ttt.png").stat().st_size > 10_000
+
+
+def test_plan_takes_another_device(traced: dict[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    """The H200 recipe on B200s: the same trace (cached), another device's rates and memory."""
+    assert plan.main([str(REPO / "config_DGXH200_1x8.sh"), "--device", "B200"]) == 0
+    out = capsys.readouterr().out
+    assert "8 x B200, global batch 768" in out and "GB of 180 GB" in out, out
+
+
+def test_hypothetical_system_spreads_the_gpus_over_nodes() -> None:
+    env = plan.config_env(REPO / "config_DGXH200_1x8.sh", 16, "H200")
+    assert (env["DGXNGPU"], env["DGXNNODES"], plan.global_batch_size(env)) == ("8", "2", 1536)
+    env = plan.config_env(REPO / "config_GB200_2x4.sh", 8, "GB200")
+    assert (env["DGXNGPU"], env["DGXNNODES"], plan.global_batch_size(env)) == ("4", "2", 768)
+    assert plan.global_batch_size(plan.config_env(REPO / "config_DGXA100_1x8.sh", 1, "A100")) == 56
+
+
+@pytest.mark.parametrize("args, says", [
+    (["config_nothing.sh"], "no such config file"),
+    (["config_DGXH200_1x8.sh", "--gpus", "12"], "--gpus 12: give at most 8 or a multiple of 8"),
+    (["config_CPU_1x2.sh"], "DGXSYSTEM='CPU_1x2' names no known device"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main([str(REPO / args[0]), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args", [[], ["config_DGXH200_1x8.sh", "--device", "TPU"], ["config_DGXH200_1x8.sh", "--gpus", "x"]])
+def test_bad_flags_are_one_line_and_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        plan.main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("plan.py: ") and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,228 @@
+"""A model of one device's memory fit, step time and eval time, from a traced dry run's work.
+
+Inputs: the traced step's ops (each with its FLOPs and the bytes it reads and writes) and
+collectives (kind, bytes), from `mlperf_bert.dryrun.estimate.StepWork`, and a device below.
+
+Compute: each matrix product takes max(FLOPs / (peak x matmul efficiency), bytes / (HBM bandwidth x
+memory efficiency)), the roofline of that op; FP8 ones run at the FP8 peak. Every other op is
+bandwidth-bound: its traced bytes x `fused_traffic_share` / (HBM bandwidth x memory efficiency).
+The share is what separates this trainer's eager ops (1.0: each cast, scale, bias, dropout and
+residual add reads and writes its tensors) from the fused kernels of the published runs (casts inside
+the GEMMs, bias+GELU, dropout+residual+LayerNorm), which the calibration measures. Each kernel
+adds a launch gap (small inside a CUDA graph). An eager step is also bounded by the host issuing its
+ops one by one (`host_us_per_op`): it takes the longer of the two.
+
+Communication: each collective takes latency + factor x bytes / (link bandwidth x network
+efficiency), with NCCL's ring factors (all-reduce 2(n-1)/n, reduce-scatter and all-gather
+(n-1)/n). The link is NVLink when all ranks share one NVLink domain (a DGX's 8 GPUs, a GB200
+NVL72 rack's 72), else the InfiniBand NIC of each GPU, which the inter-node ring crosses.
+Overlap as the trainer has it (optim/clipping.py's table): DDP's all-reduce overlaps the backward
+pass (2/3 of the step's compute) in --clip_mode none, after_allreduce and bucketwise; before_allreduce
+holds every bucket until the backward ends, and the sharded optimizer's reduce-scatter and
+all-gather run after it: no overlap.
+
+Left out: the input pipeline (assumed hidden behind the step), stragglers and load imbalance
+between ranks, clocks below the rated peak under power limits, and the differences between
+this trainer's kernels and the vendor's (the calibration folds them into two efficiencies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from mlperf_bert.dryrun.cost import FP8, MATMUL, PhaseCost
+from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator's rated numbers (dense, no sparsity) and its links."""
+
+    name: str
+    bf16_flops: float  # FLOP/s, dense bf16 tensor-core peak
+    fp8_flops: float | None  # FLOP/s, dense FP8 peak; None: no FP8 tensor cores
+    hbm_bytes_per_s: float
+    memory_bytes: float  # as rated (GB = 1e9 bytes)
+    nvlink_bytes_per_s: float  # per GPU, one direction
+    nvlink_domain: int  # GPUs one NVLink fabric connects
+    network_bytes_per_s: float  # per GPU, one direction (its InfiniBand NIC)
+    source: str
+
+
+# Datasheet numbers. A100: NVIDIA A100 datasheet (SXM4 80GB: 312 TF bf16, 2,039 GB/s, NVLink3
+# 600 GB/s both directions) and DGX A100 (8x HDR 200 Gb/s). H100/H200: H100 and H200 datasheets
+# (SXM: 989 TF bf16, 1,979 TF FP8; 3.35 and 4.8 TB/s; NVLink4 900 GB/s both directions), DGX H100
+# (8x NDR 400 Gb/s). B200: DGX B200 datasheet (72 PF FP8 / 36 PF FP16 dense... per 8 GPUs with
+# sparsity halved: 4.5 PF FP8, 2.25 PF bf16 dense per GPU; 8 TB/s; NVLink5 1.8 TB/s both ways;
+# 8x 400 Gb/s). GB200: GB200 NVL72 datasheet (per GPU 5 PF FP8 and 2.5 PF bf16 dense, 8 TB/s,
+# 186 GB HBM3e; 72 GPUs in one NVLink5 domain).
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    Device("A100", 312e12, None, 2.039e12, 80 * GB, 300 * GB, 8, 25 * GB, "A100 SXM4 80GB / DGX A100 datasheets"),
+    Device("H100", 989e12, 1979e12, 3.35e12, 80 * GB, 450 * GB, 8, 50 * GB, "H100 SXM / DGX H100 datasheets"),
+    Device("H200", 989e12, 1979e12, 4.8e12, 141 * GB, 450 * GB, 8, 50 * GB, "H200 SXM datasheet"),
+    Device("B200", 2250e12, 4500e12, 8.0e12, 180 * GB, 900 * GB, 8, 50 * GB, "DGX B200 datasheet"),
+    Device("GB200", 2500e12, 5000e12, 8.0e12, 186 * GB, 900 * GB, 72, 50 * GB, "GB200 NVL72 datasheet"),
+)}
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: float
+    origin: str
+
+
+# Every number the model does not read off a datasheet or a trace: the calibration table.
+CALIBRATION: dict[str, Constant] = {
+    "matmul_efficiency": Constant(0.96, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published)"),
+    "fused_traffic_share": Constant(0.20, "fitted by `tools/plan.py --calibrate`: the share of the traced element-wise "
+                                          "bytes a fused implementation still moves (1.0: this trainer, eager)"),
+    "memory_efficiency": Constant(0.80, "achievable share of HBM bandwidth in streaming kernels (about 80-90 % in "
+                                        "copy benchmarks on A100/H100)"),
+    "kernel_gap_us": Constant(2.0, "per kernel on the GPU outside a graph (launch latency, about 2-4 us; CUDA "
+                                   "graph notes)"),
+    "graph_kernel_gap_us": Constant(0.5, "per kernel inside a CUDA graph replay (graph launch removes the host)"),
+    "host_us_per_op": Constant(10.0, "eager PyTorch: Python dispatch and launch per op (about 5-20 us)"),
+    "collective_latency_us": Constant(20.0, "one NCCL collective's start-up on 8-1,024 GPUs (nccl-tests, small sizes)"),
+    "network_efficiency": Constant(0.80, "NCCL bus bandwidth over the link's rate (nccl-tests all_reduce_perf)"),
+    "eval_fixed_s": Constant(0.5, "per eval: the accuracy all-reduce, its host read and the MLPerf log lines"),
+    "run_fixed_s": Constant(5.0, "after run_start, outside steps and evals: first batches, the eval set's read"),
+    "step_time_spread": Constant(0.276, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
+                                        "left by the fit; the step time's range is this factor each way"),
+    "init_fixed_s": Constant(30.0, "before run_start, besides graph warm-up and capture: processes, model and "
+                                   "optimizer on the device (NVIDIA v2.0 A100 logs: init_start to run_start 17 s)"),
+    "memory_margin": Constant(0.10, "the caching allocator's rounding and fragmentation, over the traced bytes"),
+    "memory_reserved_gib": Constant(3.0, "CUDA context, cuBLAS/attention workspaces and NCCL buffers per GPU"),
+}
+
+
+def constant(name: str, overrides: Mapping[str, float] | None = None) -> float:
+    return (overrides or {}).get(name, CALIBRATION[name].value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass(frozen=True)
+class Fit:
+    needed_bytes: float  # the traced peak with the margins
+    device: Device
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.device.memory_bytes - self.needed_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+
+def memory_fit(memory: MemoryEstimate, device: Device) -> Fit:
+    """The traced peak plus the allocator's margin and the reserved bytes, against the rated memory."""
+    needed = memory.peak * (1 + constant("memory_margin")) + constant("memory_reserved_gib") * (1 << 30)
+    return Fit(needed, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Time
+
+
+@dataclass(frozen=True)
+class Link:
+    ranks: int
+    bytes_per_s: float
+    name: str
+
+
+def link_of(device: Device, ranks: int, per_node: int = 8) -> Link:
+    """The bandwidth one rank's ring traffic gets. Across nodes NCCL runs one ring per NIC, each crossing
+    between nodes once, so a node's `per_node` NICs together carry every rank's share (up to NVLink's rate)."""
+    if ranks <= device.nvlink_domain:
+        return Link(ranks, device.nvlink_bytes_per_s, "NVLink")
+    return Link(ranks, min(device.nvlink_bytes_per_s, per_node * device.network_bytes_per_s), "InfiniBand")
+
+
+def compute_seconds(phase: PhaseCost, device: Device, captured: bool, k: Mapping[str, float] | None = None) -> float:
+    """The GPU's time for the phase's ops (roofline per op, plus a launch gap per kernel)."""
+    mm, mem = constant("matmul_efficiency", k), constant("memory_efficiency", k)
+    fused = constant("fused_traffic_share", k)
+    gap = constant("graph_kernel_gap_us" if captured else "kernel_gap_us", k) * 1e-6
+    total = 0.0
+    for op, count in phase.ops.items():
+        if op.kind in (MATMUL, FP8):
+            peak = device.fp8_flops if op.kind == FP8 and device.fp8_flops else device.bf16_flops
+            seconds = max(op.flops / (peak * mm), op.bytes / (device.hbm_bytes_per_s * mem))
+        else:
+            seconds = fused * op.bytes / (device.hbm_bytes_per_s * mem)
+        total += count * (seconds + gap)
+    return total
+
+
+def host_seconds(phase: PhaseCost, captured: bool, k: Mapping[str, float] | None = None) -> float:
+    """The host's time to issue the phase's ops one by one (0 for a graph replay)."""
+    return 0.0 if captured else phase.kernels * constant("host_us_per_op", k) * 1e-6
+
+
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def collective_kind(op_name: str) -> str:
+    """c10d's op name (allreduce_, _reduce_scatter_base_, _allgather_base_, ...) as a RING_FACTOR key."""
+    name = op_name.replace("_", "")
+    for kind in ("reducescatter", "allgather", "broadcast"):
+        if kind in name:
+            return {"reducescatter": "reduce_scatter", "allgather": "all_gather"}.get(kind, kind)
+    return "all_reduce"
+
+
+def comm_seconds(phase: PhaseCost, link: Link, k: Mapping[str, float] | None = None) -> float:
+    if link.ranks <= 1:
+        return 0.0
+    latency, eff = constant("collective_latency_us", k) * 1e-6, constant("network_efficiency", k)
+    return sum(n * (latency + RING_FACTOR[collective_kind(op)](link.ranks) * size / (link.bytes_per_s * eff))
+               for (op, size), n in phase.collectives.items())
+
+
+BACKWARD_SHARE = 2 / 3  # the backward pass's share of a step's compute (two products per forward one)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    host_s: float
+    comm_s: float
+    exposed_comm_s: float
+    link: Link
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s + self.exposed_comm_s, self.host_s)
+
+    @property
+    def bound(self) -> str:
+        if self.host_s > self.compute_s + self.exposed_comm_s:
+            return "host-bound (eager op launches)"
+        return "communication-bound" if self.exposed_comm_s > self.compute_s else "compute-bound"
+
+
+def step_time(work: StepWork, device: Device, ranks: int, overlaps: bool,
+              k: Mapping[str, float] | None = None, per_node: int = 8) -> StepTime:
+    """One training step. overlaps: the gradient exchange overlaps the backward pass (see the module docstring)."""
+    link = link_of(device, ranks, per_node)
+    compute = compute_seconds(work.step, device, work.captured, k)
+    comm = comm_seconds(work.step, link, k)
+    exposed = max(comm - BACKWARD_SHARE * compute, 0.0) if overlaps else comm
+    return StepTime(compute, host_seconds(work.step, work.captured, k), comm, exposed, link)
+
+
+def eval_seconds(work: StepWork, device: Device, ranks: int, k: Mapping[str, float] | None = None,
+                 per_node: int = 8) -> float:
+    """One eval of this rank's share: eager forward passes, then the accuracy's all-reduce."""
+    compute = compute_seconds(work.eval, device, captured=False, k=k)
+    host = host_seconds(work.eval, captured=False, k=k)
+    return max(compute, host) * work.eval_scale + comm_seconds(work.eval, link_of(device, ranks, per_node), k) \
+        + constant("eval_fixed_s", k)
