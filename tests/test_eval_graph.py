@@ -11,11 +11,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from mlperf_bert.config.settings import ConfigError, RunSettings
-from mlperf_bert.data.batch import IGNORE_INDEX
+from mlperf_bert.data.batch import IGNORE_INDEX, Sample
 from mlperf_bert.data.dataset import DataLimits, load_eval_set
 from mlperf_bert.data.static_batch import pack_rows
 from mlperf_bert.input.eval_input import eval_batches
@@ -47,6 +48,18 @@ def test_pack_rows_places_every_sequence_once_within_the_row_limits(eval_items) 
         assert len(row) <= shape.max_seqs_per_row and sum(s.length for s in row) <= shape.row_len
         assert sum(s.masked_lm_positions.shape[0] for s in row) <= shape.max_predictions
     assert len(rows) < 0.75 * len(eval_items)  # rows are shared: the eval costs fewer padded tokens
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_rows_keeps_every_sequence_of_any_lengths(seed: int) -> None:
+    """Odd and even counts, sequences that fill a row alone, and the last one left in the middle."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 65, size=int(rng.integers(1, 12)))
+    items = [(Sample(np.ones(n, np.int64), np.zeros(n, np.int64), np.arange(1, 1 + n // 7), np.ones(n // 7, np.int64),
+                     0),) for n in lengths]
+    rows = pack_rows(items, 64, 3, 12)
+    assert sorted(id(s) for row in rows for s in row) == sorted(id(item[0]) for item in items)
+    assert all(sum(s.length for s in row) <= 64 and len(row) <= 3 for row in rows)
 
 
 def test_pack_rows_names_a_sequence_that_fits_no_row(eval_items) -> None:
