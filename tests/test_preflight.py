@@ -76,3 +76,22 @@ def test_rank_0_names_the_ranks_that_did_not_join() -> None:
 def test_settings_name_a_bad_variable() -> None:
     with pytest.raises(ValueError, match="NCCL_TEST_MIN_BUSBW_GBPS='fast' must be a number >= 0"):
         Settings.from_environ({"NCCL_TEST_MIN_BUSBW_GBPS": "fast"}, on_gpu=False)
+
+
+@pytest.mark.parametrize("script", ["run.sub", "run_with_docker.sh"])
+@pytest.mark.parametrize("nccl_test", ["1", "0"])
+def test_launchers_start_the_pre_flight_on_every_gpu_before_the_first_run(tmp_path, script: str,
+                                                                          nccl_test: str) -> None:
+    dirs = {name: tmp_path / name for name in ("DATADIR_PHASE2", "EVALDIR", "CHECKPOINTDIR_PHASE1")}
+    for folder in dirs.values():
+        folder.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NCCL_TEST": nccl_test, "DGXSYSTEM": "DGXH200_1x8",
+           "NEXP": "1", "LOGDIR": str(tmp_path / "logs"), "CONT": "image:1", **{k: str(v) for k, v in dirs.items()}}
+    done = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    preflight = [i for i, line in enumerate(lines) if "pytorch/nccl_preflight.py" in line]
+    first_run = next(i for i, line in enumerate(lines) if line.startswith("# run 1 of 1"))
+    assert len(preflight) == (nccl_test == "1") and all(i < first_run for i in preflight), lines
+    if preflight:  # one process per GPU: srun's tasks, or torchrun's workers
+        assert ("--ntasks-per-node=8" if script == "run.sub" else "--nproc_per_node=8") in lines[preflight[0]]
