@@ -48,9 +48,27 @@ export PRECISION=bf16
 # optimizer step) captured as one CUDA graph per rank and replayed every step. At 2 packs per GPU
 # an eager step is bound by the host launching kernels; packed rows give the graph static shapes.
 export CUDA_GRAPHS=1
+# Encoder layers compiled by torch.compile (Inductor): bias+GELU fused into one kernel, dropout +
+# residual add + LayerNorm into another, where NVIDIA uses its fused kernels. The mode
+# benchmarks/throughput.py times on a GPU (`--from_config` this file). Not yet timed against eager on
+# a GPU: docs/PERFORMANCE.md, "Compile mode of the shipped configs", gives the reason for the choice.
+export COMPILE_MODE=default
+# Eval on packed rows of one static shape kept on the GPU, the forward captured once as a CUDA graph
+# and replayed per batch; the host reads the accuracy once per eval (NVIDIA's --eval_cuda_graph).
+export EVAL_CUDA_GRAPH=1
 # Host reads of the device (loss check, stop agreement) every 10 steps, not every step; a
 # non-finite loss rolls back to the last read (docs/FAULTS.md).
 export SYNC_EVERY=10
+
+# NCCL, as NVIDIA's v2.0 DGX A100 128x8 config (REFERENCE.md): the buffers of the collectives captured
+# in the step's CUDA graph are registered with NCCL once, so each replay's reduce-scatter and all-gather
+# move them without staging copies. (A100's NVSwitch has no NVLink SHARP: NCCL_NVLS_ENABLE does not apply.)
+export NCCL_GRAPH_REGISTER=1
+# NCCL_TEST=1 (run.sub, run_with_docker.sh): the all-reduce bus bandwidth, GB/s as nccl-tests'
+# all_reduce_perf reports it, below which the job stops before its first run: a quarter of a node's
+# 200 GB/s of InfiniBand (8 x 200 Gb/s HDR, one adapter per GPU), which bounds the all-reduce across
+# nodes: a node with a dead or slow adapter falls below it.
+export NCCL_TEST_MIN_BUSBW_GBPS=50
 
 export DIVISION=closed
 export SUBMISSION_ORG=reference

@@ -37,7 +37,21 @@ export INPUT_LAYOUT=unpadded
 export BALANCE=global_presort
 export PRECISION=bf16
 export CUDA_GRAPHS=0
+# Encoder layers compiled by torch.compile (Inductor): bias+GELU fused into one kernel, dropout +
+# residual add + LayerNorm into another, where NVIDIA uses its fused kernels. The mode
+# benchmarks/throughput.py times on a GPU (`--from_config` this file). Not yet timed against eager on
+# a GPU: docs/PERFORMANCE.md, "Compile mode of the shipped configs", gives the reason for the choice.
+export COMPILE_MODE=default
+# Eval on packed rows of one static shape kept on the GPU, the forward captured once as a CUDA graph
+# and replayed per batch; the host reads the accuracy once per eval (NVIDIA's --eval_cuda_graph).
+export EVAL_CUDA_GRAPH=1
 export SYNC_EVERY=10  # host reads every 10 steps; a non-finite loss rolls back (docs/FAULTS.md)
+
+# NCCL_TEST=1 (run.sub, run_with_docker.sh): the all-reduce bus bandwidth, GB/s as nccl-tests'
+# all_reduce_perf reports it, below which the job stops before its first run: a quarter of the 300
+# GB/s one-way NVLink 3 rate of an A100, low enough for a healthy node under a short test, high
+# enough to catch a GPU that fell back to PCIe.
+export NCCL_TEST_MIN_BUSBW_GBPS=75
 
 export DIVISION=closed
 export SUBMISSION_ORG=reference

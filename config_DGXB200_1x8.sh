@@ -56,7 +56,30 @@ export PRECISION=fp8
 # Each rank's packed step (forward, backward, all-reduce, clipping, optimizer) runs as one CUDA
 # graph, replayed every step.
 export CUDA_GRAPHS=1
+# Encoder layers compiled by torch.compile (Inductor): bias+GELU fused into one kernel, dropout +
+# residual add + LayerNorm into another, where NVIDIA uses its fused kernels. The mode
+# benchmarks/throughput.py times on a GPU (`--from_config` this file). Not yet timed against eager on
+# a GPU: docs/PERFORMANCE.md, "Compile mode of the shipped configs", gives the reason for the choice.
+export COMPILE_MODE=default
+# Eval on packed rows of one static shape kept on the GPU, the forward captured once as a CUDA graph
+# and replayed per batch; the host reads the accuracy once per eval (NVIDIA's --eval_cuda_graph).
+export EVAL_CUDA_GRAPH=1
 export SYNC_EVERY=10  # host reads every 10 steps; a non-finite loss rolls back (docs/FAULTS.md)
+
+# NCCL, as NVIDIA's v5.0 config_common.sh (mlcommons/training_results_v5.0, NVIDIA/benchmarks/bert):
+# NVLink SHARP: the NVSwitches reduce the all-reduce's data themselves (Hopper and Blackwell NVSwitch
+# systems), where NCCL's rings would pass it GPU to GPU.
+export NCCL_NVLS_ENABLE=1
+# NCCL registers no user buffer for zero-copy transfers, neither those of collectives captured in a
+# CUDA graph (GRAPH) nor those of eager ones (LOCAL): it copies them through its own buffers. NVIDIA's
+# v5.0 setting; its v2.0 DGX A100 128x8 config registered graph buffers (=1), before NVLS.
+export NCCL_GRAPH_REGISTER=0
+export NCCL_LOCAL_REGISTER=0
+# NCCL_TEST=1 (run.sub, run_with_docker.sh): the all-reduce bus bandwidth, GB/s as nccl-tests'
+# all_reduce_perf reports it, below which the job stops before its first run: a quarter of the 900
+# GB/s one-way NVLink 5 rate of a B200/GB200, low enough for a healthy system under a short test,
+# high enough to catch a GPU that fell back to PCIe.
+export NCCL_TEST_MIN_BUSBW_GBPS=225
 
 export DIVISION=closed
 export SUBMISSION_ORG=reference

@@ -55,6 +55,7 @@ check "an integer" "$signed_int_re" START_WARMUP_STEP
 check "a number" "$number_re" LR OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 WEIGHT_DECAY_RATE TARGET_MLM_ACCURACY \
   WARMUP_PROPORTION END_LEARNING_RATE OPT_EPSILON MAX_GRAD_NORM CHECKPOINT_EVERY_MINUTES COLLECTIVE_TIMEOUT_S
 check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG DIST_OPTIMIZER
+check "0 or 1 (off or on)" '^[01]$' EVAL_CUDA_GRAPH
 # torchrun's rendezvous when it starts the ranks of several nodes (docs/FAULTS.md, "Several nodes").
 check "static or c10d" '^(static|c10d)$' RDZV_BACKEND
 check "host:port" '^([^][:space:]:]+|\[[0-9A-Fa-f:.]+\]):[0-9]+$' RDZV_ENDPOINT
@@ -116,6 +117,7 @@ flag_table=(
   "MAX_PREDICTIONS_PER_SEQ --max_predictions_per_seq"
   "PRECISION --precision"
   "CUDA_GRAPHS --cuda_graphs switch"
+  "EVAL_CUDA_GRAPH --eval_cuda_graph switch"
   "ATTENTION_BACKEND --attention_backend"
   "ATTENTION_GROUP_BOUNDS --attention_group_bounds"
   "DEVICE --device"

@@ -10,7 +10,8 @@
 # bert_config.json). Optional: NEXP (runs, default 10: a BERT submission has 10), LOGDIR (default
 # ./results), CLEAR_CACHES (1: drop the page cache before each run, as MLPerf requires),
 # SEED (run i gets SEED+i-1; default: run_and_time.sh picks one), DATESTAMP, DOCKER_GPUS
-# (docker --gpus value, default all; none for no GPUs), MLPERF_RULESET (default 5.0.0).
+# (docker --gpus value, default all; none for no GPUs), MLPERF_RULESET (default 5.0.0), NCCL_TEST
+# (1: the all-reduce check of `preflight` below first; NCCL_TEST_MIN_BUSBW_GBPS from the config).
 #
 # Per run: drop the host page cache from a privileged helper container (no sudo needed), log
 # cache_clear with mlperf_logging.mllog, print a :::SYSJSON line describing the machine, run
@@ -136,6 +137,24 @@ exec_env() {
   fi
 }
 
+# NCCL_TEST=1: before the first run, a short all-reduce bandwidth check on every GPU (of every node,
+# each running this script; pytorch/nccl_preflight.py through torchrun, as run_and_time.sh starts
+# the trainer); below NCCL_TEST_MIN_BUSBW_GBPS, or with a rank that does not join, it prints one line
+# naming the rank and host and no run starts.
+preflight() {
+  [[ "${NCCL_TEST:-0}" == 1 ]] || return 0
+  local env_args rendezvous=(--standalone)
+  mapfile -d '' -t env_args < <(exec_env 0)
+  if [[ "${DGXNNODES:-1}" != 1 && "${RDZV_BACKEND:-static}" == c10d ]]; then
+    rendezvous=(--nnodes="$DGXNNODES" --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:-$MASTER_ADDR:$MASTER_PORT}"
+      --rdzv_id="${RDZV_ID:-mlperf_bert}_nccl_test")
+  elif [[ "${DGXNNODES:-1}" != 1 ]]; then
+    rendezvous=(--nnodes="$DGXNNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
+  fi
+  dock exec "${env_args[@]}" "$CONT_NAME" python "$CONT_REPO/pytorch/launch.py" "${rendezvous[@]}" \
+    --nproc_per_node="$DGXNGPU" "$CONT_REPO/pytorch/nccl_preflight.py"
+}
+
 run_one() {
   local index=$1 env_args
   mapfile -d '' -t env_args < <(exec_env "$index")
@@ -168,6 +187,9 @@ main() {
   local index status failed=0 first_code=0 first_failed=0
   trap cleanup EXIT
   start_container
+  status=0
+  preflight || status=$?
+  [[ $status == 0 ]] || { echo "run_with_docker.sh: NCCL_TEST failed (exit code $status): no run started" >&2; exit "$status"; }
   for ((index = 1; index <= NEXP; index++)); do
     if [[ $DRY_RUN == 1 ]]; then
       echo "# run $index of $NEXP -> $LOGDIR/${DATESTAMP}_${index}.log"

@@ -3,6 +3,7 @@
     PYTHONPATH=pytorch python benchmarks/throughput.py --config large --json throughput.json
     PYTHONPATH=pytorch python benchmarks/throughput.py --config large --precision bf16,fp8
     PYTHONPATH=pytorch python benchmarks/throughput.py --config tiny --device cpu    # seconds, for CI
+    PYTHONPATH=pytorch python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh  # a config's set-up
 
 Every set-up (a layout at a precision) trains a freshly initialised model (same seed) with
 LAMB on the same synthetic batches: `--warmup` untimed steps once, then `--rounds` rounds of
@@ -32,6 +33,15 @@ Precisions (`--precision`, comma-separated): fp32, bf16, fp16, and fp8, the trai
 the same layers of the HuggingFace model, whose names are the same). Off a GPU of compute
 capability >= 8.9 FP8 is emulated: its numbers show that it runs, not how fast it is.
 
+`--from_config config_X.sh` times exactly the set-up a config trains with: the config is
+sourced and handed to `run_and_time.sh` (its one table of config variables to trainer flags),
+whose trainer command is caught and parsed by the trainer's own parser into its `TrainConfig`;
+layout, precision, compile mode, CUDA graphs, attention back-end and its groups, optimizer and
+sharding come from that config, the step from its per-GPU batch (packed rows; a flat layout
+gets the sequences of half as many rows, since a pack holds 2 sequences as the configs count
+them). One process cannot shard: a sharded config is timed with the optimizer's whole update,
+which is what the sharded optimizer computes on one rank.
+
 Reported per set-up: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.model.flops:
 3 x forward matrix multiplies over real tokens only) and utilisation against the peak
 matrix-multiply rate measured in the same run (bf16 on a GPU, fp32 on a CPU), the speed-up
@@ -45,7 +55,9 @@ import datetime
 import gc
 import json
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -54,6 +66,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from clip_study import launch_env, trainer_flags
 from data_prep import packing
 from mlperf_bert.model import flops
 from mlperf_bert.data.lengths import load_length_histogram
@@ -70,7 +83,9 @@ from mlperf_bert.model.attention import resolve_backend
 from mlperf_bert.data.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.model.fp8 import convert_to_fp8
-from mlperf_bert.optim.optimizers import ForeachLamb, parameter_groups
+from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.settings import ConfigError, TrainConfig
 
 LAYOUTS = ("padded", "unpadded", "packed", "hf_padded")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -162,6 +177,9 @@ class Context:
     group_bounds: tuple[int, ...]
     seed: int
     precisions: tuple[str, ...] = ()  # every precision of the run; `precision` is this context's
+    optimizer: str = "lamb"  # with the H100 1x8 hyperparameters either way (`make_optimizer`)
+    sharded: bool = False  # the config shards its optimizer (timed unsharded: one process, see the docstring)
+    layouts: tuple[str, ...] = LAYOUTS
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -234,9 +252,14 @@ def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.o
     model = BertForPreTraining(bert, attention_backend=backend, group_bounds=ctx.group_bounds)
     model = fp8_layers(model, ctx).to(ctx.device)
     compile_model(model, ctx.compile_mode, dynamic=dynamic)
-    optimizer = lamb(model)
+    optimizer = make_optimizer(model, ctx)
     device_lr(optimizer, ctx.device)
-    return model, optimizer, f"attention {backend}, compile {ctx.compile_mode}{fp8_note(ctx)}"
+    return model, optimizer, f"attention {backend}, compile {ctx.compile_mode}{fp8_note(ctx)}{optimizer_note(ctx)}"
+
+
+def optimizer_note(ctx: Context) -> str:
+    note = "" if ctx.optimizer == "lamb" else f", {ctx.optimizer}"
+    return note + (", sharded optimizer timed whole (one process)" if ctx.sharded else "")
 
 
 def fp8_layers(model: torch.nn.Module, ctx: Context) -> torch.nn.Module:
@@ -253,10 +276,10 @@ def fp8_note(ctx: Context) -> str:
 LR = 9.6e-4  # the MLPerf 1x8 H100 peak learning rate (REFERENCE.md)
 
 
-def lamb(model: torch.nn.Module) -> ForeachLamb:
-    """The MLPerf 1x8 H100 optimizer settings (REFERENCE.md), multi-tensor LAMB."""
-    return ForeachLamb(parameter_groups(model, 0.1), lr=LR, betas=(0.60466, 0.85437), eps=1e-6,
-                       weight_decay=0.1, max_grad_norm=1.0)
+def make_optimizer(model: torch.nn.Module, ctx: Context) -> torch.optim.Optimizer:
+    """The MLPerf 1x8 H100 optimizer settings (REFERENCE.md), multi-tensor LAMB (or ADAM, as a config asks)."""
+    return build_optimizer(parameter_groups(model, 0.1), ctx.optimizer, LR, (0.60466, 0.85437), 1e-6, 0.1, 1.0,
+                           "foreach")
 
 
 def scaler_for(ctx: Context) -> torch.amp.GradScaler | None:
@@ -346,7 +369,7 @@ def hf_model(ctx: Context) -> torch.nn.Module:
 
 def hf_runner(ctx: Context, steps: list[list[Item]]) -> Runner:
     model = hf_model(ctx)
-    optimizer, scaler = lamb(model), scaler_for(ctx)
+    optimizer, scaler = make_optimizer(model, ctx), scaler_for(ctx)
     loss_sum, count = torch.zeros((), device=ctx.device), [0]
     cfg = ctx.cfg
     host = [HFBatch.of(pad_items([(s,) for s in sequences(rows)], cfg.max_seq_length, cfg.max_predictions))
@@ -551,6 +574,9 @@ def print_table(results: list[Result], header: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", choices=tuple(CONFIGS), default="large")
+    p.add_argument("--from_config", type=Path, metavar="config_X.sh",
+                   help="time exactly this shipped config's set-up (layout, precision, compile mode, graphs, "
+                        f"attention, optimizer, per-GPU batch); not with {', '.join(CONFIG_SETUP_FLAGS)}")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", default="auto",
                    help=f"comma-separated subset of {PRECISIONS}, each run with every layout; auto: bf16 on a "
@@ -575,6 +601,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
+
+
+# Flags a config's set-up decides: --from_config refuses them (a config's figure is the config's).
+CONFIG_SETUP_FLAGS = ("--precision", "--layouts", "--rows", "--attention_backend", "--attention_group_bounds",
+                      "--compile", "--graphs")
+
+
+@dataclass(frozen=True)
+class ConfigSetup:
+    """What a shipped config trains with: the trainer's own config of it, at the config's world size."""
+
+    path: Path
+    train: TrainConfig
+
+    @property
+    def rows(self) -> int:
+        """Packed rows per step: the per-GPU micro-batch in packs, or half its sequences for a flat layout."""
+        micro = self.train.micro_batch_size
+        return micro if self.train.data.input_layout == "packed" else max(1, (micro + 1) // 2)
+
+
+def config_world_size(config: Path) -> int:
+    """DGXNGPU x DGXNNODES of a config, sourced in bash as the launchers source it."""
+    done = subprocess.run(["bash", "-c", 'source "$0" && echo "${DGXNGPU:-} ${DGXNNODES:-}"', str(config.resolve())],
+                          env=launch_env(), capture_output=True, text=True, timeout=60, check=False)
+    counts = done.stdout.split()
+    if done.returncode != 0 or len(counts) != 2 or not all(c.isdigit() for c in counts):
+        raise SystemExit(f"--from_config {config}: DGXNGPU and DGXNNODES must be whole numbers ({done.stderr.strip()})")
+    return int(counts[0]) * int(counts[1])
+
+
+def trainer_flags_of(config: Path) -> tuple[list[str], int]:
+    """The trainer flags `run_and_time.sh` builds from `config` (`clip_study.trainer_flags`: the launcher's
+    own table of config variables, never a second mapping), and the config's world size. Only the run's
+    folders and files, which no set-up depends on, are placeholders."""
+    with tempfile.TemporaryDirectory(prefix="config_setup_") as tmp:
+        folder = Path(tmp)
+        for name in ("data", "eval"):
+            (folder / name).mkdir()
+        (folder / "bert_config.json").write_text("{}\n")
+        (folder / "init.pt").touch()  # a closed-division config names the phase-1 checkpoint; never read here
+        overrides = {"DATADIR_PHASE2": str(folder / "data"), "EVALDIR": str(folder / "eval"),
+                     "BERT_CONFIG": str(folder / "bert_config.json"), "INIT_CHECKPOINT": str(folder / "init.pt"),
+                     "OUTPUT_DIR": str(folder / "out"), "SEED": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        try:
+            flags = trainer_flags(config.resolve(), overrides)
+        except RuntimeError as refused:
+            lines = str(refused).strip().splitlines()
+            raise SystemExit(f"--from_config {config}: run_and_time.sh refused it: {lines[-1]}") from refused
+    return flags, config_world_size(config)
+
+
+def config_setup(config: Path) -> ConfigSetup:
+    """The config's set-up, parsed and validated by the trainer (SystemExit with the line naming a problem)."""
+    if not config.is_file():
+        raise SystemExit(f"--from_config {config}: no such file; give a config_<SYSTEM>.sh of the repository")
+    flags, world = trainer_flags_of(config)
+    try:
+        return ConfigSetup(config, parse_config(flags, world))
+    except ConfigError as err:
+        raise SystemExit(f"--from_config {config}: the trainer refuses it: {err}") from err
+
+
+def given_setup_flags(argv: list[str]) -> list[str]:
+    return [flag for flag in CONFIG_SETUP_FLAGS if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -607,6 +698,8 @@ def chosen(flag: str, given: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 def build_context(args: argparse.Namespace) -> Context:
     """The run's settings at its first precision (`contexts` gives one per precision)."""
+    if args.from_config is not None:
+        return config_context(args, config_setup(args.from_config))
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     chosen("--layouts", args.layouts, LAYOUTS)
@@ -619,7 +712,24 @@ def build_context(args: argparse.Namespace) -> Context:
     except ValueError as err:
         raise SystemExit(str(err)) from err
     return Context(bench_config(args), device, precisions[0], compile_mode, graphs, args.attention_backend,
-                   args.hf_attention, bounds, args.seed, precisions)
+                   args.hf_attention, bounds, args.seed, precisions, layouts=chosen("--layouts", args.layouts, LAYOUTS))
+
+
+def config_context(args: argparse.Namespace, setup: ConfigSetup) -> Context:
+    """The benchmark's settings of a config's set-up (`--from_config`): its layout alone, at its precision.
+
+    The GPU is the config's: `--device` still says where this process runs (auto: cuda when there is one).
+    """
+    train = setup.train
+    cfg = bench_config(args)
+    if args.config == "large":  # the config's step; `--config tiny` keeps its toy sizes (a smoke run)
+        cfg = replace(cfg, max_seq_length=train.data.max_seq_length,
+                      max_predictions=train.data.max_predictions_per_seq, rows=setup.rows)
+    run = train.run
+    return Context(cfg, resolve_device(args.device), run.precision, run.compile_mode, run.cuda_graphs,
+                   train.model.attention_backend, args.hf_attention, train.model.group_bounds, args.seed,
+                   (run.precision,), optimizer=train.optim.optimizer, sharded=train.optim.distributed,
+                   layouts=(train.data.input_layout,))
 
 
 def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
@@ -628,7 +738,8 @@ def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name, "torch": torch.__version__,
         "python": platform.python_version(), "precisions": list(ctx.precisions), "compile": ctx.compile_mode,
-        "graphs": ctx.graphs, "rows_per_step": cfg.rows, "steps": cfg.steps, "rounds": cfg.rounds,
+        "graphs": ctx.graphs, "attention_backend": ctx.attention_backend, "optimizer": ctx.optimizer,
+        "sharded": ctx.sharded, "rows_per_step": cfg.rows, "steps": cfg.steps, "rounds": cfg.rounds,
         "warmup": cfg.warmup, "max_seq_length": cfg.max_seq_length, "peak_tflops": peak, "peak_dtype": peak_dtype,
         "bert": cfg.bert.to_dict(),
     }
@@ -636,12 +747,15 @@ def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    refused = given_setup_flags(sys.argv[1:] if argv is None else argv) if args.from_config else []
+    if refused:
+        raise SystemExit(f"--from_config takes the set-up from the config: drop {', '.join(refused)}")
     ctx = build_context(args)
     peak, peak_dtype = matmul_peak_tflops(ctx.device, args.peak_size or (8192 if ctx.device.type == "cuda" else 256))
     steps = synthetic_steps(ctx.cfg, args.seed)
     work = timed_work(ctx.cfg, steps)
     setups = [Setup(replace(ctx, precision=precision), Result(layout, precision, "ok"))
-              for precision in ctx.precisions for layout in args.layouts.split(",")]
+              for precision in ctx.precisions for layout in ctx.layouts]
     run_rounds(setups, steps, ctx.cfg.rounds)
     results = [finish(setup, work, peak) for setup in setups]
     add_speedups(results)

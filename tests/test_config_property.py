@@ -260,7 +260,8 @@ FLAG_CONTRACT = {
     "--max_consecutive_skipped_steps": (int, 50), "--eval_dir": (str, None), "--bert_config_path": (str, None),
     "--output_dir": (str, None), "--max_steps": (int, None),
 }
-SWITCHES = {"--do_train", "--cuda_graphs", "--decay_from_warmup_end", "--echo_mllog", "--distributed_optimizer"}
+SWITCHES = {"--do_train", "--cuda_graphs", "--decay_from_warmup_end", "--echo_mllog", "--distributed_optimizer",
+            "--eval_cuda_graph"}
 
 
 def test_flags_keep_their_spelling_type_and_default():

@@ -57,9 +57,20 @@ def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> No
     assert (sharded is not None) == (exports(REPO / config).get("DIST_OPTIMIZER") == "1"), output
     assert not _extra_reads(output), output
     assert result.returncode == 0, output
-    if exports(REPO / config)["PRECISION"] == "fp8":  # the FP8 GEMMs are in the graph (run.findings fails without)
+    variables = exports(REPO / config)
+    # COMPILE_MODE reaches the trainer, whose layers the dry run traces (Dynamo and AOTAutograd, aot_eager)
+    assert f"compile {variables.get('COMPILE_MODE', 'none')}," in output, output
+    if variables.get("EVAL_CUDA_GRAPH") == "1":  # captured at build; the eval replays it, its read is the totals'
+        captures = re.search(r"; (\d+) capture\(s\)", output)
+        assert captures and int(captures.group(1)) == 1 + (variables["CUDA_GRAPHS"] == "1"), output
+        evaluation = re.search(r"eval: (\d+) host read\(s\), .* (\d+) graph replay\(s\)", output)
+        assert evaluation and evaluation.group(1) == "1" and int(evaluation.group(2)) >= 1, output
+        assert re.search(r"build: .* 0 graph replay\(s\)", output), output
+    if variables["PRECISION"] == "fp8":  # the FP8 GEMMs are in the graphs (run.findings fails without)
         captured = re.search(r"FP8 GEMMs \(torch\._scaled_mm\) inside CUDA-graph captures: (\d+)", output)
-        assert captured and int(captured.group(1)) == FP8_GEMMS_PER_STEP, output
+        eval_graph = FP8_GEMMS_PER_EVAL_BATCH if variables.get("EVAL_CUDA_GRAPH") == "1" else 0
+        assert captured and int(captured.group(1)) == FP8_GEMMS_PER_STEP + eval_graph, output
+        assert not eval_graph or re.search(r"eval: .* 0 FP8 GEMM", output), output  # replayed, none eager
 
 
 def test_recorder_catches_reads_and_copies_inside_a_capture() -> None:
@@ -229,3 +240,4 @@ def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tm
     assert records >= 2 * 4 * 3 and waits > records, output
     assert _reads_per_step(output) == ["0", "0", "1"], output
     assert "mlperf_bert/model/" not in output, output  # no read of the model's, in training or eval
+

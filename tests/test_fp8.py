@@ -32,7 +32,7 @@ from torchao.float8.float8_linear import Float8Linear
 from _runs import cpu_run
 from conftest import REPO, TRAINER, make_demo_data, run_cli, trainer_args
 from mlperf_bert import trainer
-from mlperf_bert.build import Evaluation
+from mlperf_bert.build import Evaluation, eval_step
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.data.batch import FlatBatch
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
@@ -189,10 +189,11 @@ def test_eval_under_fp8_scores_the_weights_as_bf16_does(trained_run) -> None:
     ev = trained_run.eval
     bf16 = dataclasses.replace(ev.cfg, run=dataclasses.replace(ev.cfg.run, precision="bf16"))
     fp8 = dataclasses.replace(ev.cfg, run=dataclasses.replace(ev.cfg.run, precision="fp8"))
-    accuracy_bf16, loss_bf16 = trainer.evaluate(dataclasses.replace(ev, cfg=bf16))
+    accuracy_bf16, loss_bf16 = trainer.evaluate(dataclasses.replace(ev, cfg=bf16,
+                                                                    step=eval_step(bf16, ev.model, ev.device)))
     fp8_model = convert_to_fp8(copy.deepcopy(ev.model), CPU)
     accuracy_fp8, loss_fp8 = trainer.evaluate(Evaluation(fp8, ev.denv, ev.device, fp8_model, ev.logger, ev.data,
-                                                         ev.hooks))
+                                                         ev.hooks, eval_step(fp8, fp8_model, ev.device)))
     assert accuracy_bf16 > 0.3  # far above chance (1/128): the comparison means something
     assert abs(accuracy_fp8 - accuracy_bf16) <= ACCURACY_TOLERANCE, (accuracy_fp8, accuracy_bf16)
     assert abs(loss_fp8 - loss_bf16) <= EVAL_LOSS_TOLERANCE * loss_bf16, (loss_fp8, loss_bf16)

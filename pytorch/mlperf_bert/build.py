@@ -53,6 +53,7 @@ from .input.sources import BatchSource
 from .data.static_batch import StaticShape
 from .input.data_check import recorded_shape
 from .train.step import EagerStep, GraphedStep, Step
+from .train.eval_step import EagerEval, EvalStep, GraphedEval, eval_shape
 from .train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 from .train.checkpoint import (Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore,
                                seed_generators)
@@ -74,6 +75,7 @@ class Evaluation:
     logger: MLPerfLogger
     data: EvalInput  # this rank's share of the eval set: read once the clock runs, then on the device
     hooks: Hooks  # a run without --do_train's: its MLPerf log and eval line (a training run has its own)
+    step: EvalStep  # the eval forward, eager or captured (--eval_cuda_graph)
 
 
 DDPFactory = Callable[[torch.nn.Module, torch.device], DistributedDataParallel]
@@ -99,6 +101,9 @@ class Supplied:
     eval_items: Sequence[Item] | None = None  # this rank's eval share; None: read from --eval_dir
     shape: StaticShape | None = None  # --cuda_graphs' static shape; None: K and Q read from the shards
     ddp: DDPFactory = distributed_data_parallel  # wraps the model on more than one rank
+    # torch.compile's back-end under --compile_mode: Inductor writes kernels; the dry run's fake device
+    # has none to run, so it traces with "aot_eager" (Dynamo and AOTAutograd, no code generation).
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -239,12 +244,13 @@ def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     return model
 
 
-def build_model(cfg: TrainConfig, device: torch.device, model: BertForPreTraining | None = None) -> BertForPreTraining:
+def build_model(cfg: TrainConfig, device: torch.device, model: BertForPreTraining | None = None,
+                compile_backend: str = "inductor") -> BertForPreTraining:
     """The model (`cpu_model`'s, or the one given) on `device`, compiled as --compile_mode asks."""
     model = model if model is not None else cpu_model(cfg, device)
     # dynamic=None: the first shape compiles static (all of training under --cuda_graphs); the
     # first other shape (the next flat batch, or eval's) recompiles once with dynamic sizes.
-    return compile_model(model.to(device), cfg.run.compile_mode, dynamic=None)
+    return compile_model(model.to(device), cfg.run.compile_mode, dynamic=None, backend=compile_backend)
 
 
 def eval_shortfall_advice(cfg: TrainConfig) -> str:
@@ -255,19 +261,33 @@ def eval_shortfall_advice(cfg: TrainConfig) -> str:
     return "point --eval_dir at the full eval set, or lower --num_eval_examples"
 
 
+def static_eval_shape(cfg: TrainConfig) -> StaticShape | None:
+    """--eval_cuda_graph's batch shape, from the flags; None for the eager eval."""
+    if not cfg.run.eval_cuda_graph:
+        return None
+    return eval_shape(cfg.eval.eval_batch_size, cfg.data.max_seq_length, cfg.data.max_predictions_per_seq)
+
+
+def eval_step(cfg: TrainConfig, model: BertForPreTraining, device: torch.device) -> EvalStep:
+    shape = static_eval_shape(cfg)
+    if shape is None:
+        return EagerEval(model, cfg.run.precision, device)
+    return GraphedEval(model, cfg.run.precision, device, shape)
+
+
 def eval_input(cfg: TrainConfig, denv: DistEnv, device: torch.device, bert: BertConfig,
                supplied: Sequence[Item] | None) -> EvalInput:
     """This rank's eval set, not read yet: `EvalInput.start` reads it once the clock runs."""
-    size = cfg.eval.eval_batch_size
+    size, shape = cfg.eval.eval_batch_size, static_eval_shape(cfg)
     if supplied is not None:
-        return EvalInput.of(supplied, size, device)
+        return EvalInput.of(supplied, size, device, shape)
     limits = data_limits(cfg, bert)
 
     def load() -> Sequence[Item]:
         return load_eval_set(cfg.data.eval_dir, cfg.eval.num_eval_examples, denv.rank, denv.world_size, limits,
                              shortfall_advice=eval_shortfall_advice(cfg))
 
-    return EvalInput(load, size, device)
+    return EvalInput(load, size, device, shape)
 
 
 def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
@@ -280,11 +300,11 @@ def build_evaluation(cfg: TrainConfig, denv: DistEnv, device: torch.device,
     write_resolved_config(cfg, denv)
     logger = open_logger(cfg, denv)
     seed_generators(cfg.run.seed)  # the same on every rank, so every rank initialises the same weights
-    model = build_model(cfg, device, supplied.model)
+    model = build_model(cfg, device, supplied.model, supplied.compile_backend)
     log_preamble(logger, cfg, model)
     data = eval_input(cfg, denv, device, model.config, supplied.eval_items)
     hooks = Hooks([MLPerfLog(logger, cfg.eval.num_eval_examples), EvalLine(denv.is_main)])
-    return Evaluation(cfg, denv, device, model, logger, data, hooks)
+    return Evaluation(cfg, denv, device, model, logger, data, hooks, eval_step(cfg, model, device))
 
 
 def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model: BertForPreTraining,
@@ -492,6 +512,9 @@ def prepare_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: Sto
                       checkpoint_due=checkpoints.time_due)
     shape = static_shape(cfg, supplied.shape)
     step, guard_used = build_step(cfg, training, guard, shape)
+    # Last: the training parts may re-point the weights (the sharded optimizer's flat buffer), which
+    # a captured eval forward reads where they were at its capture.
+    ev.step.prepare()
     return Prepared(ev, training, state, resumed, checkpoints, step, guard_used, shape, supplied, extra_hooks)
 
 

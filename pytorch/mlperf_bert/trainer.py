@@ -29,7 +29,6 @@ from .runtime.distributed import DistEnv, all_reduce_sum, barrier
 from .train.evaluation_interval import EvalSchedule
 from .train.faults import Position, StepFacts, StopRequest, TrainingStopped, nonfinite_loss_error, rolled_back_error
 from .hooks.events import BlockEnd, EvalEnd, Hook, RunEnd, RunStart, StepEnd
-from .model.precision import autocast
 from .train.state import TrainState
 
 
@@ -138,17 +137,9 @@ def eval_pending(cfg: TrainConfig, evals: EvalSchedule, state: TrainState) -> bo
 @torch.no_grad()
 def evaluate(ev: Evaluation) -> tuple[float, float]:
     """Masked-LM accuracy and loss over every masked position of the eval set, all ranks."""
-    ev.model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ev.device)  # correct, count, loss sum
-    for batch in ev.data.batches():
-        with autocast(ev.device, ev.cfg.run.precision):
-            logits = ev.model(batch).mlm_logits.float()
-        totals[0] += (logits.argmax(dim=-1) == batch.masked_lm_ids).sum()
-        totals[1] += batch.masked_lm_ids.numel()
-        totals[2] += torch.nn.functional.cross_entropy(logits, batch.masked_lm_ids, reduction="sum")
+    totals = ev.step.totals(ev.data.batches())  # correct, count, loss sum, on the device (eval_step.py)
     all_reduce_sum(totals)
-    ev.model.train()
-    correct, count, loss = totals.tolist()
+    correct, count, loss = totals.tolist()  # the eval's one host read
     if count == 0:
         raise RuntimeError("the eval set has no masked positions; check --eval_dir")
     return correct / count, loss / count

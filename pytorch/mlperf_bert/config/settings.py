@@ -355,6 +355,9 @@ class RunSettings:
     log_freq: int = flag("steps between progress lines on stderr", "run and logging", 10)
     init_loss_scale: float = flag("fp16 initial loss scale", "precision and fast path", 2.0**16)
     cuda_graphs: bool = flag("capture the packed training step as a CUDA graph", "precision and fast path", False)
+    eval_cuda_graph: bool = flag("eval on packed rows of one static shape, kept on the GPU, its forward captured "
+                                 "once as a CUDA graph and replayed per batch (train/eval_step.py)",
+                                 "precision and fast path", False)
     mlperf_log_file: str | None = flag("MLPerf log path (default: OUTPUT_DIR/mlperf.log)", "run and logging", None)
     echo_mllog: bool = flag("also print the MLPerf log's lines to stdout, for launchers that collect the log "
                             "from there (run_and_time.sh)", "run and logging", False)
@@ -383,6 +386,9 @@ class RunSettings:
         _count("seed", self.seed, 0, 2**32 - 1)
         _flag("do_train", self.do_train)
         _flag("cuda_graphs", self.cuda_graphs)
+        _flag("eval_cuda_graph", self.eval_cuda_graph)
+        _require(not (self.eval_cuda_graph and self.device == "cpu"),
+                 "--eval_cuda_graph needs a GPU; drop it on the CPU")
         _choice("compile_mode", self.compile_mode, COMPILE_MODES)
         _count("sync_every", self.sync_every)
         _choice("input_pipeline", self.input_pipeline, INPUT_PIPELINES)

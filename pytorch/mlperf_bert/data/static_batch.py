@@ -122,6 +122,34 @@ def static_packed_batch(items: Sequence[Item], rows: int, row_len: int, max_seqs
     )
 
 
+def pack_rows(items: Sequence[Item], row_len: int, max_seqs_per_row: int, max_predictions: int) -> list[Item]:
+    """The sequences of `items` packed into rows of at most row_len tokens, max_seqs_per_row sequences and
+    max_predictions masked positions (every sequence alone must fit; ValueError names one that does not).
+
+    Longest first, each row then takes the shortest sequences left while they fit: one pass over the
+    sorted lengths. For sets scored as a whole (the eval set), where order does not matter.
+    """
+    samples = sorted((s for item in items for s in item), key=lambda s: s.length)
+    for s in samples:
+        if s.length > row_len or s.masked_lm_positions.shape[0] > max_predictions:
+            raise ValueError(f"a sequence of {s.length} tokens and {s.masked_lm_positions.shape[0]} masked positions "
+                             f"does not fit a row of {row_len} tokens and {max_predictions} predictions")
+    rows: list[Item] = []
+    low, high = 0, len(samples) - 1
+    while low <= high:
+        row, tokens, predictions = [samples[high]], samples[high].length, samples[high].masked_lm_positions.shape[0]
+        high -= 1
+        while low <= high and len(row) < max_seqs_per_row:
+            short = samples[low]
+            if tokens + short.length > row_len or predictions + short.masked_lm_positions.shape[0] > max_predictions:
+                break
+            row.append(short)
+            tokens, predictions = tokens + short.length, predictions + short.masked_lm_positions.shape[0]
+            low += 1
+        rows.append(tuple(row))
+    return rows
+
+
 def example_static_batch(rows: int, row_len: int, max_seqs_per_row: int, max_predictions: int) -> FlatBatch:
     """A static packed batch of these sizes holding one synthetic sequence.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -26,6 +27,7 @@ class CudaLog:
     syncs: list[str] = field(default_factory=list)  # host waits: synchronize(), Event/Stream.synchronize()
     captures: int = 0
     replays: int = 0
+    phase_replays: Counter[str] = field(default_factory=Counter)  # the recorder's phase -> replays in it
     streams: int = 0  # side streams made (torch.cuda.Stream())
     event_records: int = 0  # Event.record / Stream.record_event
     stream_waits: int = 0  # a stream ordered after an event or another stream (no host wait)
@@ -98,6 +100,7 @@ class _CUDAGraph:
         if not self.captured:
             raise RuntimeError("CUDAGraph.replay() before a capture")
         _state.log.replays += 1
+        _state.log.phase_replays[_state.recorder.phase] += 1
 
     def pool(self) -> tuple[int, int]:
         return (0, 0)

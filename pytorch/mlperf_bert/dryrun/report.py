@@ -13,7 +13,8 @@ def print_report(report: DryRunReport) -> None:
     print(f"dry run: {report.world_size} rank(s), precision {cfg.run.precision}, layout {cfg.data.input_layout}, "
           f"cuda_graphs {cfg.run.cuda_graphs}, optimizer {cfg.optim.optimizer}/{cfg.optim.implementation} "
           f"({report.optimizer_class}), "
-          f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}, attention {report.attention}; "
+          f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}, eval_cuda_graph {cfg.run.eval_cuda_graph}, "
+          f"compile {cfg.run.compile_mode}, attention {report.attention}; "
           f"{report.captures} capture(s), {report.replays} replay(s)")
     if report.streams or report.event_records:  # counted by the fake device's stand-ins only
         print(f"  streams: {report.streams} side stream(s) made, {report.event_records} event record(s), "
@@ -23,7 +24,9 @@ def print_report(report: DryRunReport) -> None:
         reads = Counter(e.where for e in report.events if e.phase == phase and e.kind == "read")
         copies = Counter(f"{e.where} {e.detail}" for e in report.events if e.phase == phase and e.kind == "copy")
         fp8 = f", {report.fp8_gemms.get(phase, 0)} FP8 GEMM(s)" if cfg.run.precision == "fp8" else ""
-        print(f"  {phase}: {sum(reads.values())} host read(s), {sum(copies.values())} host<->device copy(ies){fp8}")
+        replays = f", {report.phase_replays.get(phase, 0)} graph replay(s)" if report.captures else ""
+        print(f"  {phase}: {sum(reads.values())} host read(s), {sum(copies.values())} host<->device copy(ies){fp8}"
+              f"{replays}")
         for where, n in reads.items():
             print(f"    read x{n}  {where}")
     if report.memory is not None:

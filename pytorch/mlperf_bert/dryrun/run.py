@@ -61,6 +61,7 @@ class DryRunReport:
     replays: int = 0
     fp8_gemms: dict[str, int] = field(default_factory=dict)  # phase (and record.CAPTURE) -> torch._scaled_mm calls
     optimizer_class: str = ""  # the optimizer the step ran (sharded or not, capturable or not)
+    phase_replays: dict[str, int] = field(default_factory=dict)  # phase -> CUDA-graph replays in it
     streams: int = 0  # side streams made, events recorded, stream waits on events (cuda_standins.CudaLog)
     event_records: int = 0
     stream_waits: int = 0
@@ -136,13 +137,18 @@ def bucketed_ddp(model: torch.nn.Module, device: torch.device) -> BucketedDataPa
     return BucketedDataParallel(model)
 
 
-def supplied(cfg: TrainConfig, device: torch.device) -> Supplied:
-    """What the dry run hands `build_run` (see the module docstring); built before the fake mode starts."""
+def supplied(cfg: TrainConfig, device: torch.device, fake: bool = True) -> Supplied:
+    """What the dry run hands `build_run` (see the module docstring); built before the fake mode starts.
+
+    --compile_mode on the fake device traces with the "aot_eager" back-end: Dynamo captures each
+    compiled layer's graph and AOTAutograd derives its backward on fake tensors, but Inductor writes no
+    kernel (there is no GPU to write Triton for); the real device (`--real`) compiles with Inductor.
+    """
     model = cpu_model(cfg, device)
     vocab = model.config.vocab_size
     return Supplied(model=model, source=SyntheticSource(cfg, vocab),
                     eval_items=SyntheticSource(cfg, vocab, seed=1).next_batch(), shape=static_shape(cfg),
-                    ddp=bucketed_ddp)
+                    ddp=bucketed_ddp, compile_backend="aot_eager" if fake else "inductor")
 
 
 class _DoneWork:
@@ -217,7 +223,7 @@ def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = 
         return cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
 
     with standins():  # the attention back-end's choice asks the (fake) GPU its compute capability
-        parts = supplied(cfg, device)
+        parts = supplied(cfg, device, fake)
     traced = tracer if tracer is not None else contextlib.nullcontext()
     with fake_process_group(denv.world_size), standins() as log, counting_fp8_gemms(recorder), mode, recorder, traced:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
@@ -250,9 +256,9 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
         memory, work = estimate(tracer, steps, list(run.eval.model.parameters()), run.step.optimizer, batches,
                                 sum(batch.num_sequences for batch in batches), share)
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
-                          log.captures, log.replays, dict(recorder.fp8_gemms), stepped, log.streams,
-                          log.event_records, log.stream_waits, peak_step_bytes=peak or None, memory=memory,
-                          work=work)
+                          log.captures, log.replays, dict(recorder.fp8_gemms), stepped, dict(log.phase_replays),
+                          log.streams, log.event_records, log.stream_waits, peak_step_bytes=peak or None,
+                          memory=memory, work=work)
     report.failures = findings(report)
     return report
 

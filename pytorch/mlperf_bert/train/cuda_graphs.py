@@ -12,6 +12,8 @@
   (`sync_window.InPlaceSnapshot`), so the first replay is the run's first real step. Off a
   GPU the same warm-up and restore run, and each "replay" calls the step directly: the
   arithmetic of the captured step, checked on the CPU (`Replay`).
+- `capture_forward`: the same capture for a step that changes no weights (the eval forward:
+  `eval_step.GraphedEval`), so nothing is snapshotted or cleared around it.
 - `copy_batch`: a batch into the static input buffers a graph reads.
 
 `step.GraphedStep` is the trainer's step built from these.
@@ -57,21 +59,26 @@ def copy_batch(dst: FlatBatch, src: FlatBatch) -> None:
         d.copy_(s, non_blocking=True)
 
 
+def _nothing() -> None:
+    pass
+
+
 class Replay(Generic[T]):
     """A captured step: calling it runs the step once more and returns what the step returned.
 
     On a GPU it replays the CUDA graph (the returned tensors are the graph's static outputs,
-    overwritten by every call). Elsewhere it calls the step itself, with gradients cleared
-    first as a capture leaves them: the same arithmetic, one op at a time.
+    overwritten by every call). Elsewhere it calls `prepare` (what the capture did first: clear
+    the gradients of a training step) and then the step itself: the same arithmetic, one op at
+    a time.
     """
 
-    def __init__(self, step: Callable[[], T], optimizer: torch.optim.Optimizer,
+    def __init__(self, step: Callable[[], T], prepare: Callable[[], None] = _nothing,
                  graph: torch.cuda.CUDAGraph | None = None, result: T | None = None) -> None:
-        self._step, self._optimizer, self.graph, self._result = step, optimizer, graph, result
+        self._step, self._prepare, self.graph, self._result = step, prepare, graph, result
 
     def __call__(self) -> T:
         if self.graph is None:
-            self._optimizer.zero_grad(set_to_none=True)
+            self._prepare()
             return self._step()
         self.graph.replay()
         return self._result  # type: ignore[return-value]  # set together with the graph
@@ -92,32 +99,46 @@ def capture(step: Callable[[], T], module: torch.nn.Module, optimizer: torch.opt
     """
     snapshot = InPlaceSnapshot(module, optimizer, extra_state)
     warmup = warmup_steps_for(module) if warmup_steps is None else warmup_steps
-    device = next(module.parameters()).device
-    if device.type != "cuda":
-        _warm_up(step, optimizer, warmup)
-        snapshot.restore()
-        return Replay(step, optimizer)
-    graph, result = _capture_cuda_graph(step, optimizer, warmup)
+    replay = _captured(step, lambda: optimizer.zero_grad(set_to_none=True), warmup,
+                       next(module.parameters()).device)
     snapshot.restore()
-    return Replay(step, optimizer, graph, result)
+    return replay
 
 
-def _warm_up(step: Callable[[], T], optimizer: torch.optim.Optimizer, steps: int) -> None:
+def capture_forward(step: Callable[[], T], device: torch.device, warmup_steps: int = WARMUP_STEPS) -> Replay[T]:
+    """Captures a step that changes no weights or optimizer state (a forward under no_grad).
+
+    The warm-up calls compile the step's layers for its shapes and mode; whatever the step
+    accumulates during them is the caller's to reset. Off a GPU nothing is captured (`Replay`).
+    """
+    return _captured(step, _nothing, warmup_steps, device)
+
+
+def _captured(step: Callable[[], T], prepare: Callable[[], None], warmup_steps: int,
+              device: torch.device) -> Replay[T]:
+    if device.type != "cuda":
+        _warm_up(step, prepare, warmup_steps)
+        return Replay(step, prepare)
+    graph, result = _capture_cuda_graph(step, prepare, warmup_steps)
+    return Replay(step, prepare, graph, result)
+
+
+def _warm_up(step: Callable[[], T], prepare: Callable[[], None], steps: int) -> None:
     for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
+        prepare()
         step()
 
 
-def _capture_cuda_graph(step: Callable[[], T], optimizer: torch.optim.Optimizer,
+def _capture_cuda_graph(step: Callable[[], T], prepare: Callable[[], None],
                         warmup_steps: int) -> tuple[torch.cuda.CUDAGraph, T]:
-    """The GPU-only part: warm-up on a side stream, then capture with gradients unallocated."""
+    """The GPU-only part: warm-up on a side stream, then capture (a training step's gradients unallocated)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _warm_up(step, optimizer, warmup_steps)
+        _warm_up(step, prepare, warmup_steps)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
+    prepare()
     with torch.cuda.graph(graph):
         result = step()
     return graph, result

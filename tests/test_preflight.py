@@ -1,0 +1,97 @@
+"""NCCL_TEST's pre-flight (`mlperf_bert.runtime.preflight`): two gloo ranks, one slowed; the verdict; a missing rank."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from conftest import REPO
+from mlperf_bert.runtime.distributed import DistEnv
+from mlperf_bert.runtime.preflight import RankTimes, Settings, bus_bandwidth_gbps, verdict, wait_for_ranks
+
+MIB = 2**20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_slowed_rank_stops_the_job_with_one_line_naming_it() -> None:
+    """Rank 1 sleeps 40 ms before each all-reduce of 1 MiB: rank 0 waits for it inside every all-reduce,
+    so the bus bandwidth (0.5 x 1 MiB per 40 ms, about 0.013 GB/s) falls below the threshold."""
+    port = str(_free_port())
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DEVICE": "cpu",
+           "NCCL_TEST_BYTES": str(MIB), "NCCL_TEST_ITERS": "4", "NCCL_TEST_WARMUP": "1",
+           "NCCL_TEST_MIN_BUSBW_GBPS": "0.05", "NCCL_TEST_JOIN_S": "60"}
+    ranks = [subprocess.Popen([sys.executable, str(REPO / "tests" / "_preflight_worker.py"), "1", "0.04"],
+                              env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    (out0, err0), (out1, err1) = (rank.communicate(timeout=120) for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [1, 1], err0 + err1
+    lines = err0.strip().splitlines()
+    assert len(lines) == 1 and not out0 and not (out1 + err1), (out0, err0, out1, err1)
+    assert lines[0].startswith(f"NCCL_TEST: failed: rank 1 on {socket.gethostname()} is slow"), lines
+    assert "NCCL_TEST_MIN_BUSBW_GBPS=0.05" in lines[0]
+
+
+def _times(*seconds: float) -> list[RankTimes]:
+    return [RankTimes(r, f"node{r // 2}", s) for r, s in enumerate(seconds)]
+
+
+def test_verdict_passes_at_the_threshold_and_names_the_rank_the_others_waited_for() -> None:
+    nbytes = 256 * MIB
+    healthy = _times(2e-3, 2.1e-3, 2e-3, 2.05e-3)
+    passed, line = verdict(healthy, nbytes, bus_bandwidth_gbps(nbytes, 4, 2.1e-3))
+    assert passed and line.startswith("NCCL_TEST: passed") and "over 4 ranks" in line
+    waited = _times(52e-3, 51e-3, 2e-3, 50e-3)  # rank 2 arrived last: the others spent ~50 ms waiting
+    passed, line = verdict(waited, nbytes, 100.0)
+    assert not passed and "rank 2 on node1 is slow" in line and "waited 48.5 ms" in line
+    alike = _times(52e-3, 51e-3, 49e-3, 50e-3)  # a slow link: every rank waits alike
+    passed, line = verdict(alike, nbytes, 100.0)
+    assert not passed and "every rank waited alike (slowest: rank 0 on node0)" in line
+
+
+def test_bus_bandwidth_is_that_of_nccl_tests() -> None:
+    # all_reduce_perf: algbw = bytes / time, busbw = algbw x 2 (n - 1) / n
+    assert bus_bandwidth_gbps(10**9, 8, 1.0) == pytest.approx(1.75)
+
+
+def test_rank_0_names_the_ranks_that_did_not_join() -> None:
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 3, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=5))
+    client.set("preflight/host/2", "node1")
+    missing = wait_for_ranks(store, DistEnv(0, 3, 0, 3, "127.0.0.1", port), "node0", timeout_s=0.2)
+    assert missing == [1] and client.get("preflight/start") == b"stop"
+
+
+def test_settings_name_a_bad_variable() -> None:
+    with pytest.raises(ValueError, match="NCCL_TEST_MIN_BUSBW_GBPS='fast' must be a number >= 0"):
+        Settings.from_environ({"NCCL_TEST_MIN_BUSBW_GBPS": "fast"}, on_gpu=False)
+
+
+@pytest.mark.parametrize("script", ["run.sub", "run_with_docker.sh"])
+@pytest.mark.parametrize("nccl_test", ["1", "0"])
+def test_launchers_start_the_pre_flight_on_every_gpu_before_the_first_run(tmp_path, script: str,
+                                                                          nccl_test: str) -> None:
+    dirs = {name: tmp_path / name for name in ("DATADIR_PHASE2", "EVALDIR", "CHECKPOINTDIR_PHASE1")}
+    for folder in dirs.values():
+        folder.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NCCL_TEST": nccl_test, "DGXSYSTEM": "DGXH200_1x8",
+           "NEXP": "1", "LOGDIR": str(tmp_path / "logs"), "CONT": "image:1", **{k: str(v) for k, v in dirs.items()}}
+    done = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    preflight = [i for i, line in enumerate(lines) if "pytorch/nccl_preflight.py" in line]
+    first_run = next(i for i, line in enumerate(lines) if line.startswith("# run 1 of 1"))
+    assert len(preflight) == (nccl_test == "1") and all(i < first_run for i in preflight), lines
+    if preflight:  # one process per GPU: srun's tasks, or torchrun's workers
+        assert ("--ntasks-per-node=8" if script == "run.sub" else "--nproc_per_node=8") in lines[preflight[0]]
