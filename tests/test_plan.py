@@ -66,7 +66,7 @@ def test_sharding_divides_the_optimizer_state_and_graphs_hold_a_pool(traced: dic
     # Sharded: the flat gradient (as large as the weights) and this rank's 1/1,024 of the moments.
     assert sharded and all(memory[name].optimizer_state - memory[name].weights < whole / 100 for name in sharded)
     for c in CONFIGS:
-        graphed = exports(c).get("CUDA_GRAPHS") == "1"
+        graphed = "1" in (exports(c).get("CUDA_GRAPHS"), exports(c).get("EVAL_CUDA_GRAPH"))  # the eval graph too
         assert (memory[c.name].graph_pool > 0) == graphed, c.name
         assert memory[c.name].train_peak > memory[c.name].persistent > memory[c.name].weights, c.name
 
