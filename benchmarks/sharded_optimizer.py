@@ -242,13 +242,13 @@ def exposed_rank(rank: int, world: int, store: str, args: argparse.Namespace, ov
 
     from mlperf_bert.optim.clipping import ClipConfig, ClipMode, apply_clip_mode
     from mlperf_bert.optim.optimizers import parameter_groups
-    from mlperf_bert.optim.sharded import BLOCK_NUMEL
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     net = mlp(args.layers, args.hidden)
-    ddp = DistributedDataParallel(net)
-    block = BLOCK_NUMEL if overlap else sum(p.numel() for p in net.parameters())  # before: one piece
+    ddp = DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb)
+    # Overlapped: blocks of DDP's bucket size (the trainer's 25 MiB default); before: one piece.
+    block = int(args.bucket_mb * 2**20) // 4 if overlap else sum(p.numel() for p in net.parameters())
     optimizer = build_sharded_optimizer(parameter_groups(net, 0.01), args.optimizer, 1e-4, (0.9, 0.999), 1e-6, 0.01,
                                         1.0, block_numel=block)
     apply_clip_mode(ddp, ClipConfig(ClipMode.AFTER_ALLREDUCE), reduces=False, sink=optimizer.shards if overlap else None)
@@ -287,7 +287,8 @@ def measure_exposed(world: int, args: argparse.Namespace, overlap: bool) -> list
 def exposed_main(args: argparse.Namespace) -> None:
     print(f"{args.optimizer}, MLP of {args.layers} x (Linear({args.hidden}, {4 * args.hidden}), GELU, "
           f"Linear({4 * args.hidden}, {args.hidden})), {args.tokens} rows per rank; modelled link "
-          f"{args.link_gb_per_s} GB/s, {args.link_latency_us} us per collective; median of {args.steps} steps, "
+          f"{args.link_gb_per_s} GB/s, {args.link_latency_us} us per collective; DDP buckets and blocks of "
+          f"{args.bucket_mb} MiB; median of {args.steps} steps, "
           "slowest rank")
     print("| world | parameters | variant | blocks | step ms | link busy ms | exposed ms |")
     print("|---|---|---|---|---|---|---|")
@@ -312,12 +313,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--link_gb_per_s", type=float, default=1.0, help="--exposed: modelled bandwidth, GB/s")
     parser.add_argument("--link_latency_us", type=float, default=50.0,
                         help="--exposed: modelled latency per collective, microseconds")
+    parser.add_argument("--bucket_mb", type=float, default=25.0,
+                        help="--exposed: DDP's bucket cap and the overlapped optimizer's block size, MiB")
     args = parser.parse_args()
     for name in ("steps", "hidden", "tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
-    if args.link_gb_per_s <= 0 or args.link_latency_us < 0:
-        parser.error("--link_gb_per_s must be positive and --link_latency_us not negative")
+    if args.link_gb_per_s <= 0 or args.link_latency_us < 0 or args.bucket_mb <= 0:
+        parser.error("--link_gb_per_s and --bucket_mb must be positive and --link_latency_us not negative")
     return args
 
 
