@@ -164,8 +164,8 @@ MUTANTS: list[Mutant] = [
     _m("sharded-22", SHARDED,
        "            self.discard_round()  # the gradients of a backward no step took: this one replaces them\n", "",
        "a backward whose step was skipped leaves its blocks counted: the next backward's never launch"),
-    _m("sharded-23", SHARDED, "                self._pending.append(dist.all_reduce(",
-       "                self._pending.append(dist.all_reduce(self.in_shard(b + 0, self.grad_shard) * 0 + ",
+    _m("sharded-23", SHARDED, "self._pending.append(dist.all_reduce(self.in_shard(b, self.grad_shard), group",
+       "self._pending.append(dist.all_reduce(self.in_shard(b, self.grad_shard).clone(), group",
        "the all-reduce across shard groups reduces a copy: the shard keeps its group's sum only"),
     # ------------------------------------------------------------ model/grouped_attention.py
     _m("grouped-01", GROUPED, "any(a >= b for a, b in zip(bounds, bounds[1:]))",
