@@ -29,8 +29,13 @@ export CLIP_MODE=after_allreduce
 # Unsharded, every GPU's LAMB step reads and writes ~28 bytes per parameter (~9.5 GB, ~6 ms of
 # A100 HBM time against ~13 ms of forward and backward at 2 packs per GPU); sharded it is
 # microseconds, and the reduce-scatter plus all-gather move the bytes of the all-reduce they replace
-# (not yet overlapped with the backward as NVIDIA's --dwu-overlap-reductions: docs/PERFORMANCE.md).
+# (the reduce-scatters overlap the backward, as NVIDIA's --dwu-overlap-reductions).
 export DIST_OPTIMIZER=1
+# Shard within each node's 8 GPUs (NVIDIA's --dwu-group-size): reduce-scatter and all-gather are
+# rings of 8 over NVLink, not of 1,024 ranks (NCCL's per-hop latency paid 7 times per block, not
+# 1,023), and the nodes exchange 1/8 of the gradient per GPU in an all-reduce (a tree across 128
+# nodes); the bytes over InfiniBand are those of DDP's all-reduce (docs/PERFORMANCE.md, on paper).
+export DIST_OPTIMIZER_GROUP_SIZE=8
 
 export EVAL_ITER_START_SAMPLES=175000
 export EVAL_ITER_SAMPLES=175000

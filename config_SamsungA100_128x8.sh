@@ -40,6 +40,11 @@ export CLIP_MODE=bucketwise
 # DGX A100 128x8 config's 2 packs) forward and backward take ~4x longer, so that is ~10 % of the
 # step here against ~30 % there (docs/PERFORMANCE.md): a smaller share, the same milliseconds.
 export DIST_OPTIMIZER=1
+# Shard within each node's 8 GPUs (NVIDIA's --dwu-group-size): reduce-scatter and all-gather are
+# rings of 8 over NVLink, not of 1,024 ranks (NCCL's per-hop latency paid 7 times per block, not
+# 1,023), and the nodes exchange 1/8 of the gradient per GPU in an all-reduce (a tree across 128
+# nodes); the bytes over InfiniBand are those of DDP's all-reduce (docs/PERFORMANCE.md, on paper).
+export DIST_OPTIMIZER_GROUP_SIZE=8
 
 export EVAL_ITER_START_SAMPLES=325000
 export EVAL_ITER_SAMPLES=325000

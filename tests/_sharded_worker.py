@@ -7,8 +7,12 @@ OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt, a ':' in the job's name written '-from-'; 
 compares):
 - `equality`: for LAMB and ADAM and every clip mode, the same tiny BERT trained twice from the
   same weights on the same per-rank batches (two micro-batches per step, fp32): DDP with the
-  unsharded `ForeachLamb` / `ForeachAdamW`, and DDP (hooks not reducing) with the sharded one.
-  The collectives of each sharded step are counted.
+  unsharded `ForeachLamb` / `ForeachAdamW`, and DDP (hooks not reducing, each bucket handed to
+  the sharded optimizer's reduce-scatter as the backward produces it) with the sharded one, in
+  blocks of BLOCK_NUMEL elements. The collectives of each sharded step are counted.
+- `grouped`: LAMB, sharded within groups of GROUP_SIZE ranks and all-reduced across them
+  (`sharded.shard_groups`), in the clip modes of the 128x8 configs (the test compares it with
+  the unsharded runs of `equality`).
 - `fp16`: loss scaling on the device with overflows on rank 1 only, the step a `GraphedStep`
   (uncaptured off a GPU): unsharded capturable LAMB against the sharded capturable LAMB.
 - `save` / `resume`: portable checkpoints. Four virtual ranks' batches make every step's global
@@ -26,7 +30,7 @@ import sys
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +40,7 @@ from mlperf_bert.optim.capturable import capturable
 from mlperf_bert.optim.clipping import ClipConfig, ClipMode, apply_clip_mode, optimizer_clip_norm
 from mlperf_bert.optim.loss_scale import DeviceLossScaler
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
-from mlperf_bert.optim.sharded import build_sharded_optimizer
+from mlperf_bert.optim.sharded import ShardedKernels, build_sharded_optimizer, shard_groups
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.train.checkpoint import Checkpointer, TrainingParts, read_checkpoint
 from mlperf_bert.train.step import EagerStep, GraphedStep, Step
@@ -47,21 +51,24 @@ STEPS = 6
 SAVE_AT = 3
 VIRTUAL_RANKS = 4
 COUNTED = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+BLOCK_NUMEL = 1500  # the tiny model's 6,722 parameters in 5 blocks
+GROUP_SIZE = 2
 
 
 @contextmanager
-def counting(counts: Counter) -> Iterator[None]:
-    """Counts calls of the collectives a step may make (the module attributes the trainer calls)."""
-    originals = {name: getattr(dist, name) for name in COUNTED}
+def watching(note: Callable[[str], None], names: tuple[str, ...] = COUNTED) -> Iterator[None]:
+    """note(name) at every call of the collectives a step may make (the module attributes the
+    trainer calls), before the call."""
+    originals = {name: getattr(dist, name) for name in names}
 
-    def counted(name: str) -> Callable:
+    def watched(name: str) -> Callable:
         def call(*args, **kwargs):
-            counts[name] += 1
+            note(name)
             return originals[name](*args, **kwargs)
         return call
 
-    for name in COUNTED:
-        setattr(dist, name, counted(name))
+    for name in names:
+        setattr(dist, name, watched(name))
     try:
         yield
     finally:
@@ -69,15 +76,27 @@ def counting(counts: Counter) -> Iterator[None]:
             setattr(dist, name, original)
 
 
-def optimizer(net: torch.nn.Module, name: str, mode: ClipMode, sharded: bool) -> torch.optim.Optimizer:
+def counting(counts: Counter) -> ContextManager[None]:
+    """Counts the calls of the collectives a step may make."""
+    return watching(lambda name: counts.update([name]))
+
+
+def optimizer(net: torch.nn.Module, name: str, mode: ClipMode, sharded: bool, group_size: int = 0
+              ) -> torch.optim.Optimizer:
     args = (parameter_groups(net, 0.01), name, SCHEDULE.base_lr, (0.9, 0.999), 1e-6, 0.01,
             optimizer_clip_norm(ClipConfig(mode, MAX_NORM)))
-    return build_sharded_optimizer(*args) if sharded else build_optimizer(*args, implementation="foreach")
+    if not sharded:
+        return build_optimizer(*args, implementation="foreach")
+    return build_sharded_optimizer(*args, "foreach", *shard_groups(group_size), block_numel=BLOCK_NUMEL)
 
 
-def wrap(net: torch.nn.Module, mode: ClipMode, sharded: bool):
+def wrap(net: torch.nn.Module, name: str, mode: ClipMode, sharded: bool, group_size: int = 0):
+    """DDP, then the optimizer (the sharded one flattens the weights DDP broadcast), then the hooks,
+    which hand each bucket to the sharded optimizer's reduce-scatter."""
     ddp = DistributedDataParallel(net, bucket_cap_mb=BUCKET_CAP_MB)
-    return ddp, apply_clip_mode(ddp, ClipConfig(mode, MAX_NORM), reduces=not sharded)
+    opt = optimizer(net, name, mode, sharded, group_size)
+    sink = opt.shards if isinstance(opt, ShardedKernels) else None
+    return ddp, opt, apply_clip_mode(ddp, ClipConfig(mode, MAX_NORM), reduces=not sharded, sink=sink)
 
 
 def train(step: Step, net: torch.nn.Module, rank: int, counts: Counter) -> dict:
@@ -93,19 +112,21 @@ def train(step: Step, net: torch.nn.Module, rank: int, counts: Counter) -> dict:
     return {"losses": losses, "weights": before, "path": path}
 
 
-def equality(rank: int) -> dict:
+def equality(rank: int, names: tuple[str, ...] = ("lamb", "adam"), modes: tuple[ClipMode, ...] = tuple(ClipMode),
+             group_size: int = 0, kinds: tuple[bool, ...] = (False, True)) -> dict:
     out: dict = {}
-    for name in ("lamb", "adam"):
-        for mode in ClipMode:
+    for name in names:
+        for mode in modes:
             run: dict = {}
-            for sharded in (False, True):
+            for sharded in kinds:
                 net = model()
-                ddp, clip = wrap(net, mode, sharded)
-                step = EagerStep(ddp, optimizer(net, name, mode, sharded), "fp32", ACCUMULATION, clip=clip)
+                ddp, opt, clip = wrap(net, name, mode, sharded, group_size)
+                step = EagerStep(ddp, opt, "fp32", ACCUMULATION, clip=clip)
                 settle(step, net, rank)
                 counts: Counter = Counter()
                 kind = "sharded" if sharded else "unsharded"
-                run[kind] = {**train(step, net, rank, counts), "collectives": {k: v / STEPS for k, v in counts.items()}}
+                run[kind] = {**train(step, net, rank, counts), "collectives": {k: v / STEPS for k, v in counts.items()},
+                             "blocks": len(opt.shards.blocks) if isinstance(opt, ShardedKernels) else 0}
             out[f"{name}/{mode.value}"] = run
     return out
 
@@ -118,10 +139,9 @@ def fp16(rank: int) -> dict:
             net = model()
             index = [-1]
             overflow_on(net, rank, lambda: index[0])
-            ddp, clip = wrap(net, mode, sharded)
+            ddp, opt, clip = wrap(net, "lamb", mode, sharded)
             scaler = DeviceLossScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-            step = GraphedStep(ddp, capturable(optimizer(net, "lamb", mode, sharded), SCHEDULE), examples(rank),
-                               "fp32", scaler=scaler, clip=clip)
+            step = GraphedStep(ddp, capturable(opt, SCHEDULE), examples(rank), "fp32", scaler=scaler, clip=clip)
             scales, before, path = [], flat(net), torch.zeros_like(flat(net))
             for i in range(STEPS):
                 index[0] = i
@@ -141,8 +161,10 @@ def fp16(rank: int) -> dict:
 def portable_step(net: torch.nn.Module, world: int, sharded: bool) -> tuple[EagerStep, torch.optim.Optimizer]:
     """After-reduction clipping, so the step's arithmetic does not depend on how many ranks share it."""
     mode = ClipMode.AFTER_ALLREDUCE
-    module, clip = (wrap(net, mode, sharded) if world > 1 else (net, None))
-    opt = optimizer(net, "lamb", mode, sharded)
+    if world > 1:
+        module, opt, clip = wrap(net, "lamb", mode, sharded)
+    else:
+        module, opt, clip = net, optimizer(net, "lamb", mode, sharded), None
     return EagerStep(module, opt, "fp32", VIRTUAL_RANKS // world, clip=clip), opt
 
 
@@ -206,6 +228,8 @@ def main() -> None:
     for job in jobs:
         if job == "equality":
             record = equality(rank)
+        elif job == "grouped":
+            record = equality(rank, ("lamb",), (ClipMode.AFTER_ALLREDUCE, ClipMode.BUCKETWISE), GROUP_SIZE, (True,))
         elif job == "fp16":
             record = fp16(rank)
         else:

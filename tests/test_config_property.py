@@ -143,6 +143,12 @@ def test_an_output_path_cannot_escape_output_dir(root, tmp_path):
     (["--warmup_steps", "11"], "--warmup_steps must be an integer in [0, 10]"),
     (["--end_learning_rate", "1"], "--end_learning_rate 1.0 is above --learning_rate"),
     (["--max_predictions_per_seq", "600"], "--max_predictions_per_seq must be an integer in [1, 512]"),
+    (["--dist_optimizer_group_size", "2"], "--dist_optimizer_group_size shards the distributed optimizer: add "
+                                           "--distributed_optimizer or drop it"),
+    (["--distributed_optimizer", "--dist_optimizer_group_size", "-1"],
+     "--dist_optimizer_group_size must be an integer >= 0"),
+    (["--distributed_optimizer", "--dist_optimizer_group_size", "3"],
+     "--dist_optimizer_group_size 3 must divide the 1 ranks (or be 0: every rank)"),
 ])
 def test_bad_values_are_rejected_naming_the_flag_and_the_fix(root, extra, message):
     with pytest.raises(ConfigError) as err:
@@ -251,6 +257,7 @@ FLAG_CONTRACT = {
     "--max_samples_termination": (int, None), "--seed": (int, 12345), "--precision": (str, "fp32"),
     "--device": (str, "auto"), "--log_freq": (int, 10), "--init_loss_scale": (float, 65536.0),
     "--compile_mode": (str, "none"), "--sync_every": (int, 1), "--input_pipeline": (str, "torch"),
+    "--dist_optimizer_group_size": (int, 0),
     "--submission_division": (str, "closed"), "--submission_org": (str, "reference"),
     "--submission_platform": (str, "unknown"), "--submission_status": (str, "onprem"),
     "--attention_backend": (str, "auto"), "--attention_group_bounds": (str, "128,256,384,512"), "--init_checkpoint": (str, None), "--input_dir": (str, None),

@@ -61,7 +61,7 @@ def _launch(jobs: list[tuple[str, int]], out: Path) -> None:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("sharded")
-    _launch([("equality,fp16", 2), ("save-unsharded,save-sharded,equality", 4)], out)
+    _launch([("equality,fp16", 2), ("save-unsharded,save-sharded,equality,grouped", 4)], out)
     _launch([("resume-sharded:save-sharded-w4,resume-sharded:save-unsharded-w4", 2),
              ("resume-sharded:save-sharded-w4,resume-unsharded:save-sharded-w4", 1)], out)
     found: dict[str, list[dict]] = {}
@@ -110,16 +110,36 @@ def test_sharded_comparison_tells_clip_modes_apart(records, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_distributed_optimizer_step_makes_one_reduce_scatter_one_all_gather_and_few_all_reduces(records, world):
-    """Per step: 1 reduce-scatter, 1 all-gather, and 2 all-reduces of partial sums for LAMB, 1 for
-    ADAM (no other collective: the clipping hooks do not reduce); unsharded, DDP's Python hooks
-    all-reduce each bucket and nothing else is reduced."""
+def test_distributed_optimizer_step_makes_one_reduce_scatter_and_all_gather_per_block_and_few_all_reduces(
+        records, world):
+    """Per step and block: 1 reduce-scatter, 1 all-gather; and 2 all-reduces of partial sums for LAMB,
+    1 for ADAM (no other collective: the clipping hooks do not reduce); unsharded, DDP's Python
+    hooks all-reduce each bucket and nothing else is reduced."""
     for run in RUNS:
-        collectives = records[f"equality-w{world}"][0][run]["sharded"]["collectives"]
-        small = 2 if run.startswith("lamb") else 1
-        assert collectives == {"reduce_scatter_single": 1, "all_gather_single": 1, "all_reduce": small}, run
+        sharded = records[f"equality-w{world}"][0][run]["sharded"]
+        small, blocks = (2 if run.startswith("lamb") else 1), sharded["blocks"]
+        assert blocks > 2, run  # the tiny model is cut into several blocks
+        assert sharded["collectives"] == {"reduce_scatter_single": blocks, "all_gather_single": blocks,
+                                          "all_reduce": small}, run
         unsharded = records[f"equality-w{world}"][0][run]["unsharded"]["collectives"]
         assert set(unsharded) <= {"all_reduce"}, run
+
+
+@pytest.mark.parametrize("mode", ["after_allreduce", "bucketwise"])
+def test_shard_groups_of_two_ranks_equal_unsharded_and_all_reduce_each_block_across_groups(records, mode):
+    """4 ranks, the optimizer sharded within 2 groups of 2 (`--dist_optimizer_group_size 2`): the same
+    weights as unsharded, every rank; per block one reduce-scatter in the group, one all-reduce
+    across the groups and one all-gather in the group."""
+    ranks = records["grouped-w4"]
+    for record, plain in zip(ranks, records["equality-w4"]):
+        unsharded, sharded = plain[f"lamb/{mode}"]["unsharded"], record[f"lamb/{mode}"]["sharded"]
+        assert sharded["losses"] == pytest.approx(unsharded["losses"], rel=1e-6)
+        assert_within_rounding(sharded["weights"], unsharded["weights"], unsharded["path"], STEPS)
+        blocks = sharded["blocks"]
+        assert sharded["collectives"] == {"reduce_scatter_single": blocks, "all_gather_single": blocks,
+                                          "all_reduce": blocks + 2}
+    for other in ranks[1:]:
+        assert torch.equal(other[f"lamb/{mode}"]["sharded"]["weights"], ranks[0][f"lamb/{mode}"]["sharded"]["weights"])
 
 
 @pytest.mark.parametrize("mode", ["after_allreduce", "bucketwise"])

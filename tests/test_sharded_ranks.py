@@ -32,36 +32,59 @@ STEPS = 3
 WORLDS = [2, 3, 8, 32]
 
 
+class Done:
+    """The handle of a simulated collective: it completed before the call returned."""
+
+    def wait(self) -> bool:
+        return True
+
+
 class Collectives:
-    """torch.distributed's calls of the sharded step, for W ranks that are threads of this process."""
+    """torch.distributed's calls of the sharded step, for W ranks that are threads of this process.
+
+    A group is a tuple of ranks (None: all). Every rank makes the same calls in the same order, each
+    on its own group (the sharded step does), so one barrier over all threads serves every group.
+    """
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.barrier = threading.Barrier(world, timeout=60)
         self.slots: list[torch.Tensor | None] = [None] * world
         self.local = threading.local()
+        self.calls: list[str] = []  # rank 0's calls, in order
+
+    def _members(self, group: tuple[int, ...] | None) -> tuple[int, ...]:
+        return tuple(range(self.world)) if group is None else group
 
     def get_world_size(self, group: Any = None) -> int:
-        return self.world
+        return len(self._members(group))
 
     def get_rank(self, group: Any = None) -> int:
-        return self.local.rank
+        return self._members(group).index(self.local.rank)
 
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, tensor: torch.Tensor, group: Any, name: str) -> list[torch.Tensor]:
+        if self.local.rank == 0:
+            self.calls.append(name)
         self.slots[self.local.rank] = tensor.detach().clone()
         self.barrier.wait()
-        gathered = [t for t in self.slots if t is not None]
+        gathered = [self.slots[r] for r in self._members(group)]
         self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
-        return gathered
+        return [t for t in gathered if t is not None]
 
-    def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
-        tensor.copy_(torch.stack(self._exchange(tensor)).sum(0))
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Done:
+        tensor.copy_(torch.stack(self._exchange(tensor, group, "all_reduce")).sum(0))
+        return Done()
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
-        output.copy_(torch.stack(self._exchange(input)).sum(0).view(self.world, -1)[self.local.rank])
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                              async_op: bool = False) -> Done:
+        parts = torch.stack(self._exchange(input, group, "reduce_scatter")).sum(0).view(self.get_world_size(group), -1)
+        output.copy_(parts[self.get_rank(group)])
+        return Done()
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
-        output.copy_(torch.cat(self._exchange(input)))
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                          async_op: bool = False) -> Done:
+        output.copy_(torch.cat(self._exchange(input, group, "all_gather")))
+        return Done()
 
 
 def on_ranks(world: int, work: Callable[[int], Any], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -111,10 +134,11 @@ def mean_grads(world: int, step: int) -> list[torch.Tensor]:
     return [torch.stack(parts).sum(0) for parts in zip(*per_rank)]
 
 
-def optimizer(net: torch.nn.Module, name: str, max_grad_norm: float | None, sharded_: bool, lr: Any = LR):
+def optimizer(net: torch.nn.Module, name: str, max_grad_norm: float | None, sharded_: bool, lr: Any = LR,
+              **layout: Any):
     groups = parameter_groups(net, WEIGHT_DECAY)
     if sharded_:
-        return build_sharded_optimizer(groups, name, lr, BETAS, EPS, WEIGHT_DECAY, max_grad_norm)
+        return build_sharded_optimizer(groups, name, lr, BETAS, EPS, WEIGHT_DECAY, max_grad_norm, **layout)
     return build_optimizer(groups, name, lr, BETAS, EPS, WEIGHT_DECAY, max_grad_norm, implementation="foreach")
 
 
@@ -139,6 +163,76 @@ def unsharded_run(world: int, name: str, max_grad_norm: float | None, steps: int
 def sharded_step(net: torch.nn.Module, opt: Any, rank: int, world: int, step: int) -> None:
     set_grads(net, [g / world for g in local_grads(rank, step)])  # the comm hook's local bucket / W
     opt.step()
+
+
+def handed_over_step(net: torch.nn.Module, opt: Any, rank: int, world: int, step: int,
+                     calls: list[str] | None = None) -> list[int]:
+    """As the comm hooks do during the backward: the local gradients / W in DDP's order (reverse
+    parameter order, two parameters a bucket) into `take_bucket`, no `.grad` set; then the step.
+    Returns how many collectives rank 0 had issued after each bucket."""
+    issued = hand_over(net, opt, [g / world for g in local_grads(rank, step)], calls)
+    opt.step()
+    return issued
+
+
+def hand_over(net: torch.nn.Module, opt: Any, grads: list[torch.Tensor], calls: list[str] | None = None) -> list[int]:
+    params = list(net.parameters())
+    order = list(reversed(range(len(params))))
+    issued = []
+    for start in range(0, len(order), 2):
+        bucket = order[start : start + 2]
+        opt.shards.take_bucket([params[i] for i in bucket], torch.cat([grads[i].reshape(-1) for i in bucket]))
+        issued.append(len(calls) if calls is not None else 0)
+    return issued
+
+
+@pytest.mark.parametrize("block_numel,world", [(9, 3), (9, 8), (20, 2), (1, 4)])
+def test_blocks_reduce_scattered_as_buckets_arrive_equal_unsharded(block_numel, world, monkeypatch):
+    """The flat buffer in blocks (of one parameter each, with 1), each reduce-scattered as soon as the
+    buckets handed over during the backward complete it: the unsharded steps, and the first
+    reduce-scatter is issued before the last bucket arrives. A backward whose step was skipped
+    comes first: the next backward's buckets replace its gradients."""
+    reference, _ = unsharded_run(world, "lamb", 0.5)
+
+    def work(rank: int) -> tuple[torch.Tensor, list[int]]:
+        net = model()
+        opt = optimizer(net, "lamb", 0.5, True, block_numel=block_numel)
+        hand_over(net, opt, [torch.full_like(g, 1e3) for g in local_grads(rank, 0)])  # no step took these
+        issued = []
+        for step in range(STEPS):
+            issued = handed_over_step(net, opt, rank, world, step, sharded.dist.calls)
+        assert len(opt.shards.blocks) > 2
+        return weights(net), issued
+
+    ranks = on_ranks(world, work, monkeypatch)
+    for got, _ in ranks:
+        torch.testing.assert_close(got, weights(reference), rtol=1e-5, atol=1e-7)
+    issued = ranks[0][1]  # rank 0's count is exact: it records the calls
+    assert issued[0] >= 1 and issued[-2] < issued[-1]  # one after the first bucket, more after the last
+
+
+@pytest.mark.parametrize("world,group_size", [(4, 2), (6, 3), (8, 4)])
+def test_shard_groups_equal_unsharded_and_agree_on_a_flag_across_groups(world, group_size, monkeypatch):
+    """Sharded within groups of `group_size` consecutive ranks, all-reduced across them: the unsharded
+    steps on every rank; a flag folded on one rank of one group reaches every rank of every group."""
+    reference, _ = unsharded_run(world, "lamb", 0.5)
+
+    def work(rank: int) -> tuple[torch.Tensor, list[float]]:
+        first = rank - rank % group_size
+        net = model()
+        opt = optimizer(net, "lamb", 0.5, True, block_numel=9, process_group=tuple(range(first, first + group_size)),
+                        replica_group=tuple(range(rank % group_size, world, group_size)))
+        flags = []
+        for step in range(STEPS):
+            if rank == world - 1 and step == 1:
+                opt.fold_flag(torch.tensor(1.0))
+            handed_over_step(net, opt, rank, world, step)
+            flags.append(float(opt.agreed_nonfinite))
+        return weights(net), flags
+
+    for got, flags in on_ranks(world, work, monkeypatch):
+        torch.testing.assert_close(got, weights(reference), rtol=1e-5, atol=1e-7)
+        assert flags == [0.0, 1.0] + [0.0] * (STEPS - 2)
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5], ids=["unclipped", "clipped"])

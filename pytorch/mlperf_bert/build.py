@@ -46,7 +46,7 @@ from .runtime.files import write_text_atomic
 from .hooks.mllog import MLPerfLogger, bert_tf_tensor_names, optimizer_hyperparameters
 from .model.bert import BertConfig, BertForPreTraining
 from .optim.optimizers import build_optimizer, parameter_groups
-from .optim.sharded import build_sharded_optimizer
+from .optim.sharded import ShardedKernels, build_sharded_optimizer, shard_groups
 from .optim.schedule import LRSchedule
 from .input.source_factory import open_batch_source
 from .input.sources import BatchSource
@@ -312,11 +312,9 @@ def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model:
     """Optimizer, schedule, loss scaler, DDP wrapper (made by `ddp`) and clipping hooks."""
     clip_config = ClipConfig(ClipMode(cfg.optim.clip_mode), cfg.optim.max_grad_norm)
     module: torch.nn.Module = model
-    clip = None
-    if denv.is_distributed:
-        module = ddp(model, device)
-        # Sharded: the hooks hand DDP unreduced buckets; the optimizer reduce-scatters them.
-        clip = apply_clip_mode(module, clip_config, reduces=not cfg.sharded_optimizer)
+    wrapped = ddp(model, device) if denv.is_distributed else None
+    if wrapped is not None:
+        module = wrapped
         optimizer_clip = optimizer_clip_norm(clip_config)
     else:
         # One rank: its local gradient is the averaged one, so every clipping mode is the
@@ -326,8 +324,14 @@ def build_training(cfg: TrainConfig, denv: DistEnv, device: torch.device, model:
     args = (parameter_groups(model, opt.weight_decay_rate), opt.optimizer, opt.learning_rate, (opt.beta1, opt.beta2),
             opt.epsilon, opt.weight_decay_rate, optimizer_clip, opt.implementation)
     # After DDP: its broadcast of rank 0's weights comes before the sharded optimizer flattens them.
-    optimizer = build_sharded_optimizer(*args) if cfg.sharded_optimizer else \
-        build_optimizer(*args, cuda_graphs=cfg.device_steps)
+    optimizer = build_sharded_optimizer(*args, *shard_groups(opt.distributed_group_size)) if cfg.sharded_optimizer \
+        else build_optimizer(*args, cuda_graphs=cfg.device_steps)
+    clip = None
+    if wrapped is not None:
+        # Sharded: the hooks hand each bucket, unreduced, to the optimizer's reduce-scatter as the
+        # backward produces it.
+        sink = optimizer.shards if isinstance(optimizer, ShardedKernels) else None
+        clip = apply_clip_mode(wrapped, clip_config, reduces=sink is None, sink=sink)
     return Training(module, TrainingParts(model, optimizer, loss_scaler(cfg, device)), clip, lr_schedule(cfg))
 
 

@@ -240,11 +240,18 @@ class OptimSettings:
     distributed: bool = flag("shard the optimizer over the ranks: gradients reduce-scattered, each rank updates "
                              "1/N of the parameters, weights all-gathered (optim/sharded.py)", "batch and optimizer",
                              False, name="distributed_optimizer")
+    distributed_group_size: int = flag("with --distributed_optimizer: shard within groups of N consecutive ranks "
+                                       "(e.g. a node's GPUs) and all-reduce the shards across groups, as NVIDIA's "
+                                       "--dwu-group-size; 0: one group of every rank", "batch and optimizer", 0,
+                                       name="dist_optimizer_group_size")
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("optimizer_impl", self.implementation, OPTIMIZER_IMPLS)
         _flag("distributed_optimizer", self.distributed)
+        _count("dist_optimizer_group_size", self.distributed_group_size, low=0)
+        _require(self.distributed or self.distributed_group_size == 0,
+                 "--dist_optimizer_group_size shards the distributed optimizer: add --distributed_optimizer or drop it")
         _require(not self.distributed or self.implementation in ("auto", "foreach"),
                  f"--distributed_optimizer computes with the multi-tensor kernels: use --optimizer_impl foreach (or "
                  f"auto), not {self.implementation}")
@@ -480,6 +487,9 @@ class TrainConfig:
                  f"the world size (WORLD_SIZE, or the launcher's task count) must be an integer >= 1; "
                  f"got {self.world_size!r}")
         self._check_checkpoints()
+        group = self.optim.distributed_group_size
+        _require(group == 0 or self.world_size % group == 0,
+                 f"--dist_optimizer_group_size {group} must divide the {self.world_size} ranks (or be 0: every rank)")
         _require(
             self.schedule.end_learning_rate <= self.optim.learning_rate,
             f"--end_learning_rate {self.schedule.end_learning_rate} is above --learning_rate "

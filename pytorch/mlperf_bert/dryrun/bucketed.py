@@ -7,9 +7,12 @@ on every path: the default all-reduce, and the clipping modes' comm hooks, which
 `DistributedDataParallel` whose constructor builds no reducer (`build.Supplied.ddp` makes it
 in DDP's place, and the trainer's `isinstance` checks hold); it overrides the part of DDP's
 interface the trainer uses (`module`, `process_group`, `no_sync`, `register_comm_hook`,
-forward) and at the end of each synchronized backward hands flat buckets, in DDP's order
-(reverse parameter order, the first bucket capped at 1 MiB, then 25 MiB), to the registered
-hook, or all-reduces their mean when none is registered. The collectives are real calls on
+forward) and, in each synchronized backward, hands flat buckets in DDP's order (reverse
+parameter order, the first bucket capped at 1 MiB, then `bucket_cap_mb`, 25 MiB by default)
+to the registered hook, or all-reduces their mean when none is registered. As DDP does, a
+bucket goes over as soon as its last gradient is accumulated and every earlier bucket has gone
+(so a hook's collectives start during the backward), and the results are written back into
+the gradients at the end of the backward. The collectives are real calls on
 torch's fake process group (backend "fake", any world size), so their arguments are checked.
 
 The choice over explicit all-reduces written into the dry run: the comm hooks under test are
@@ -67,14 +70,14 @@ class Bucket:
             offset += n
 
 
-def bucket_params(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """DDP's first layout: reverse parameter order, 1 MiB first bucket, 25 MiB after."""
+def bucket_params(params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.nn.Parameter]]:
+    """DDP's first layout: reverse parameter order, first bucket at most 1 MiB, `bucket_bytes` after."""
     buckets: list[list[torch.nn.Parameter]] = [[]]
-    size, cap = 0, FIRST_BUCKET_BYTES
+    size, cap = 0, min(FIRST_BUCKET_BYTES, bucket_bytes)
     for p in reversed(params):
         if buckets[-1] and size + p.numel() * p.element_size() > cap:
             buckets.append([])
-            size, cap = 0, BUCKET_BYTES
+            size, cap = 0, bucket_bytes
         buckets[-1].append(p)
         size += p.numel() * p.element_size()
     return buckets
@@ -88,17 +91,24 @@ def _mean_all_reduce(_: Any, bucket: Bucket) -> torch.futures.Future:
 class BucketedDataParallel(DistributedDataParallel):
     """The trainer-facing part of DistributedDataParallel, with buckets handled in Python."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = BUCKET_BYTES / 2**20) -> None:
         torch.nn.Module.__init__(self)  # not DDP's: no reducer, no broadcast of the weights
         self.module = module
         if dist.group.WORLD is None:
             raise RuntimeError("BucketedDataParallel needs a process group: call dist.init_process_group first")
         self.process_group = dist.group.WORLD
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._layout = bucket_params(self._params, max(1, int(bucket_cap_mb * 2**20)))
+        self._bucket_of = {id(p): b for b, params in enumerate(self._layout) for p in params}
         self._hook: tuple[Any, Callable[[Any, Bucket], torch.futures.Future]] = (None, _mean_all_reduce)
         self._sync, self._queued = True, False
+        self._reset()
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self._layout)
+        self._launched: list[tuple[Bucket, torch.futures.Future]] = []
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         self._hook = (state, hook)
@@ -114,18 +124,32 @@ class BucketedDataParallel(DistributedDataParallel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def _on_grad(self, _: torch.Tensor) -> None:
-        if self._sync and not self._queued:
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._exchange)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._ready[self._bucket_of[id(p)]] += 1
+        while len(self._launched) < len(self._layout) and self._complete(len(self._launched)):
+            self._launch(len(self._launched))
 
-    def _exchange(self) -> None:
-        self._queued = False
-        groups = bucket_params([p for p in self._params if p.grad is not None])
+    def _complete(self, b: int) -> bool:
+        return self._ready[b] == len(self._layout[b])
+
+    def _launch(self, b: int) -> None:
+        params = [p for p in self._layout[b] if p.grad is not None]  # all, but at the end of a backward
         state, hook = self._hook
-        buckets = [Bucket(i, params, i == len(groups) - 1) for i, params in enumerate(groups)]
-        # Every bucket is handed over before any is waited for, as DDP does: a hook may hold
-        # buckets back until the last one arrives (clipping's before_allreduce).
-        futures = [hook(state, bucket) for bucket in buckets]
-        for bucket, future in zip(buckets, futures):
+        bucket = Bucket(b, params, b == len(self._layout) - 1)
+        self._launched.append((bucket, hook(state, bucket)))
+
+    def _finish(self) -> None:
+        """At the end of the backward: buckets left (a parameter that got no gradient) go now; then
+        every bucket is waited for, as DDP does after handing all of them over (a hook may hold
+        buckets back until the last one arrives: clipping's before_allreduce)."""
+        self._queued = False
+        while len(self._launched) < len(self._layout):
+            self._launch(len(self._launched))
+        for bucket, future in self._launched:
             bucket.write_back(future.wait())
+        self._reset()

@@ -67,7 +67,10 @@ place relative to it: the hooks scale each bucket by its clip coefficient / W as
 it back unreduced, and `none` / `after_allreduce` get `local_mean_hook` (the bucket / W, DDP's
 own arithmetic). `after_allreduce` is then the sharded optimizer's clip by the norm of the
 reduced gradient, from its shards' partial sums; `before_allreduce` and `bucketwise` clip the
-local gradient before the reduce-scatter exactly as before the all-reduce.
+local gradient before the reduce-scatter exactly as before the all-reduce. With a sink (the
+optimizer's `shards`) each hook hands a bucket over where it would have launched its
+all-reduce, so the reduce-scatters overlap the backward exactly where the all-reduces did
+(the table's last column): every mode but `before_allreduce`.
 
 Usage, once after wrapping the model in DDP:
 
@@ -83,6 +86,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,10 +150,17 @@ class BucketLaunch:
     time_ns: int  # time.perf_counter_ns() at launch, on the autograd thread
 
 
+class BucketSink(Protocol):
+    """Where a hook that does not reduce hands each bucket over (`sharded.Shards.take_bucket`)."""
+
+    def take_bucket(self, params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class _HeldBucket:
     index: int
     buffer: torch.Tensor  # the bucket's flat gradient, clipped in place before its all-reduce
+    params: Sequence[torch.Tensor]  # the bucket's parameters, in the buffer's order
     result: torch.futures.Future  # handed to DDP now, completed once the all-reduce ends
 
 
@@ -184,11 +195,26 @@ def _completed(buffer: torch.Tensor) -> torch.futures.Future:
     return done
 
 
-def local_mean_hook(process_group: dist.ProcessGroup | None,
-                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _hand_over(buffer: torch.Tensor, params: Sequence[torch.Tensor],
+               sink: BucketSink | None) -> torch.futures.Future:
+    """An unreduced bucket: to the sink (which starts its reduce-scatter now), and back to DDP as it is."""
+    if sink is not None:
+        sink.take_bucket(params, buffer)
+    return _completed(buffer)
+
+
+@dataclass(frozen=True)
+class LocalMeanHook:
     """The comm hook of `none` / `after_allreduce` under a sharded optimizer: the local bucket / W,
-    not reduced; the optimizer's reduce-scatter sums it into the mean (DDP's own arithmetic)."""
-    return _completed(bucket.buffer().div_(dist.get_world_size(process_group)))
+    not reduced; the optimizer's reduce-scatter sums it into the mean (DDP's own arithmetic),
+    started at once when a sink is given."""
+
+    process_group: dist.ProcessGroup | None
+    sink: BucketSink | None = None
+
+    def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer().div_(dist.get_world_size(self.process_group))
+        return _hand_over(buffer, bucket.parameters(), self.sink)
 
 
 def _complete_with(source: torch.futures.Future, target: torch.futures.Future) -> None:
@@ -215,6 +241,7 @@ class _ClipHook:
     process_group: dist.ProcessGroup | None = None  # None = the default group
     loss_scale: float | torch.Tensor = 1.0  # s, the fp16 loss scale the gradients carry (module docstring)
     reduces: bool = True  # False: the bucket is scaled, not reduced (a sharded optimizer reduce-scatters)
+    sink: BucketSink | None = None  # with reduces False: takes each scaled bucket as soon as it is launched
     backward_count: int = field(default=0, init=False)
     launches: list[BucketLaunch] = field(default_factory=list, init=False)
     _held: list[_HeldBucket] = field(default_factory=list, init=False, repr=False)
@@ -233,12 +260,13 @@ class _ClipHook:
             self.launches.clear()
             self._nonfinite = None
         self._next_index = 0 if bucket.is_last() else index + 1
-        result = self._on_bucket(index, bucket.buffer(), bucket.is_last())
+        result = self._on_bucket(_HeldBucket(index, bucket.buffer(), bucket.parameters(),
+                                             _pending_future(bucket.buffer().device)), bucket.is_last())
         if bucket.is_last():
             self.backward_count += 1
         return result
 
-    def _on_bucket(self, index: int, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
+    def _on_bucket(self, bucket: _HeldBucket, is_last: bool) -> torch.futures.Future:
         raise NotImplementedError
 
     def local_flag(self) -> torch.Tensor:
@@ -259,34 +287,34 @@ class _ClipHook:
         bad = ~torch.isfinite(norms).all()
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
-    def _scale_and_launch(self, index: int, buffer: torch.Tensor, coefficient: torch.Tensor) -> torch.futures.Future:
+    def _scale_and_launch(self, bucket: _HeldBucket, coefficient: torch.Tensor) -> torch.futures.Future:
         """Multiplies the bucket by its clip coefficient / W, then all-reduces (sum) it: the mean.
 
-        With `reduces` False the scaled local bucket goes back to DDP as it is: the sharded
-        optimizer sums it over the ranks with its reduce-scatter (`sharded.py`).
+        With `reduces` False the scaled local bucket goes to the sink (the sharded optimizer's
+        reduce-scatter, started now) and back to DDP as it is (`sharded.py`).
         """
+        buffer = bucket.buffer
         buffer.mul_(coefficient / dist.get_world_size(self.process_group))
-        self.launches.append(BucketLaunch(index, buffer.numel(), time.perf_counter_ns()))
+        self.launches.append(BucketLaunch(bucket.index, buffer.numel(), time.perf_counter_ns()))
         if not self.reduces:
-            return _completed(buffer)
+            return _hand_over(buffer, bucket.params, self.sink)
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         return work.get_future().then(_first_tensor)
 
-    def _hold(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
-        held = _HeldBucket(index, buffer, _pending_future(buffer.device))
-        self._held.append(held)
-        return held.result
+    def _hold(self, bucket: _HeldBucket) -> torch.futures.Future:
+        self._held.append(bucket)
+        return bucket.result
 
-    def _release(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
+    def _release(self, last: _HeldBucket) -> torch.futures.Future:
         """Clips the held buckets plus this last one together and launches all their all-reduces."""
-        buckets = [*self._held, _HeldBucket(index, buffer, _pending_future(buffer.device))]
+        buckets = [*self._held, last]
         self._held.clear()
         norms = torch.stack([_bucket_norm(b.buffer) for b in buckets])
         self._note_norms(norms)
         coefficients = self._held_coefficients(norms)
         for held, coefficient in zip(buckets[:-1], coefficients[:-1]):
-            _complete_with(self._scale_and_launch(held.index, held.buffer, coefficient), held.result)
-        return self._scale_and_launch(index, buffer, coefficients[-1])
+            _complete_with(self._scale_and_launch(held, coefficient), held.result)
+        return self._scale_and_launch(last, coefficients[-1])
 
     def _held_coefficients(self, norms: torch.Tensor) -> torch.Tensor:
         """Clip coefficient of every bucket of a whole backward, from the bucket norms [B]."""
@@ -297,8 +325,8 @@ class _ClipHook:
 class BeforeAllreduceClipHook(_ClipHook):
     """Clips each rank's whole local gradient by its own norm, then averages (no overlap)."""
 
-    def _on_bucket(self, index: int, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
-        return self._release(index, buffer) if is_last else self._hold(index, buffer)
+    def _on_bucket(self, bucket: _HeldBucket, is_last: bool) -> torch.futures.Future:
+        return self._release(bucket) if is_last else self._hold(bucket)
 
     def _held_coefficients(self, norms: torch.Tensor) -> torch.Tensor:
         joint = _clip_coefficient(torch.linalg.vector_norm(norms), self.max_norm * self.loss_scale)
@@ -327,20 +355,20 @@ class BucketwiseClipHook(_ClipHook):
     def _bucket_threshold(self, num_buckets: int) -> float | torch.Tensor:
         return self.max_norm * self.loss_scale / math.sqrt(num_buckets)
 
-    def _on_bucket(self, index: int, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
+    def _on_bucket(self, bucket: _HeldBucket, is_last: bool) -> torch.futures.Future:
         if not self.overlaps:
-            return self._learn(index, buffer, is_last)
-        self._check_layout(index, buffer.numel(), is_last)
-        norm = _bucket_norm(buffer)
+            return self._learn(bucket, is_last)
+        self._check_layout(bucket.index, bucket.buffer.numel(), is_last)
+        norm = _bucket_norm(bucket.buffer)
         self._note_norms(norm)
         coefficient = _clip_coefficient(norm, self._bucket_threshold(len(self.bucket_numels)))
-        return self._scale_and_launch(index, buffer, coefficient)
+        return self._scale_and_launch(bucket, coefficient)
 
-    def _learn(self, index: int, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
+    def _learn(self, bucket: _HeldBucket, is_last: bool) -> torch.futures.Future:
         if not is_last:
-            return self._hold(index, buffer)
-        self.bucket_numels = tuple(b.buffer.numel() for b in self._held) + (buffer.numel(),)
-        return self._release(index, buffer)
+            return self._hold(bucket)
+        self.bucket_numels = tuple(b.buffer.numel() for b in self._held) + (bucket.buffer.numel(),)
+        return self._release(bucket)
 
     def _held_coefficients(self, norms: torch.Tensor) -> torch.Tensor:
         return _clip_coefficient(norms, self._bucket_threshold(norms.shape[0]))
@@ -383,20 +411,27 @@ class ClipHandle:
         return None if self.hook is None else self.hook.agreed_flag()
 
 
-def apply_clip_mode(ddp_model: DistributedDataParallel, config: ClipConfig, reduces: bool = True) -> ClipHandle:
+def apply_clip_mode(ddp_model: DistributedDataParallel, config: ClipConfig, reduces: bool = True,
+                    sink: BucketSink | None = None) -> ClipHandle:
     """Registers the mode's comm hook on `ddp_model` (none for `none` / `after_allreduce`).
 
     reduces: False under a sharded optimizer (`sharded.py`), which reduce-scatters the gradient
     itself: every mode's hook then hands DDP the local bucket divided by W (and clipped, in the
     hook modes) without reducing it, so each mode keeps its meaning relative to the reduction.
+    sink: with reduces False, the sharded optimizer's `shards`: each bucket goes there as the
+    hook launches it, so its reduce-scatter starts during the backward (None: the optimizer
+    reduce-scatters everything in its step, after the backward).
     Call once, right after wrapping the model and before its first forward.
     """
+    if reduces and sink is not None:
+        raise ValueError("a bucket sink takes unreduced buckets: pass reduces=False with it")
     hook_types = {ClipMode.BEFORE_ALLREDUCE: BeforeAllreduceClipHook, ClipMode.BUCKETWISE: BucketwiseClipHook}
     hook_type = hook_types.get(config.mode)
     if hook_type is None:
         if not reduces:
-            ddp_model.register_comm_hook(ddp_model.process_group, local_mean_hook)
+            local = LocalMeanHook(ddp_model.process_group, sink)
+            ddp_model.register_comm_hook(local, LocalMeanHook.communicate)
         return ClipHandle(config, None)
-    hook = hook_type(max_norm=config.max_grad_norm, process_group=ddp_model.process_group, reduces=reduces)
+    hook = hook_type(max_norm=config.max_grad_norm, process_group=ddp_model.process_group, reduces=reduces, sink=sink)
     ddp_model.register_comm_hook(hook, hook_type.communicate)
     return ClipHandle(config, hook)

@@ -93,6 +93,11 @@ class DeviceLossScaler:
         """Divides the gradients by the scale in place and sets `found_inf` (GradScaler's kernel)."""
         self.found_inf.zero_()
         inv_scale = self.scale_tensor.double().reciprocal().float()
+        if isinstance(optimizer, ShardedKernels):
+            # Its reduce-scatter took the scaled local gradients during the backward: it unscales the
+            # reduced shard, and agrees on non-finite values there (`step` below).
+            optimizer.unscale_reduced(inv_scale)
+            return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:

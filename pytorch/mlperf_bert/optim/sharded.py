@@ -4,12 +4,18 @@ Unsharded, every rank all-reduces the whole gradient and then runs the whole upd
 BERT-Large at 2 packs per GPU about 28 bytes of optimizer traffic per parameter and step on
 every GPU. Here, per step:
 
-1. DDP runs the backward as before, but its comm hook does not reduce: it hands back the local
-   bucket divided by W, clipped first in the modes that clip before the reduction
-   (`clipping.apply_clip_mode(..., reduces=False)`).
-2. The local gradients are copied into one flat buffer (every parameter, in optimizer-group
-   order, padded to a multiple of W) and reduce-scattered (sum): rank r receives the mean
-   gradient of the contiguous slice [r*S, (r+1)*S) of that buffer, its shard.
+1. DDP runs the backward as before, but its comm hook does not reduce: it takes the local
+   bucket divided by W, clipped first in the modes that clip before the reduction, hands it to
+   this optimizer (`Shards.take_bucket`, the hook's sink: `clipping.apply_clip_mode(...,
+   reduces=False, sink=optimizer.shards)`) and gives it back to DDP unreduced.
+2. The parameters lie in one flat buffer (in optimizer-group order), cut into blocks of whole
+   parameters (`plan_blocks`: up to BLOCK_NUMEL elements, DDP's bucket size), each padded to a
+   multiple of W; rank r owns the r-th W-th of every block, its shard. A bucket's gradients are
+   copied into their places in a flat gradient buffer, and every block they complete is
+   reduce-scattered (sum) right away, asynchronously: the reduction of the last layers' blocks
+   runs while the backward computes the first layers' gradients. The step waits for them all;
+   blocks no bucket completed (no hook installed, or a parameter outside the DDP model) are
+   copied from `.grad` and reduce-scattered then.
 3. One all-reduce of partial sums: per tensor, the squared norms of this rank's piece of the
    gradient and (LAMB) of the weights, plus the folded non-finite flags. From it every rank
    knows the global gradient norm (clipping `after_allreduce`, and the fp16 overflow check:
@@ -19,12 +25,36 @@ every GPU. Here, per step:
    `ForeachAdamW` (`optimizers.adam_updates`), on the slices of the parameters the shard holds.
 5. LAMB only: one all-reduce of the per-tensor squared norms of the update's pieces, then the
    trust ratios; `optimizers.apply_updates` applies lr * ratio * update to the shard.
-6. One all-gather of the updated shards into the flat parameter buffer, which the model's
-   parameters are views of: every rank holds all weights again.
+6. The update is applied block by block, and each block's all-gather (into the flat parameter
+   buffer, which the model's parameters are views of) is issued as soon as its pieces are
+   applied, so it runs during the later blocks' updates; the step waits for all of them before
+   it returns (on a GPU `wait` only orders the streams: the host goes on queueing the next
+   forward). Not overlapped with the next forward: what reads the weights right after the step
+   (a skipped fp16 step's undo in `loss_scale.DeviceLossScaler`, a sync-window snapshot, a
+   checkpoint, the eval) would need a wait of its own, and a forward that waited per layer
+   would need hooks on every module.
 
-Collectives per step: 1 reduce-scatter + 1 all-gather (the bytes of the all-reduce they
-replace) + 1 small all-reduce (ADAM) or 2 (LAMB) of 2T+1 and T floats (T = number of
-parameter tensors, 398 for BERT-Large): `tests/test_sharded_optimizer.py` counts them.
+Which clipping modes overlap (`clipping.py`): `none`, `after_allreduce` (the optimizer clips
+the reduced gradient) and `bucketwise` (from its third synchronized backward on, once DDP's
+bucket layout is final) hand every bucket over as DDP launches it. `before_allreduce` cannot:
+it clips the local gradient by its whole norm, known only when the last bucket is in, so its
+hook holds every bucket back and the reduce-scatters start after the backward (as its
+all-reduces do unsharded). Every mode gives the same arithmetic as before.
+
+Shard groups (`--dist_optimizer_group_size N`, `shard_groups`, NVIDIA's `--dwu-group-size`):
+N consecutive ranks (a node's GPUs) share one copy of the optimizer state. A block is
+reduce-scattered within the group, its shard all-reduced over the W/N ranks holding the same
+shard in the other groups (issued when the next block's reduce-scatter is, or in the step
+for the last), and all-gathered within the group: the all-gather stays on the node's links,
+and the traffic across nodes is the all-reduce of 1/N of the gradient. The partial-norm
+all-reduce then runs over every rank (so a folded flag reaches them all) and divides the sums
+by W/N (each shard is counted once per group); LAMB's second one stays within the group.
+
+Collectives per step: 1 reduce-scatter + 1 all-gather per block (the bytes of the all-reduce
+they replace), with shard groups 1 all-reduce across groups per block, + 1 small all-reduce
+(ADAM) or 2 (LAMB) of 2T+1 and T floats (T = number of parameter tensors, 398 for
+BERT-Large): `tests/test_sharded_optimizer.py` counts them, `tests/test_sharded_overlap.py`
+checks when they are issued relative to the backward.
 
 Why this implementation, and not a library's (the evidence):
 - PyTorch FSDP2 (`fully_shard`) shards every parameter along dim 0 and replaces DDP. The
@@ -48,13 +78,18 @@ Why this implementation, and not a library's (the evidence):
 - ZeroRedundancyOptimizer keeps DDP's all-reduce: it saves memory and math, not traffic.
 So the reduce-scatter is this module's own, behind DDP's hook protocol: every clipping mode
 keeps its hook, the CUDA-graphed step captures the collectives as it captures DDP's all-reduce
-(no host read anywhere in the step), and the arithmetic is the unsharded optimizer's own.
-What it does not do yet: overlap the reduce-scatter with the backward (NVIDIA's
-`--dwu-overlap-reductions`, blocks launched as DDP hands buckets over), and the all-gather with
-the next forward.
+(the hooks' and the blocks' Python runs once, at capture; no host read anywhere in the step),
+and the arithmetic is the unsharded optimizer's own. The blocks are the optimizer's, not DDP's
+buckets: DDP rebuilds its buckets after the first step and the dry run's stand-in has its own,
+while the flat layout (and the parameters' views of it) is fixed at construction; a block is
+complete once every one of its parameters has arrived, whatever bucket brought it.
 
-The gradient is copied into the flat buffer (8 bytes per parameter on every rank) rather than
-kept there: making each `.grad` a view of the buffer saves that copy and one gradient's memory,
+fp16: the comm hooks hand over the loss-scaled gradient, so the loss scaler does not unscale
+`.grad` for this optimizer but has the step multiply the reduced shard by 1/s
+(`unscale_reduced`; s is a power of two, so this equals unscaling before the sum).
+
+The gradient is copied into the flat buffer (8 bytes per parameter on every rank, now during
+the backward, from each bucket) rather than kept there: making each `.grad` a view of the buffer saves that copy and one gradient's memory,
 but autograd then adds every backward into the existing gradient (12 bytes per parameter,
 where it otherwise takes the new gradient as it is) and the buffer must be zeroed each step
 (4 more): twice the traffic of the copy, for memory BERT does not lack.
@@ -79,7 +114,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,6 +122,16 @@ import torch.distributed as dist
 from .optimizers import (ForeachAdamW, ForeachKernels, ForeachLamb, LAMB_NAMES, LearningRate, adam_updates,
                          apply_updates, check_state_fits, clip_divisor, lamb_trust_ratio, _check_hyperparameters,
                          MOMENTS, _resolve_implementation)
+
+# Elements per block when none is given: DDP's default bucket (25 MiB of fp32), so a block is
+# complete about as often as DDP hands a bucket over.
+BLOCK_NUMEL = (25 << 20) // 4
+
+
+class Work(Protocol):
+    """An asynchronous collective's handle (`dist.Work`)."""
+
+    def wait(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -97,33 +142,84 @@ class Piece:
     param: torch.nn.Parameter
     shard: slice  # where it lies in the shard
     source: slice  # where it lies in the flattened parameter
+    flat: slice  # where it lies in the flat buffer
+    block: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """Whole parameters [first, stop), at [start, start + size) of the flat buffer (size a multiple of
+    W, padded). Rank r owns [start + r * chunk, start + (r + 1) * chunk), kept at `shard_start` of its shard."""
+
+    first: int
+    stop: int
+    start: int
+    size: int
+    shard_start: int
+    world: int
+
+    @property
+    def chunk(self) -> int:
+        return self.size // self.world
 
 
 def _slice(start: int, stop: int) -> slice:
     return slice(start, stop)
 
 
+def plan_blocks(numels: Sequence[int], world: int, block_numel: int) -> tuple[list[Block], list[int]]:
+    """Consecutive parameters in blocks of at most `block_numel` elements (a larger parameter alone),
+    each padded to a multiple of `world`; and every parameter's offset in the flat buffer."""
+    blocks: list[Block] = []
+    offsets: list[int] = []
+    first = filled = 0
+    for index, numel in enumerate(numels):
+        if filled and filled + numel > block_numel:
+            blocks.append(_block(first, index, filled, blocks, world))
+            first, filled = index, 0
+        offsets.append(_end(blocks) + filled)
+        filled += numel
+    blocks.append(_block(first, len(numels), filled, blocks, world))
+    return blocks, offsets
+
+
+def _end(blocks: list[Block]) -> int:
+    return blocks[-1].start + blocks[-1].size if blocks else 0
+
+
+def _block(first: int, stop: int, filled: int, before: list[Block], world: int) -> Block:
+    shard_start = sum(b.chunk for b in before)
+    return Block(first, stop, _end(before), max(1, math.ceil(filled / world)) * world, shard_start, world)
+
+
 class Shards:
-    """The flat layout of the parameters over the ranks, and the buffers on it.
+    """The flat layout of the parameters over the ranks, the buffers on it, and the step's reductions.
 
     Every parameter of `groups` (in group order) lies in `flat_params` at its offset, and the
-    parameter itself becomes a view of it (`.data` re-pointed), so the all-gather writes the
-    weights in place. Rank r owns [r*S, (r+1)*S), S = ceil(total / W). Shared by an optimizer
-    and its capturable twin (`capturable.capturable`).
+    parameter itself becomes a view of it (`.data` re-pointed), so the all-gathers write the
+    weights in place. The buffer is cut into blocks (`plan_blocks`); rank r of the W ranks of
+    `process_group` owns the r-th W-th of every block. `replica_group`: the ranks holding the same
+    shard in the other shard groups (None: the shard group is every rank). Shared by an optimizer
+    and its capturable twin (`capturable.capturable`), so the comm hooks feed whichever steps.
+
+    Per step: `take_bucket` (the comm hooks, during the backward) copies a bucket's local gradients
+    into `flat_grads` and reduce-scatters every block it completes; `reduce` (the step) does the
+    same for the blocks nobody handed over, from `.grad`, and waits for all of them.
     """
 
-    def __init__(self, groups: list[list[torch.nn.Parameter]], process_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, groups: list[list[torch.nn.Parameter]], process_group: dist.ProcessGroup | None,
+                 replica_group: dist.ProcessGroup | None = None, block_numel: int = BLOCK_NUMEL) -> None:
         params = [p for group in groups for p in group]
         _check_flattenable(params)
-        self.process_group = process_group
+        self.process_group, self.replica_group = process_group, replica_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
-        self.total = sum(self.numels)
-        self.shard_size = max(1, math.ceil(self.total / self.world))
+        self.blocks, self.offsets = plan_blocks(self.numels, self.world, block_numel)
+        self.shard_size = sum(b.chunk for b in self.blocks)
         first = params[0]
-        self.flat_params = first.new_zeros(self.world * self.shard_size)
+        self.flat_params = first.new_zeros(_end(self.blocks))
         self.flat_grads = torch.zeros_like(self.flat_params)
         self.grad_shard = first.new_zeros(self.shard_size)
         self.moments = {name: first.new_zeros(self.shard_size) for name in MOMENTS}
@@ -133,35 +229,137 @@ class Shards:
                 view.copy_(p)
                 p.data = view
         self.grad_views = [self.flat_grads[o : o + n].view_as(p) for p, o, n in zip(params, self.offsets, self.numels)]
+        self.block_of = [b for b, block in enumerate(self.blocks) for _ in range(block.first, block.stop)]
+        self._index = {id(p): i for i, p in enumerate(params)}
         self.pieces = self._pieces(groups)
-
-    @property
-    def start(self) -> int:
-        return self.rank * self.shard_size
-
-    def param_shard(self) -> torch.Tensor:
-        return self.flat_params[self.start : self.start + self.shard_size]
+        self._reset_round()
 
     def _pieces(self, groups: list[list[torch.nn.Parameter]]) -> list[list[Piece]]:
-        """Per group, the pieces of its parameters inside [start, start + S), in order."""
-        lo, hi = self.start, self.start + self.shard_size
+        """Per group, the pieces of its parameters inside this rank's part of each block, in order."""
         pieces: list[list[Piece]] = []
         index = 0
         for group in groups:
             pieces.append([])
             for p in group:
+                b = self.block_of[index]
+                lo = self.blocks[b].start + self.rank * self.blocks[b].chunk
+                to_shard = self.blocks[b].shard_start - lo
                 offset, n = self.offsets[index], self.numels[index]
-                a, b = max(offset, lo), min(offset + n, hi)
-                if a < b:
-                    pieces[-1].append(Piece(index, p, _slice(a - lo, b - lo), _slice(a - offset, b - offset)))
+                a, z = max(offset, lo), min(offset + n, lo + self.blocks[b].chunk)
+                if a < z:
+                    pieces[-1].append(Piece(index, p, _slice(a + to_shard, z + to_shard), _slice(a - offset, z - offset),
+                                            _slice(a, z), b))
                 index += 1
         return pieces
 
+    def own(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's part of block b in a flat-layout buffer."""
+        block = self.blocks[b]
+        start = block.start + self.rank * block.chunk
+        return flat[start : start + block.chunk]
+
+    def in_shard(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        """Block b's part of a shard-sized buffer."""
+        block = self.blocks[b]
+        return shard[block.shard_start : block.shard_start + block.chunk]
+
+    def whole(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        block = self.blocks[b]
+        return flat[block.start : block.start + block.size]
+
     def full(self, shard: torch.Tensor) -> torch.Tensor:
         """A shard-sized buffer all-gathered into the flat layout (a collective)."""
-        out = shard.new_empty(self.world * self.shard_size)
-        dist.all_gather_single(out, shard, group=self.process_group)
+        out = shard.new_empty(self.flat_params.numel())
+        _wait_all([dist.all_gather_single(self.whole(b, out), self.in_shard(b, shard), group=self.process_group,
+                                          async_op=True) for b in range(len(self.blocks))])
         return out
+
+    def gather(self, b: int) -> Work:
+        """Issues the all-gather of block b's updated weights (in place: this rank's part is already there)."""
+        return dist.all_gather_single(self.whole(b, self.flat_params), self.own(b, self.flat_params),
+                                      group=self.process_group, async_op=True)
+
+    # -- the reduce-scatters, block by block -------------------------------------------------
+    def _reset_round(self) -> None:
+        self._missing = [b.stop - b.first for b in self.blocks]
+        self._arrived = [False] * len(self.numels)
+        self._launched = [False] * len(self.blocks)
+        self._pending: list[Work] = []  # reductions the step waits for
+        self._unsent: tuple[int, Work] | None = None  # a reduce-scatter whose all-reduce across groups is not issued
+
+    def take_bucket(self, params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+        """A comm hook's bucket (the local gradients / W, clipped where the mode clips before the
+        reduction, in the order of `params`): into the flat buffer; every block it completes is
+        reduce-scattered now, while the backward goes on (`clipping.BucketSink`)."""
+        indices = [self._index_of(p) for p in params]
+        if any(self._arrived[i] for i in indices):
+            self.discard_round()  # the gradients of a backward no step took: this one replaces them
+        sources = buffer.split([self.numels[i] for i in indices])
+        torch._foreach_copy_([self.grad_views[i] for i in indices],
+                             [s.view_as(self.grad_views[i]) for s, i in zip(sources, indices)])
+        for i in indices:
+            self._arrived[i] = True
+            self._missing[self.block_of[i]] -= 1
+            if self._missing[self.block_of[i]] == 0:
+                self._launch(self.block_of[i])
+
+    def _index_of(self, p: torch.Tensor) -> int:
+        index = self._index.get(id(p))
+        if index is None:
+            raise RuntimeError(f"a bucket holds a parameter {tuple(p.shape)} the sharded optimizer does not: "
+                               "build it over the parameters of the DDP-wrapped model")
+        return index
+
+    def _launch(self, b: int) -> None:
+        self._send_across()  # the previous block's: its reduce-scatter had this bucket's time to finish
+        work = dist.reduce_scatter_single(self.in_shard(b, self.grad_shard), self.whole(b, self.flat_grads),
+                                          group=self.process_group, async_op=True)
+        self._launched[b] = True
+        if self.replica_group is None:
+            self._pending.append(work)
+        else:
+            self._unsent = (b, work)
+
+    def _send_across(self) -> None:
+        """With shard groups: the all-reduce over the replicas of the last reduce-scattered block's
+        shard, once that reduce-scatter is done (on a GPU, `wait` only orders the streams)."""
+        if self._unsent is None:
+            return
+        b, work = self._unsent
+        self._unsent = None
+        work.wait()
+        self._pending.append(dist.all_reduce(self.in_shard(b, self.grad_shard), group=self.replica_group,
+                                             async_op=True))
+
+    def reduce(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """The step's gradient shard, summed over every rank: the blocks no bucket completed are copied
+        from `.grad` and reduce-scattered now (in block order, the same on every rank); then all waited."""
+        for b, block in enumerate(self.blocks):
+            if not self._launched[b]:
+                torch._foreach_copy_(self.grad_views[block.first : block.stop],
+                                     [_grad(params[i], i) for i in range(block.first, block.stop)])
+                self._launch(b)
+        self._send_across()
+        self.discard_round()
+
+    def discard_round(self) -> None:
+        """Waits for the reductions in flight (the flat buffers are reused) and forgets what arrived."""
+        if self._unsent is not None:
+            self._unsent[1].wait()
+        _wait_all(self._pending)
+        self._reset_round()
+
+
+def _wait_all(works: Iterable[Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _grad(p: torch.nn.Parameter, index: int) -> torch.Tensor:
+    if p.grad is None:
+        raise RuntimeError(f"parameter {index} ({tuple(p.shape)}) has no gradient: the sharded optimizer "
+                           "reduces every parameter's gradient each step")
+    return p.grad
 
 
 def _check_flattenable(params: list[torch.nn.Parameter]) -> None:
@@ -182,6 +380,14 @@ class _GroupSlices:
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     tensors: torch.Tensor  # int64 [pieces]: each piece's parameter index
+    blocks: list[slice]  # per block, its pieces in these lists
+
+
+def _sliced(scales: torch.Tensor | float, pieces: slice) -> torch.Tensor | float:
+    """A group's scale for some of its pieces: one per piece, or one for all."""
+    if isinstance(scales, torch.Tensor) and scales.ndim == 1:
+        return scales[pieces]
+    return scales
 
 
 class ShardedKernels(ForeachKernels):
@@ -191,16 +397,19 @@ class ShardedKernels(ForeachKernels):
     schedule, the loss scaler and the snapshots see the same groups); the state holds this
     rank's slices. Every parameter must have a gradient at each step (DDP's contract too).
     process_group: the ranks that share the parameters (None: the default group).
+    replica_group: with shard groups (`shard_groups`), the ranks holding the same shard in the
+    other groups; None: one shard group of every rank.
     shards: an existing layout to take over (the capturable twin's); None: built here, which
-    re-points the parameters into the flat buffer.
+    re-points the parameters into the flat buffer. block_numel: elements per block (`plan_blocks`).
     """
 
     def __init__(self, params: Iterable[Any], lr: LearningRate, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                 process_group: dist.ProcessGroup | None = None, shards: Shards | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, shards: Shards | None = None,
+                 replica_group: dist.ProcessGroup | None = None, block_numel: int = BLOCK_NUMEL) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm)
         groups = [list(g["params"]) for g in self.param_groups]
-        self.shards = shards if shards is not None else Shards(groups, process_group)
+        self.shards = shards if shards is not None else Shards(groups, process_group, replica_group, block_numel)
         self._params = [p for g in groups for p in g]
         self._slices = [self._group_slices(pieces) for pieces in self.shards.pieces]
         for pieces in self.shards.pieces:
@@ -211,14 +420,18 @@ class ShardedKernels(ForeachKernels):
         # same on every rank. A fixed tensor, written in place (a graph reads its address).
         self.agreed_nonfinite = torch.zeros((), dtype=torch.float32, device=device)
         self._folded: torch.Tensor | None = None
+        self._unscale: torch.Tensor | None = None
 
     def _group_slices(self, pieces: list[Piece]) -> _GroupSlices:
         s = self.shards
+        blocks = [slice(sum(p.block < b for p in pieces), sum(p.block <= b for p in pieces))
+                  for b in range(len(s.blocks))]
         return _GroupSlices(
-            params=[s.param_shard()[p.shard] for p in pieces], grads=[s.grad_shard[p.shard] for p in pieces],
+            params=[s.flat_params[p.flat] for p in pieces], grads=[s.grad_shard[p.shard] for p in pieces],
             exp_avg=[s.moments["exp_avg"][p.shard] for p in pieces],
             exp_avg_sq=[s.moments["exp_avg_sq"][p.shard] for p in pieces],
-            tensors=torch.tensor([p.tensor for p in pieces], dtype=torch.int64, device=s.flat_params.device))
+            tensors=torch.tensor([p.tensor for p in pieces], dtype=torch.int64, device=s.flat_params.device),
+            blocks=blocks)
 
     def _ensure_state(self, p: torch.Tensor) -> None:
         """The state exists from construction on (slices of the flat moments)."""
@@ -228,9 +441,26 @@ class ShardedKernels(ForeachKernels):
         `agreed_nonfinite` (e.g. a clipping hook's non-finite bucket norm). Not read here."""
         self._folded = flag
 
+    def unscale_reduced(self, inv_scale: torch.Tensor) -> None:
+        """fp16: the next step multiplies its reduced gradient shard by `inv_scale` (a device tensor).
+
+        The loss scaler's unscale, moved after the reduction: the comm hooks handed the scaled
+        local gradients to the reduce-scatter during the backward. The scale is a power of two,
+        so unscaling the sum equals summing the unscaled gradients (`loss_scale.DeviceLossScaler`).
+        """
+        self._unscale = inv_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.shards.discard_round()  # a skipped step's reductions: waited for, then forgotten
+        super().zero_grad(set_to_none)
+
     # -- the step ---------------------------------------------------------------------------
     def _update(self) -> None:
-        self._reduce_scatter()
+        s = self.shards
+        s.reduce(self._params)
+        if self._unscale is not None:
+            s.grad_shard.mul_(self._unscale)
+            self._unscale = None
         count = len(self._params)
         param_sq, grad_norms, flags = self._first_sums(count)
         global_norm = torch.linalg.vector_norm(grad_norms)
@@ -242,31 +472,35 @@ class ShardedKernels(ForeachKernels):
             updates.append(adam_updates(group, slices.params, slices.grads, slices.exp_avg, slices.exp_avg_sq,
                                         divisor, corrections) if slices.params else [])
         ratios = self._trust_ratios(updates, param_sq, count) if self._any_trust_ratio() else None
-        for group, slices, update in zip(self.param_groups, self._slices, updates):
-            if not slices.params:
-                continue
-            scales: torch.Tensor | float = group["lr"]
+        scales: list[torch.Tensor | float] = []
+        for group, slices in zip(self.param_groups, self._slices):
+            scale: torch.Tensor | float = group["lr"]
             if ratios is not None and self._uses_trust_ratio(group):
-                scales = ratios[slices.tensors] * group["lr"]
-            apply_updates(slices.params, update, scales)
-        s = self.shards
-        dist.all_gather_single(s.flat_params, s.param_shard(), group=s.process_group)
+                scale = ratios[slices.tensors] * group["lr"]
+            scales.append(scale)
+        self._apply_and_gather(updates, scales)
 
-    def _reduce_scatter(self) -> None:
-        """Local gradients (already / W by the comm hook) into the flat buffer; the shard of their sum."""
-        grads = []
-        for index, p in enumerate(self._params):
-            if p.grad is None:
-                raise RuntimeError(f"parameter {index} ({tuple(p.shape)}) has no gradient: the sharded optimizer "
-                                   "reduces every parameter's gradient each step")
-            grads.append(p.grad)
-        s = self.shards
-        torch._foreach_copy_(s.grad_views, grads)
-        dist.reduce_scatter_single(s.grad_shard, s.flat_grads, group=s.process_group)
+    def _apply_and_gather(self, updates: list[list[torch.Tensor]], scales: list[torch.Tensor | float]) -> None:
+        """The update, block by block; each block's all-gather is issued as soon as its pieces are
+        applied, so it runs while the later blocks are updated. All are waited for before the step
+        returns: whatever reads the weights next (the forward, a skipped step's undo, a snapshot,
+        a checkpoint) reads them gathered."""
+        gathers = []
+        for b in range(len(self.shards.blocks)):
+            for slices, update, scale in zip(self._slices, updates, scales):
+                pieces = slices.blocks[b]
+                if pieces.start < pieces.stop:
+                    apply_updates(slices.params[pieces], update[pieces], _sliced(scale, pieces))
+            gathers.append(self.shards.gather(b))
+        _wait_all(gathers)
 
     def _first_sums(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One all-reduce: per-tensor squared norms of the gradient and (LAMB) the weights, and the
-        folded flags. Returns (the weights' squared norms [T], the gradient's norms [T], the flags' sum)."""
+        folded flags. Returns (the weights' squared norms [T], the gradient's norms [T], the flags' sum).
+
+        Over every rank (the default group) when there are shard groups, so a flag reaches them all:
+        each shard is then counted once per replica, and the partial sums are divided by that count.
+        """
         sums = self.agreed_nonfinite.new_zeros(2 * count + 1)
         for group, slices in zip(self.param_groups, self._slices):
             if not slices.params:
@@ -277,7 +511,12 @@ class ShardedKernels(ForeachKernels):
         if self._folded is not None:
             sums[2 * count] = self._folded.to(sums.dtype)
             self._folded = None  # one step's flag
-        dist.all_reduce(sums, group=self.shards.process_group)
+        s = self.shards
+        if s.replica_group is None:
+            dist.all_reduce(sums, group=s.process_group)
+        else:
+            dist.all_reduce(sums)
+            sums[: 2 * count] /= s.replicas
         return sums[count : 2 * count], sums[:count].sqrt(), sums[2 * count]
 
     def _any_trust_ratio(self) -> bool:
@@ -354,13 +593,32 @@ class ShardedAdamW(ShardedKernels, ForeachAdamW):
     """AdamW, sharded; the arithmetic of `ForeachAdamW`."""
 
 
+def shard_groups(group_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replica group) of this rank for `--dist_optimizer_group_size N` (a collective:
+    every rank calls it, in the same order). N consecutive ranks share one copy of the optimizer
+    state; the ranks at the same place in every group hold the same shard and all-reduce it.
+    N = 0 or the world size: (None, None), one shard group of every rank."""
+    world = dist.get_world_size()
+    if group_size in (0, world):
+        return None, None
+    if group_size < 1 or world % group_size:
+        raise ValueError(f"--dist_optimizer_group_size {group_size} must divide the {world} ranks (or be 0: all)")
+    shard, _ = dist.new_subgroups(group_size)
+    replicas = [list(range(i, world, group_size)) for i in range(group_size)]
+    replica, _ = dist.new_subgroups_by_enumeration(replicas)
+    return shard, replica
+
+
 def build_sharded_optimizer(groups: Any, name: str, lr: LearningRate, betas: tuple[float, float], eps: float,
                             weight_decay: float, max_grad_norm: float | None, implementation: str = "auto",
-                            process_group: dist.ProcessGroup | None = None) -> ShardedKernels:
+                            process_group: dist.ProcessGroup | None = None,
+                            replica_group: dist.ProcessGroup | None = None,
+                            block_numel: int = BLOCK_NUMEL) -> ShardedKernels:
     """`optimizers.build_optimizer`'s sharded counterpart (implementation "auto" or "foreach" only).
 
     Build it after DDP has wrapped the model (DDP broadcasts rank 0's weights first) and before
-    the first step; it re-points the parameters into its flat buffer.
+    the first step; it re-points the parameters into its flat buffer. Hand its `shards` to
+    `clipping.apply_clip_mode(..., sink=...)` so the reduce-scatters start during the backward.
     """
     if implementation not in ("auto", "foreach"):
         raise ValueError(f"the sharded optimizer computes with the multi-tensor (foreach) kernels; "
@@ -369,4 +627,4 @@ def build_sharded_optimizer(groups: Any, name: str, lr: LearningRate, betas: tup
     _check_hyperparameters(lr, betas, eps, max_grad_norm)
     cls = ShardedLamb if name in LAMB_NAMES else ShardedAdamW
     return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-               process_group=process_group)
+               process_group=process_group, replica_group=replica_group, block_numel=block_numel)

@@ -203,8 +203,9 @@ class GraphedStep:
     then the eager step's own, so the graphed step is the eager one replayed, not a second
     implementation; the hooks run their Python once, at capture, and only their kernels and
     all-reduces are replayed. With `--distributed_optimizer` the optimizer is the sharded one
-    (`optim/sharded.py`): the hooks then hand DDP unreduced buckets and its reduce-scatter,
-    partial-norm all-reduces and all-gather are captured in the same graph. Their non-finite
+    (`optim/sharded.py`): the hooks then hand each bucket, unreduced, to its block-wise
+    reduce-scatters as the backward produces it, and those, its partial-norm all-reduces and
+    all-gathers are captured in the same graph. Their non-finite
     flag stays on the device: agreed in the graph
     for a device scaler, or folded into the sync window's flag. Bucket-wise clipping divides
     by DDP's settled bucket count from the first real step on (the warm-up settles it), where
