@@ -242,7 +242,7 @@ class Prediction:
     samples_range: tuple[float, float]
     init_s: float
     work: StepWork
-    overlap: bool  # the gradient exchange overlaps the backward pass
+    overlap: step_model.Exchange  # how the gradient exchange overlaps the backward pass
     per_node: int  # ranks per node
 
     @property
@@ -284,11 +284,14 @@ class Prediction:
                 self.minutes(self.samples_range[1], self.step_range[1]))
 
 
-def overlaps(env: Mapping[str, str]) -> bool:
-    """Whether the gradient exchange overlaps the backward pass in this config's step (step_model's docstring)."""
-    if env.get("DIST_OPTIMIZER") == "1":
-        return False  # the sharded optimizer reduce-scatters after the backward (optim/sharded.py)
-    return all_reduce_overlaps_backward(ClipMode(env.get("CLIP_MODE", "after_allreduce")))
+def overlaps(env: Mapping[str, str]) -> step_model.Exchange:
+    """How this config's gradient exchange runs (step_model's docstring): DDP's all-reduce, or the sharded
+    optimizer's reduce-scatters (optim/sharded.py), overlap the backward in the clip modes the trainer's table
+    says; DIST_OPTIMIZER_GROUP_SIZE (0 or unset: every rank) bounds the sharded collectives' groups."""
+    overlap = all_reduce_overlaps_backward(ClipMode(env.get("CLIP_MODE", "after_allreduce")))
+    if env.get("DIST_OPTIMIZER") != "1":
+        return step_model.Exchange(overlap)
+    return step_model.Exchange(overlap, True, int(env.get("DIST_OPTIMIZER_GROUP_SIZE") or 0))
 
 
 def residual_spread() -> float:

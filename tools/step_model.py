@@ -10,16 +10,29 @@ The share is what separates this trainer's eager ops (1.0: each cast, scale, bia
 residual add reads and writes its tensors) from the fused kernels of the published runs (casts inside
 the GEMMs, bias+GELU, dropout+residual+LayerNorm), which the calibration measures. Each kernel
 adds a launch gap (small inside a CUDA graph). An eager step is also bounded by the host issuing its
-ops one by one (`host_us_per_op`): it takes the longer of the two.
+kernels one by one (`host_us_per_op`): it takes the longer of the two.
+
+Compiled layers (--compile_mode other than none): the dry run traces them op by op ("aot_eager"),
+but a GPU runs Inductor's kernels, which fuse the element-wise ops between two matrix products
+into one: the model launches (and the host issues) at most one element-wise kernel per matrix
+product (`launched_kernels`). Compile leaves the matrix products (cuBLAS / attention kernels), the
+collectives and their overlap, and the bytes model (`fused_traffic_share` already stands for fused
+element-wise kernels) as they are. A graphed eval (--eval_cuda_graph) is a replay per batch: no
+host launches, the graph's launch gaps.
 
 Communication: each collective takes latency + factor x bytes / (link bandwidth x network
 efficiency), with NCCL's ring factors (all-reduce 2(n-1)/n, reduce-scatter and all-gather
 (n-1)/n). The link is NVLink when all ranks share one NVLink domain (a DGX's 8 GPUs, a GB200
 NVL72 rack's 72), else the InfiniBand NIC of each GPU, which the inter-node ring crosses.
-Overlap as the trainer has it (optim/clipping.py's table): DDP's all-reduce overlaps the backward
-pass (2/3 of the step's compute) in --clip_mode none, after_allreduce and bucketwise; before_allreduce
-holds every bucket until the backward ends, and the sharded optimizer's reduce-scatter and
-all-gather run after it: no overlap.
+Overlap as the trainer has it (optim/clipping.py's table, `all_reduce_overlaps_backward`): in
+--clip_mode none, after_allreduce and bucketwise DDP's all-reduce, or the sharded optimizer's
+block-wise reduce-scatter and its shard's all-reduce across groups, overlap the backward pass (2/3
+of the step's compute); before_allreduce holds every bucket until the backward ends: exposed. The
+sharded optimizer's all-gathers run block by block during its update (optim/sharded.py, step 6,
+in every mode): hidden up to the update's time (its multi-tensor `_foreach_*` ops).
+Shard groups (--dist_optimizer_group_size g < ranks): the reduce-scatter and all-gather stay
+within a group (the node's NVLink for g = 8), the all-reduce runs across the ranks/g groups, each
+rank's on its own NIC (InfiniBand); without groups every collective spans all ranks.
 
 Left out: the input pipeline (assumed hidden behind the step), stragglers and load imbalance
 between ranks, clocks below the rated peak under power limits, and the differences between
@@ -28,6 +41,7 @@ this trainer's kernels and the vendor's (the calibration folds them into two eff
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -76,20 +90,23 @@ class Constant:
 
 # Every number the model does not read off a datasheet or a trace: the calibration table.
 CALIBRATION: dict[str, Constant] = {
-    "matmul_efficiency": Constant(0.96, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published)"),
+    "matmul_efficiency": Constant(0.82, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published)"),
     "fused_traffic_share": Constant(0.20, "fitted by `tools/plan.py --calibrate`: the share of the traced element-wise "
-                                          "bytes a fused implementation still moves (1.0: this trainer, eager)"),
+                                          "bytes a fused implementation still moves (1.0: this trainer, eager); the "
+                                          "same for compiled layers, whose trace is op by op (compile changes the "
+                                          "kernel count, `launched_kernels`, not this share nor the matmuls)"),
     "memory_efficiency": Constant(0.80, "achievable share of HBM bandwidth in streaming kernels (about 80-90 % in "
                                         "copy benchmarks on A100/H100)"),
     "kernel_gap_us": Constant(2.0, "per kernel on the GPU outside a graph (launch latency, about 2-4 us; CUDA "
                                    "graph notes)"),
     "graph_kernel_gap_us": Constant(0.5, "per kernel inside a CUDA graph replay (graph launch removes the host)"),
-    "host_us_per_op": Constant(10.0, "eager PyTorch: Python dispatch and launch per op (about 5-20 us)"),
+    "host_us_per_op": Constant(10.0, "eager PyTorch: Python dispatch and launch per kernel (about 5-20 us); "
+                                     "compile changes how many kernels (`launched_kernels`), not this cost"),
     "collective_latency_us": Constant(20.0, "one NCCL collective's start-up on 8-1,024 GPUs (nccl-tests, small sizes)"),
     "network_efficiency": Constant(0.80, "NCCL bus bandwidth over the link's rate (nccl-tests all_reduce_perf)"),
     "eval_fixed_s": Constant(0.5, "per eval: the accuracy all-reduce, its host read and the MLPerf log lines"),
     "run_fixed_s": Constant(5.0, "after run_start, outside steps and evals: first batches, the eval set's read"),
-    "step_time_spread": Constant(0.276, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
+    "step_time_spread": Constant(0.264, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
                                         "left by the fit; the step time's range is this factor each way"),
     "init_fixed_s": Constant(30.0, "before run_start, besides graph warm-up and capture: processes, model and "
                                    "optimizer on the device (NVIDIA v2.0 A100 logs: init_start to run_start 17 s)"),
@@ -145,25 +162,35 @@ def link_of(device: Device, ranks: int, per_node: int = 8) -> Link:
     return Link(ranks, min(device.nvlink_bytes_per_s, per_node * device.network_bytes_per_s), "InfiniBand")
 
 
-def compute_seconds(phase: PhaseCost, device: Device, captured: bool, k: Mapping[str, float] | None = None) -> float:
-    """The GPU's time for the phase's ops (roofline per op, plus a launch gap per kernel)."""
+def launched_kernels(phase: PhaseCost, compiled: bool) -> int:
+    """Kernels the GPU runs for the phase: one per traced op, or compiled, one per matrix product and at most one
+    fused element-wise kernel per matrix product (Inductor fuses the element-wise ops between two products)."""
+    products = sum(n for op, n in phase.ops.items() if op.kind in (MATMUL, FP8))
+    others = phase.kernels - products
+    return products + (min(others, products) if compiled else others)
+
+
+def compute_seconds(phase: PhaseCost, device: Device, captured: bool, k: Mapping[str, float] | None = None,
+                    compiled: bool = False) -> float:
+    """The GPU's time for the phase's ops (roofline per op, plus a launch gap per launched kernel)."""
     mm, mem = constant("matmul_efficiency", k), constant("memory_efficiency", k)
     fused = constant("fused_traffic_share", k)
     gap = constant("graph_kernel_gap_us" if captured else "kernel_gap_us", k) * 1e-6
-    total = 0.0
+    total = launched_kernels(phase, compiled) * gap
     for op, count in phase.ops.items():
         if op.kind in (MATMUL, FP8):
             peak = device.fp8_flops if op.kind == FP8 and device.fp8_flops else device.bf16_flops
             seconds = max(op.flops / (peak * mm), op.bytes / (device.hbm_bytes_per_s * mem))
         else:
             seconds = fused * op.bytes / (device.hbm_bytes_per_s * mem)
-        total += count * (seconds + gap)
+        total += count * seconds
     return total
 
 
-def host_seconds(phase: PhaseCost, captured: bool, k: Mapping[str, float] | None = None) -> float:
-    """The host's time to issue the phase's ops one by one (0 for a graph replay)."""
-    return 0.0 if captured else phase.kernels * constant("host_us_per_op", k) * 1e-6
+def host_seconds(phase: PhaseCost, captured: bool, k: Mapping[str, float] | None = None,
+                 compiled: bool = False) -> float:
+    """The host's time to issue the phase's kernels one by one (0 for a graph replay)."""
+    return 0.0 if captured else launched_kernels(phase, compiled) * constant("host_us_per_op", k) * 1e-6
 
 
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -179,12 +206,38 @@ def collective_kind(op_name: str) -> str:
     return "all_reduce"
 
 
-def comm_seconds(phase: PhaseCost, link: Link, k: Mapping[str, float] | None = None) -> float:
+def collective_seconds(kind: str, size: int, link: Link, k: Mapping[str, float] | None = None) -> float:
+    """One collective of `size` bytes per rank over `link`'s ring."""
     if link.ranks <= 1:
         return 0.0
     latency, eff = constant("collective_latency_us", k) * 1e-6, constant("network_efficiency", k)
-    return sum(n * (latency + RING_FACTOR[collective_kind(op)](link.ranks) * size / (link.bytes_per_s * eff))
-               for (op, size), n in phase.collectives.items())
+    return latency + RING_FACTOR[kind](link.ranks) * size / (link.bytes_per_s * eff)
+
+
+def comm_seconds(phase: PhaseCost, link: Link, k: Mapping[str, float] | None = None) -> float:
+    return sum(n * collective_seconds(collective_kind(op), size, link, k) for (op, size), n in phase.collectives.items())
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How the step's gradient exchange runs (the module docstring's overlap rules)."""
+
+    overlaps_backward: bool  # the clip mode hands buckets over during the backward
+    sharded: bool = False  # the sharded optimizer: reduce-scatter, (all-reduce across groups,) all-gather
+    shard_group: int = 0  # ranks sharing one copy of its state (0: all)
+
+
+def links(device: Device, ranks: int, per_node: int, exchange: Exchange) -> dict[str, Link]:
+    """The link each collective kind crosses: shard groups keep reduce-scatter and all-gather inside a group and
+    all-reduce the shard across groups, one NIC per rank."""
+    whole = link_of(device, ranks, per_node)
+    group = exchange.shard_group
+    if not group or group >= ranks:
+        return {kind: whole for kind in RING_FACTOR}
+    inside = link_of(device, group, per_node)
+    across = Link(ranks // group, device.nvlink_bytes_per_s, "NVLink") if ranks <= device.nvlink_domain else \
+        Link(ranks // group, device.network_bytes_per_s, "InfiniBand")
+    return {"all_reduce": across, "broadcast": whole, "reduce_scatter": inside, "all_gather": inside}
 
 
 BACKWARD_SHARE = 2 / 3  # the backward pass's share of a step's compute (two products per forward one)
@@ -196,7 +249,7 @@ class StepTime:
     host_s: float
     comm_s: float
     exposed_comm_s: float
-    link: Link
+    link: Link  # the link of the largest share of the traffic
 
     @property
     def seconds(self) -> float:
@@ -209,20 +262,44 @@ class StepTime:
         return "communication-bound" if self.exposed_comm_s > self.compute_s else "compute-bound"
 
 
-def step_time(work: StepWork, device: Device, ranks: int, overlaps: bool,
+def update_phase(phase: PhaseCost) -> PhaseCost:
+    """The optimizer update's ops: its multi-tensor arithmetic (`_foreach_*`)."""
+    return PhaseCost(ops=Counter({op: n for op, n in phase.ops.items() if op.name.startswith("_foreach")}))
+
+
+def step_time(work: StepWork, device: Device, ranks: int, exchange: Exchange | bool,
               k: Mapping[str, float] | None = None, per_node: int = 8) -> StepTime:
-    """One training step. overlaps: the gradient exchange overlaps the backward pass (see the module docstring)."""
-    link = link_of(device, ranks, per_node)
-    compute = compute_seconds(work.step, device, work.captured, k)
-    comm = comm_seconds(work.step, link, k)
-    exposed = max(comm - BACKWARD_SHARE * compute, 0.0) if overlaps else comm
-    return StepTime(compute, host_seconds(work.step, work.captured, k), comm, exposed, link)
+    """One training step. exchange: how the gradient exchange runs (a bool: an unsharded one that overlaps the
+    backward pass or not); see the module docstring."""
+    if isinstance(exchange, bool):
+        exchange = Exchange(exchange)
+    by_kind = links(device, ranks, per_node, exchange)
+    compute = compute_seconds(work.step, device, work.captured, k, work.compiled)
+    during_backward = after_backward = during_update = 0.0
+    traffic: Counter[str] = Counter()
+    for (op, size), n in work.step.collectives.items():
+        kind = collective_kind(op)
+        seconds = n * collective_seconds(kind, size, by_kind[kind], k)
+        traffic[by_kind[kind].name] += n * size
+        if exchange.sharded and kind == "all_gather":
+            during_update += seconds  # issued block by block while the update runs (sharded.py, step 6)
+        elif exchange.overlaps_backward and kind in ("all_reduce", "reduce_scatter"):
+            during_backward += seconds
+        else:
+            after_backward += seconds
+    update = compute_seconds(update_phase(work.step), device, work.captured, k)
+    exposed = max(during_backward - BACKWARD_SHARE * compute, 0.0) + after_backward + \
+        max(during_update - update, 0.0)
+    busiest = max(traffic, key=lambda name: traffic[name], default="")
+    link = next((link for link in by_kind.values() if link.name == busiest), by_kind["all_reduce"])
+    return StepTime(compute, host_seconds(work.step, work.captured, k, work.compiled),
+                    during_backward + after_backward + during_update, exposed, link)
 
 
 def eval_seconds(work: StepWork, device: Device, ranks: int, k: Mapping[str, float] | None = None,
                  per_node: int = 8) -> float:
-    """One eval of this rank's share: eager forward passes, then the accuracy's all-reduce."""
-    compute = compute_seconds(work.eval, device, captured=False, k=k)
-    host = host_seconds(work.eval, captured=False, k=k)
+    """One eval of this rank's share: forward passes (eager, or graph replays), then the accuracy's all-reduce."""
+    compute = compute_seconds(work.eval, device, work.eval_captured, k, work.compiled)
+    host = host_seconds(work.eval, work.eval_captured, k, work.compiled)
     return max(compute, host) * work.eval_scale + comm_seconds(work.eval, link_of(device, ranks, per_node), k) \
         + constant("eval_fixed_s", k)

@@ -38,6 +38,11 @@ _NO_TRAFFIC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_s
                "_unsafe_view", "lift_fresh", "set_", "record_stream", "_local_scalar_dense")
 
 
+def capture_phase(n: int) -> str:
+    """The phase of the n-th CUDA-graph capture (1: CAPTURE_PHASE)."""
+    return CAPTURE_PHASE if n == 1 else f"{CAPTURE_PHASE} {n}"
+
+
 class OpCost(NamedTuple):
     name: str  # the aten op
     kind: str  # MATMUL, FP8 or OTHER
@@ -120,6 +125,8 @@ class CostTracer(TorchDispatchMode):
     pool_live: int = 0  # live bytes inside the graph pool
     pool_reserved: int = 0  # the pool's high-water mark: held from the capture on
     _live: dict[int, tuple[weakref.ref, int, bool]] = field(default_factory=dict)
+    captures: int = 0  # captures begun: the first's ops go under CAPTURE_PHASE, the n-th's under capture_phase(n)
+    _in_capture: bool = False
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -129,7 +136,11 @@ class CostTracer(TorchDispatchMode):
         return self.outside + self.pool_reserved
 
     def current(self) -> PhaseCost:
-        name = CAPTURE_PHASE if self.capturing() else self.phase()
+        capturing = self.capturing()
+        if capturing and not self._in_capture:
+            self.captures += 1  # the training step's and the eval's graphs are captured in one build phase
+        self._in_capture = capturing
+        name = capture_phase(self.captures) if capturing else self.phase()
         cost = self.phases.get(name)
         if cost is None:
             cost = self.phases[name] = PhaseCost(self.device_bytes, self.device_bytes)

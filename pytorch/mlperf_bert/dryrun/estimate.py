@@ -6,21 +6,26 @@ device bytes, with the cached eval set grown from the traced items to this rank'
 `--num_eval_examples` (the dry run supplies a micro-batch of synthetic items; the traced bytes
 per item times the share is what the real set holds on the device, to the items' lengths).
 
-The step's work is the captured phase's (a graphed step: the replays run nothing new) or the
-last eager step's (the first one also builds the optimizer state); an eval's is the eval phase's
-ops for its traced batches, scaled by the share in the same way.
+The step's work is its capture's (a graphed step, `--cuda_graphs`: the replays run nothing new)
+or the last eager step's (the first one also builds the optimizer state). An eval's is the eval
+phase's ops for its traced batches, plus, under `--eval_cuda_graph`, the eval forward's capture
+once per batch (each batch is one replay; the build captures the step first, the eval forward
+last), scaled by the share in the same way. `--compile_mode` is noted, not traced differently:
+the fake device runs each compiled layer's aten ops one by one ("aot_eager"), where a GPU runs
+Inductor's fused kernels (`tools/step_model.py` counts them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
-from .cost import CAPTURE_PHASE, CostTracer, OpCost, PhaseCost
+from .cost import CAPTURE_PHASE, CostTracer, OpCost, PhaseCost, capture_phase
 
 GIB = 1 << 30
 EVAL_PHASE = "eval"
@@ -63,15 +68,17 @@ class StepWork:
     eval: PhaseCost
     eval_scale: float  # eval ops traced for `eval_items` items; the whole share is this many times that
     captured: bool  # the step is a CUDA graph replay (no per-op launch from the host)
+    eval_captured: bool = False  # the eval forward is a CUDA graph replayed per batch
+    compiled: bool = False  # the encoder layers run as Inductor's kernels (--compile_mode other than none)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step.to_dict(), "eval": self.eval.to_dict(), "eval_scale": self.eval_scale,
-                "captured": self.captured}
+                "captured": self.captured, "eval_captured": self.eval_captured, "compiled": self.compiled}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepWork":
         return cls(PhaseCost.from_dict(data["step"]), PhaseCost.from_dict(data["eval"]), float(data["eval_scale"]),
-                   bool(data["captured"]))
+                   bool(data["captured"]), bool(data.get("eval_captured")), bool(data.get("compiled")))
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -110,26 +117,44 @@ def batch_tensors(batches: Iterable[Any]) -> list[torch.Tensor]:
     return [value for batch in batches for value in vars(batch).values() if isinstance(value, torch.Tensor)]
 
 
-def steady_phase(tracer: CostTracer, steps: int) -> str:
+def steady_phase(steps: int, graphed_step: bool) -> str:
     """The phase whose ops are one training step (see the module docstring)."""
-    return CAPTURE_PHASE if CAPTURE_PHASE in tracer.phases else f"step {steps}"
+    return CAPTURE_PHASE if graphed_step else f"step {steps}"
+
+
+def eval_work(tracer: CostTracer, batches: int, graphed_eval: bool) -> PhaseCost:
+    """The traced eval's ops: the eval phase's, and the eval graph's (the last capture) once per replayed batch."""
+    eval_phase = tracer.phases.get(EVAL_PHASE, PhaseCost())
+    if not graphed_eval:
+        return eval_phase
+    graph = tracer.phases[capture_phase(tracer.captures)]
+    work = PhaseCost(eval_phase.peak_bytes, eval_phase.start_bytes, Counter(eval_phase.ops),
+                     Counter(eval_phase.collectives))
+    for op, n in graph.ops.items():
+        work.ops[op] += n * batches
+    for collective, n in graph.collectives.items():
+        work.collectives[collective] += n * batches
+    return work
 
 
 def estimate(tracer: CostTracer, steps: int, weights: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-             eval_batches: list[Any], eval_items: int, eval_share: int) -> tuple[MemoryEstimate, StepWork]:
-    """The estimate of a finished dry run: `eval_items` sequences traced of a rank's `eval_share`."""
+             eval_batches: list[Any], eval_items: int, eval_share: int, graphed_step: bool = False,
+             graphed_eval: bool = False, compiled: bool = False) -> tuple[MemoryEstimate, StepWork]:
+    """The estimate of a finished dry run: `eval_items` sequences traced of a rank's `eval_share`;
+    graphed_step / graphed_eval: --cuda_graphs / --eval_cuda_graph, compiled: --compile_mode not none."""
     phases = tracer.phases
     eval_phase = phases.get(EVAL_PHASE, PhaseCost())
     scale = eval_share / max(eval_items, 1)
     traced_set = _unique_bytes(batch_tensors(eval_batches))
     eval_set = math.ceil(traced_set * scale)
     train_peak = max(cost.peak_bytes for name, cost in phases.items() if name != EVAL_PHASE)
-    step_phase = steady_phase(tracer, steps)
+    step_phase = steady_phase(steps, graphed_step)
     persistent = eval_phase.start_bytes  # what a step leaves behind, as the eval after it begins
     memory = MemoryEstimate(weights=_unique_bytes(weights), optimizer_state=_unique_bytes(optimizer_tensors(optimizer, weights)),
                             persistent=persistent, graph_pool=tracer.pool_reserved, train_peak=train_peak,
                             eval_set=eval_set, eval_peak=eval_phase.peak_bytes + eval_set - traced_set)
-    work = StepWork(phases.get(step_phase, PhaseCost()), eval_phase, scale, step_phase == CAPTURE_PHASE)
+    work = StepWork(phases.get(step_phase, PhaseCost()), eval_work(tracer, len(eval_batches), graphed_eval), scale,
+                    graphed_step, graphed_eval, compiled)
     return memory, work
 
 
@@ -181,5 +206,5 @@ def extrapolate(one: tuple[MemoryEstimate, StepWork], two: tuple[MemoryEstimate,
     memory = MemoryEstimate(**{f.name: round(_linear(getattr(m1, f.name), getattr(m2, f.name), layers))
                                for f in dataclasses.fields(MemoryEstimate)})
     work = StepWork(_extrapolate_phase(w1.step, w2.step, layers), _extrapolate_phase(w1.eval, w2.eval, layers),
-                    w1.eval_scale, w1.captured)
+                    w1.eval_scale, w1.captured, w1.eval_captured, w1.compiled)
     return memory, work

@@ -254,7 +254,8 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
         share = math.ceil(cfg.eval.num_eval_examples / denv.world_size)  # this rank's eval sequences
         batches = run.eval.data.batches()
         memory, work = estimate(tracer, steps, list(run.eval.model.parameters()), run.step.optimizer, batches,
-                                sum(batch.num_sequences for batch in batches), share)
+                                sum(batch.num_sequences for batch in batches), share, cfg.run.cuda_graphs,
+                                cfg.run.eval_cuda_graph, cfg.run.compile_mode != "none")
     report = DryRunReport(cfg, denv.world_size, list(recorder.events), steps, cfg.run.sync_every, attention,
                           log.captures, log.replays, dict(recorder.fp8_gemms), stepped, dict(log.phase_replays),
                           log.streams, log.event_records, log.stream_waits, peak_step_bytes=peak or None,
