@@ -69,6 +69,25 @@ def test_eight_a100s_get_nvidias_published_config(tmp_path):
     assert {k: float(written[k]) for k in same} == {k: float(nvidia[k]) for k in same}
     assert set(nvidia) <= set(written)  # every variable NVIDIA's file sets
     assert written["DGXSYSTEM"] == "T"
+    # Every other variable as NVIDIA's file sets it, the set-up (compile mode, eval graph, NCCL check) included;
+    # the recipe's own choices: the system's name, the clip mode it borrows with the set, epsilon's spelling.
+    differ = {k for k in nvidia if written[k] != nvidia[k]}
+    assert differ <= {"DGXSYSTEM", "SUBMISSION_PLATFORM", "CLIP_MODE", "OPT_EPSILON"}, differ
+    assert {"COMPILE_MODE", "EVAL_CUDA_GRAPH", "NCCL_TEST_MIN_BUSBW_GBPS"} <= set(nvidia)
+
+
+def test_set_up_comes_from_the_nearest_shipped_system() -> None:
+    """1,024 A100s take the 128x8 config's sharded optimizer and its shard groups; a count that cannot split into
+    groups of 8 (1,004), so every rank shares the state; 8 of an unknown device take the nearest device count's."""
+    configs = sorted(REPO.glob("config_*.sh"))
+    path, env = recipe.nearest_system(configs, "A100", 1024)
+    assert path.name == "config_DGXA100_128x8.sh"
+    setup = recipe.setup_exports(env, {"BATCHSIZE"}, 1024)
+    assert setup["DIST_OPTIMIZER"] == "1" and setup["DIST_OPTIMIZER_GROUP_SIZE"] == "8"
+    assert not set(recipe.NOT_SETUP) & set(setup) and "BATCHSIZE" not in setup
+    assert "DIST_OPTIMIZER_GROUP_SIZE" not in recipe.setup_exports(env, set(), 1004)
+    assert recipe.nearest_system(configs, "A100", 16)[0].name == "config_DGXA100_1x8.sh"
+    assert recipe.shipped_device(recipe.nearest_system(configs, "MI300X", 8)[1]) != "MI300X"
 
 
 def test_a_size_above_every_rcp_is_written_when_asked_with_its_status_and_a_limit_at_the_schedules_end(tmp_path, capsys):

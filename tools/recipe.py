@@ -15,7 +15,9 @@ changing the batch size but taking "all other hyperparameters as a group"; so a 
 whole, from the same global batch size where one exists, else from the nearest one.
 The choice: the covered or interpolated batch size with the fewest expected samples to converge
 among those giving every device at least --min_device_batch sequences per step, then the fewest
-accumulation steps. --write puts it (or --gbs G) in a config file like the shipped ones.
+accumulation steps. --write puts it (or --gbs G) in a config file like the shipped ones, with the
+set-up variables (compile mode, eval graph, NCCL, sharded optimizer) of the shipped closed-division
+config of the nearest system (`nearest_system`: same device, nearest device count).
 
 Memory is one figure per micro-batch (`device_memory_gb`): the model state plus a per-sequence
 activation size, the one function a traced estimate replaces.
@@ -28,7 +30,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from package_results import PackageError, rcp_comment, read_config
 from scoring import ABOVE, BELOW, COVERED, INTERPOLATED, RcpWindow, ScoringError, rcp_checker, rcp_window
@@ -254,8 +256,45 @@ def node_split(devices: int, per_node: int | None) -> tuple[int, int]:
     return devices // per_node, per_node
 
 
+def shipped_device(env: Mapping[str, str]) -> str:
+    """The device of a shipped config's DGXSYSTEM ("DGXA100_1x8" -> "A100", "GB200_2x4" -> "GB200")."""
+    return env.get("DGXSYSTEM", "").split("_")[0].removeprefix("DGX")
+
+
+def nearest_system(configs: Sequence[Path], device: str, devices: int) -> tuple[Path, dict[str, str]]:
+    """The shipped closed-division GPU config of the same device (else any) with the nearest device count."""
+    shipped = [(path, read_config(path)) for path in configs]
+    shipped = [(path, env) for path, env in shipped if env.get("DIVISION") == "closed" and "DGXNGPU" in env
+               and not path.name.startswith("config_CPU_")]
+    if not shipped:
+        raise RecipeError("no shipped closed-division GPU config_*.sh to take the set-up variables from")
+
+    def distance(item: tuple[Path, dict[str, str]]) -> tuple[bool, float, str]:
+        env = item[1]
+        world = int(env["DGXNGPU"]) * int(env.get("DGXNNODES") or 1)
+        return shipped_device(env) != device, abs(math.log(world / devices)), item[0].name
+
+    path, env = min(shipped, key=distance)
+    text = path.read_text()  # the file's order, not the environment's
+    return path, dict(sorted(env.items(), key=lambda item: (text.find(f"export {item[0]}="), item[0])))
+
+
+def setup_exports(nearest: Mapping[str, str], written: Collection[str], devices: int) -> dict[str, str]:
+    """The nearest system's set-up variables the recipe does not decide itself (compile mode, eval graph, NCCL, the
+    sharded optimizer, ...), in its order; a shard group that does not divide `devices` is left out (all ranks)."""
+    setup = {name: value for name, value in nearest.items() if name not in written and name not in NOT_SETUP}
+    if devices % max(int(setup.get("DIST_OPTIMIZER_GROUP_SIZE") or 1), 1):
+        del setup["DIST_OPTIMIZER_GROUP_SIZE"]
+    return setup
+
+
+# The recipe's own decisions, not copied from the nearest system: the batch and its layout (BATCHSIZE counts
+# sequences unpadded; a packed row holds two), the numbers precision and graphs change in memory.
+NOT_SETUP = ("INPUT_LAYOUT", "BALANCE", "PRECISION", "CUDA_GRAPHS")
+
+
 def config_text(chosen: Candidate, system: str, device: str, memory_gb: float, ruleset: str,
-                per_node: int | None = None) -> str:
+                per_node: int | None = None, nearest: tuple[Path, Mapping[str, str]] | None = None) -> str:
     nodes, per = node_split(chosen.devices, per_node)
     gbs, interval = chosen.global_batch_size, eval_interval_samples(chosen.global_batch_size)
     b = chosen.borrow
@@ -285,6 +324,11 @@ def config_text(chosen: Candidate, system: str, device: str, memory_gb: float, r
          "PRECISION": "bf16", "CUDA_GRAPHS": "0", "SYNC_EVERY": "10"},
         {"DIVISION": "closed", "SUBMISSION_ORG": "reference", "SUBMISSION_PLATFORM": f"{chosen.devices}x{device}"},
     ]
+    if nearest is not None:
+        setup = setup_exports(nearest[1], {name for group in groups for name in group}, chosen.devices)
+        if setup:
+            header.append(f"# Set-up ({', '.join(setup)}): as {nearest[0].name}, the nearest shipped system.")
+            groups.insert(-1, setup)
     body = "\n\n".join("\n".join(f"export {name}={value}" for name, value in group.items()) for group in groups)
     return "\n".join(header) + "\n" + body + "\n"
 
@@ -355,7 +399,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("\n".join(explain(chosen, args.gpus, device)))
     if args.write:
-        args.write.write_text(config_text(chosen, system, device, memory_gb, args.ruleset, args.gpus_per_node))
+        nearest = nearest_system(sorted(REPO.glob("config_*.sh")), device, args.gpus)
+        args.write.write_text(config_text(chosen, system, device, memory_gb, args.ruleset, args.gpus_per_node,
+                                          nearest))
         print(f"wrote {args.write}")
     return 0
 
