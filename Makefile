@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs, makes the demo data and trains the CPU demo to its target
-#   make test   creates .venv, installs, runs the whole test suite
+#   make test   creates .venv, installs, runs the whole test suite (the mypy check is one of its tests)
 #   make gpu-check  on a GPU machine: the fake-CUDA dry run of every shipped config, run for real
 #   make mutants    plants each bug of tools/mutant_list.py and runs its tests (docs/TESTING.md)
 SHELL := /bin/bash
@@ -40,7 +40,6 @@ demo: $(STAMP)
 
 test: $(TEST_STAMP)
 	bash tools/install_test_tools.sh
-	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Mutation testing of the newest modules; MUTANT_ARGS="--module sharded" or "--only ID" narrows it.
