@@ -35,7 +35,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NoReturn, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "pytorch"), str(REPO / "tools")]
@@ -160,34 +160,41 @@ def _mllog(lines: Iterable[str]) -> list[dict[str, Any]]:
     return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in lines if ":::MLLOG " in line]
 
 
+def _per_gpu_rate(spans: Iterable[tuple[float, float]], gpus: int, missing: str) -> float:
+    """Samples per second per GPU over (samples, milliseconds) spans; PlanError(missing) when they hold no time."""
+    samples = seconds = 0.0
+    for span_samples, span_ms in spans:
+        samples += span_samples
+        seconds += span_ms / 1000
+    if seconds <= 0:
+        raise PlanError(missing)
+    return samples / seconds / gpus
+
+
 def training_rate(log_texts: Sequence[str], gpus: int) -> float:
     """Samples per second per GPU from eval_stop to the next eval_start (the logs' timestamps), over all runs."""
-    samples = seconds = 0.0
-    for text in log_texts:
+    def spans(text: str) -> Iterator[tuple[float, float]]:
         records = _mllog(text.splitlines())
         stops = [(r["time_ms"], r["metadata"]["epoch_num"]) for r in records if r["key"] == "eval_stop"]
         starts = [(r["time_ms"], r["metadata"]["epoch_num"]) for r in records if r["key"] == "eval_start"]
         for (stop_ms, at), (start_ms, next_at) in zip(stops, starts[1:]):
-            samples += next_at - at
-            seconds += (start_ms - stop_ms) / 1000
-    if seconds <= 0:
-        raise PlanError("the published logs have no eval_start/eval_stop pairs to time training between evals")
-    return samples / seconds / gpus
+            yield next_at - at, start_ms - stop_ms
+
+    return _per_gpu_rate((span for text in log_texts for span in spans(text)), gpus,
+                         "the published logs have no eval_start/eval_stop pairs to time training between evals")
 
 
 def interval_rate(log_texts: Sequence[str], gpus: int) -> float:
     """Samples per second per GPU from one eval_accuracy line to the next (evals included), over all runs:
     for logs without eval_start/eval_stop lines (NVIDIA v2.0)."""
-    samples = seconds = 0.0
-    for text in log_texts:
+    def spans(text: str) -> Iterator[tuple[float, float]]:
         evals = [(r["time_ms"], r["metadata"]["epoch_num"]) for r in _mllog(text.splitlines())
                  if r["key"] == "eval_accuracy"]
         for (t0, s0), (t1, s1) in zip(evals, evals[1:]):
-            samples += s1 - s0
-            seconds += (t1 - t0) / 1000
-    if seconds <= 0:
-        raise PlanError("the published logs have fewer than two evals per run")
-    return samples / seconds / gpus
+            yield s1 - s0, t1 - t0
+
+    return _per_gpu_rate((span for text in log_texts for span in spans(text)), gpus,
+                         "the published logs have fewer than two evals per run")
 
 
 def _log_texts(folder: Path) -> list[str]:
