@@ -326,16 +326,14 @@ def test_graphed_step_matches_the_eager_step(device, precision):
 @pytest.mark.gpu
 @needs_cuda
 def test_varlen_attention_handles_the_static_batch():
-    from mlperf_bert.model.attention import _flash_attn_varlen, _torch_varlen
+    from mlperf_bert.model.attention import _flash_attn_varlen, flash_kernel_available
 
     batch = static_batches(12, 1)[0].to("cuda")
     sdpa = tiny_model().cuda()
     varlen = BertForPreTraining(TINY, attention_backend="varlen").cuda()
     varlen.load_state_dict(sdpa.state_dict())
-    if _flash_attn_varlen() is None and _torch_varlen() is None:  # the back-end must say what to install
-        with pytest.raises(RuntimeError, match="no varlen attention kernel: install flash-attn"):
-            varlen(batch)
-        return
+    if _flash_attn_varlen() is None and not flash_kernel_available():
+        pytest.skip("this torch has no flash-attention kernels and flash-attn is not installed")
     with autocast(torch.device("cuda"), "bf16"):
         expected = pretraining_loss(sdpa(batch), batch).total.float()
         got = pretraining_loss(varlen(batch), batch).total.float()

@@ -282,16 +282,19 @@ def test_grouped_model_copies_without_its_streams():
     ("cpu", False, False, 0.0, 512, "grouped"),
     ("cpu", False, False, 0.1, 128, "sdpa"),  # one group: grouped would only add its index maps
     ("cpu", False, False, 0.1, None, "sdpa"),
+    ("cpu", True, True, 0.1, 512, "grouped"),  # the kernels are GPU kernels
     ("cuda", True, True, 0.1, 512, "varlen"),
     ("cuda", False, True, 0.0, 512, "varlen"),
-    ("cuda", False, True, 0.1, 512, "grouped"),  # dropout on, no flash-attn
+    ("cuda", False, True, 0.1, 512, "varlen"),  # PyTorch's flash kernel, with its dropout
+    ("cuda", False, True, 0.1, 128, "varlen"),
+    ("cuda", False, False, 0.1, 512, "grouped"),  # a torch without flash kernels and no flash-attn
     ("cuda", False, False, 0.1, 128, "sdpa"),
 ])
 def test_grouped_is_autos_choice_where_varlen_cannot_run_and_groups_split(
         monkeypatch: pytest.MonkeyPatch, device: str, flash: bool, torch_varlen: bool, dropout: float,
         max_len: int | None, expected: str):
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
-    monkeypatch.setattr(attention, "_torch_varlen", lambda: object() if torch_varlen else None)
+    monkeypatch.setattr(attention, "flash_kernel_available", lambda: torch_varlen)
     fake_gpu(monkeypatch, (9, 0))
     assert resolve_backend("auto", torch.device(device), dropout, max_len) == expected
     assert resolve_backend("grouped", torch.device(device), dropout, max_len) == "grouped"
@@ -319,7 +322,7 @@ def test_auto_never_picks_varlen_where_its_kernels_cannot_run(monkeypatch: pytes
                                                              flash: bool):
     capability, precision, head_dim, reason = VARLEN_MISFITS[case]
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
-    monkeypatch.setattr(attention, "_torch_varlen", lambda: object())
+    monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)
     fake_gpu(monkeypatch, capability)
     cuda = torch.device("cuda", 0)
     assert resolve_backend("auto", cuda, 0.0, 512, precision=precision, head_dim=head_dim) == "grouped"
@@ -331,10 +334,10 @@ def test_auto_never_picks_varlen_where_its_kernels_cannot_run(monkeypatch: pytes
     assert backend_problem("sdpa", needs) is None and backend_problem("grouped", needs) is None
 
 
-# Every back-end x device x kernel x dropout: what start-up says (None: it runs). A run without
-# training (no dropout) may use PyTorch's kernel.
+# Every back-end x device x kernel x dropout: what start-up says (None: it runs). Both kernels
+# take dropout; a torch built without flash kernels and no flash-attn leaves varlen nothing to run.
 BACKEND_MATRIX = [
-    # backend, device, flash-attn, torch varlen, train dropout, refused with
+    # backend, device, flash-attn, torch's flash kernel, train dropout, refused with
     ("sdpa", "cpu", False, False, 0.1, None), ("grouped", "cpu", False, False, 0.1, None),
     ("auto", "cpu", False, False, 0.1, None),
     ("varlen", "cpu", True, True, 0.0, "runs GPU kernels only (flash-attn's or PyTorch's varlen attention), and this "
@@ -343,9 +346,9 @@ BACKEND_MATRIX = [
     ("auto", "cuda", False, False, 0.1, None), ("auto", "cuda", False, True, 0.1, None),
     ("varlen", "cuda", True, True, 0.1, None), ("varlen", "cuda", True, False, 0.1, None),
     ("varlen", "cuda", False, True, 0.0, None),
-    ("varlen", "cuda", False, True, 0.1, "without flash-attn is PyTorch's kernel, which has no dropout, and the BERT "
-                                         "config trains with attention_probs_dropout_prob 0.1: install flash-attn"),
-    ("varlen", "cuda", False, False, 0.0, "needs flash-attn (pip install flash-attn"),
+    ("varlen", "cuda", False, True, 0.1, None),
+    ("varlen", "cuda", False, False, 0.0, "needs flash-attention kernels: this torch"),
+    ("varlen", "cuda", False, False, 0.1, "and flash-attn is not installed (pip install flash-attn"),
 ]
 
 
@@ -354,7 +357,7 @@ def test_every_backend_on_every_device_is_served_or_refused_at_start_up(
         monkeypatch: pytest.MonkeyPatch, backend: str, device: str, flash: bool, torch_varlen: bool, dropout: float,
         refused: str | None):
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
-    monkeypatch.setattr(attention, "_torch_varlen", lambda: object() if torch_varlen else None)
+    monkeypatch.setattr(attention, "flash_kernel_available", lambda: torch_varlen)
     fake_gpu(monkeypatch, (9, 0))
     problem = backend_problem(backend, AttentionNeeds(torch.device(device), "bf16", 64, dropout))
     if refused is None:

@@ -5,7 +5,8 @@ calls' shape (what was captured, how often it was replayed, how often the host w
 side streams were made, how often an event was recorded and a stream waited for one) in a
 `CudaLog`, and mark the `Recorder` as capturing between `capture_begin` and `capture_end`, so
 that host reads and copies inside a capture are caught. `install` patches them into
-`torch.cuda` (with a device-less `torch.futures.Future`, and SDPA choosing its kernel as on a GPU) for
+`torch.cuda` (with a device-less `torch.futures.Future`, SDPA choosing its kernel as on a GPU, and
+flash-attention kernels present, as in every CUDA build) for
 the length of a `with` block.
 """
 
@@ -193,12 +194,14 @@ STANDINS: dict[str, Any] = {
 def install(recorder: Recorder) -> Iterator[CudaLog]:
     """Patches torch.cuda with the stand-ins, recording into `recorder`; restores on exit."""
     saved = {name: getattr(torch.cuda, name, None) for name in STANDINS}
-    future = torch.futures.Future
+    future, flash_available = torch.futures.Future, torch.backends.cuda.is_flash_attention_available
     _state.recorder, _state.log = recorder, CudaLog()
     for name, value in STANDINS.items():
         setattr(torch.cuda, name, value)
     torch.futures.Future = _Future  # type: ignore[misc]
     torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa  # type: ignore[assignment]
+    # CUDA builds of torch have flash-attention kernels (the varlen back-end's); a CPU-only one has none.
+    torch.backends.cuda.is_flash_attention_available = lambda: True
     try:
         yield _state.log
     finally:
@@ -206,3 +209,4 @@ def install(recorder: Recorder) -> Iterator[CudaLog]:
             setattr(torch.cuda, name, value)
         torch.futures.Future = future  # type: ignore[misc]
         torch.nn.functional.scaled_dot_product_attention = _SDPA
+        torch.backends.cuda.is_flash_attention_available = flash_available

@@ -12,12 +12,14 @@ only attends to tokens of its own sequence, which is what makes packed rows exac
   block-diagonal mask keeps each token inside its sequence. Work: rows x row_len^2 score
   entries, against (rows x slots per row) x row_len^2 for the per-sequence grid, whose
   empty slots of a static batch cost as much as full ones.
-- `varlen`: GPU kernels that work on the flat tokens directly (flash-attn's
-  `flash_attn_varlen_func` when importable, else `torch.nn.attention.varlen.varlen_attn`).
-  PyTorch's kernel has no dropout, so it is only chosen when no attention dropout is needed.
-  Both need a GPU of compute capability 8.0 or newer, fp16 / bf16 inputs and head sizes up to
-  256: `backend_problem` refuses what a run's device, precision or model cannot give them at
-  start-up, and `auto` never picks them there.
+- `varlen`: GPU kernels that work on the flat tokens directly, one sequence at a time, attention
+  dropout included: flash-attn's `flash_attn_varlen_func` when importable, else PyTorch's own
+  flash kernel (`varlen_flash.varlen_flash`, in every CUDA build of torch). Static packed batches
+  run it too: each row's sequences are attended to separately, so the half of a row's score
+  matrix that the block-diagonal mask throws away is never computed. Both need a GPU of compute
+  capability 8.0 or newer, fp16 / bf16 inputs and head sizes up to 256: `backend_problem`
+  refuses what a run's device, precision or model cannot give them at start-up, and `auto`
+  never picks them there.
 - `grouped`: Baidu's grouped attention (`grouped_attention.py`): one SDPA call per length group,
   each padded to its own longest sequence, the groups on their own CUDA streams. Exact like
   `sdpa`, dropout included; static packed batches run row by row as under `sdpa`.
@@ -25,7 +27,6 @@ only attends to tokens of its own sequence, which is what makes packed rows exac
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -37,6 +38,7 @@ from ..data.batch import FlatBatch
 from ..runtime.optional import DependencyError, optional_import
 from .grouped_attention import GroupedLayout, StreamPool, grouped_attention, grouped_layout, host_lengths
 from .precision import AUTOCAST_DTYPES
+from .varlen_flash import flash_kernel_available, varlen_flash
 
 
 @dataclass(frozen=True)
@@ -143,14 +145,6 @@ def _flash_attn_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def _torch_varlen() -> Callable | None:
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        return None
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn
-
-
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -159,21 +153,14 @@ def varlen_attention(
     max_seqlen: int,
     dropout_p: float,
 ) -> torch.Tensor:
-    """Varlen GPU kernel on the flat tokens; no padding is ever materialised.
+    """Varlen GPU kernel on the flat tokens; no padding is ever materialised. flash-attn's when
+    installed (a user who built it chose it), else PyTorch's flash kernel (`varlen_flash`).
 
-    What cannot run here is refused at start-up (`backend_problem`); the ValueErrors below are
-    the same refusals for a caller that skipped it (a user error: one line, not a traceback).
-    """
+    What cannot run here is refused at start-up (`backend_problem`)."""
     flash = _flash_attn_varlen()
     if flash is not None:
         return flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p)
-    if dropout_p > 0:
-        raise ValueError(f"PyTorch's varlen attention has no dropout: install flash-attn ({FLASH_ATTN_INSTALL}), "
-                         f"or {OTHER_BACKENDS}")
-    kernel = _torch_varlen()
-    if kernel is None:
-        raise ValueError(f"no varlen attention kernel: install flash-attn or PyTorch >= 2.9, or {OTHER_BACKENDS}")
-    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    return varlen_flash(q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
 
 @dataclass(frozen=True)
@@ -207,17 +194,12 @@ def varlen_misfit(needs: AttentionNeeds) -> str | None:
     return None
 
 
-def _varlen_kernel_problem(train_dropout: float) -> str | None:
-    """Why neither varlen kernel computes this run exactly (on a GPU that fits them); None when one does."""
-    if _flash_attn_varlen() is not None:
+def _varlen_kernel_problem() -> str | None:
+    """Why no varlen kernel can run here (on a GPU that fits them); None when one can."""
+    if _flash_attn_varlen() is not None or flash_kernel_available():
         return None
-    if _torch_varlen() is None:
-        return f"--attention_backend varlen needs flash-attn ({FLASH_ATTN_INSTALL}) or PyTorch >= 2.9: {OTHER_BACKENDS}"
-    if train_dropout > 0:
-        return (f"--attention_backend varlen without flash-attn is PyTorch's kernel, which has no dropout, and the "
-                f"BERT config trains with attention_probs_dropout_prob {train_dropout}: install flash-attn "
-                f"({FLASH_ATTN_INSTALL}), or {OTHER_BACKENDS}")
-    return None
+    return (f"--attention_backend varlen needs flash-attention kernels: this torch ({torch.__version__}) was built "
+            f"without them, and flash-attn is not installed ({FLASH_ATTN_INSTALL}): {OTHER_BACKENDS}")
 
 
 def backend_problem(requested: str, needs: AttentionNeeds) -> str | None:
@@ -232,7 +214,7 @@ def backend_problem(requested: str, needs: AttentionNeeds) -> str | None:
         if requested == "auto":
             _flash_attn_varlen()
             return None
-        return varlen_misfit(needs) or _varlen_kernel_problem(needs.train_dropout)
+        return varlen_misfit(needs) or _varlen_kernel_problem()
     except DependencyError as broken:
         return str(broken)
 
@@ -241,14 +223,14 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
                     max_seq_length: int | None = None, group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS,
                     precision: str = "bf16", head_dim: int = 64) -> str:
     """Picks a concrete back-end. `auto`: on a GPU the varlen kernels when they fit the run
-    (`varlen_misfit`: compute capability, precision, head size) and are exact for its dropout
-    (flash-attn always, PyTorch's without dropout); otherwise grouped when sequences of up to
-    `max_seq_length` tokens fall in more than one group, else sdpa.
+    (`varlen_misfit`: compute capability, precision, head size) and this torch or flash-attn has
+    them; otherwise grouped when sequences of up to `max_seq_length` tokens fall in more than one
+    group, else sdpa. Packed rows take varlen too: per sequence, not over the whole row.
 
     The grouped rule is measured on the CPU (benchmarks/attention.py, docs/PERFORMANCE.md): at
     512 tokens grouped took 0.41-0.54x of sdpa's time forward and backward (medians), with
     dropout and without; at 128 tokens, one group, 1.09x (its index maps and gathers, nothing
-    saved). On a GPU it takes sdpa's place where varlen cannot run (dropout on, no flash-attn):
+    saved). On a GPU it takes sdpa's place where varlen cannot run (fp32, a GPU before Ampere):
     the same 2.3x less score work, the groups overlapping on streams (not timed on a GPU yet).
     """
     if requested not in ATTENTION_BACKENDS:
@@ -256,7 +238,7 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
     if requested != "auto":
         return requested
     needs = AttentionNeeds(device, precision, head_dim, attention_dropout)
-    if device.type == "cuda" and varlen_misfit(needs) is None and _varlen_kernel_problem(attention_dropout) is None:
+    if device.type == "cuda" and varlen_misfit(needs) is None and _varlen_kernel_problem() is None:
         return "varlen"
     if max_seq_length is not None and max_seq_length > group_bounds[0]:
         return "grouped"
