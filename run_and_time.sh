@@ -118,6 +118,8 @@ flag_table=(
   "MAX_SEQ_LENGTH --max_seq_length"
   "MAX_PREDICTIONS_PER_SEQ --max_predictions_per_seq"
   "PRECISION --precision"
+  "FP8_RECIPE --fp8_recipe"
+  "FP8_LAYERS --fp8_layers"
   "CUDA_GRAPHS --cuda_graphs switch"
   "EVAL_CUDA_GRAPH --eval_cuda_graph switch"
   "ATTENTION_BACKEND --attention_backend"

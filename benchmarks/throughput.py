@@ -82,7 +82,7 @@ from mlperf_bert.train.step import EagerStep, GraphedStep, Step
 from mlperf_bert.model.attention import resolve_backend
 from mlperf_bert.data.batch import FlatBatch, Item, PaddedBatch, Sample, flatten_items, pad_items, unpad
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
-from mlperf_bert.model.fp8 import convert_to_fp8
+from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError, TrainConfig
@@ -180,6 +180,7 @@ class Context:
     optimizer: str = "lamb"  # with the H100 1x8 hyperparameters either way (`make_optimizer`)
     sharded: bool = False  # the config shards its optimizer (timed unsharded: one process, see the docstring)
     layouts: tuple[str, ...] = LAYOUTS
+    fp8: Fp8Recipe = Fp8Recipe()  # under fp8: the recipe (a config's FP8_RECIPE and FP8_LAYERS)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -264,13 +265,14 @@ def optimizer_note(ctx: Context) -> str:
 
 def fp8_layers(model: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     """Under fp8, the trainer's FP8 layers (`model/fp8.py`); HuggingFace's BERT has the same layer names."""
-    return convert_to_fp8(model, ctx.device) if ctx.precision == "fp8" else model
+    return convert_to_fp8(model, ctx.device, ctx.fp8) if ctx.precision == "fp8" else model
 
 
 def fp8_note(ctx: Context) -> str:
     if ctx.precision != "fp8":
         return ""
-    return ", FP8 GEMMs" if ctx.device.type == "cuda" else ", FP8 emulated (not a speed)"
+    recipe = f" ({ctx.fp8.describe()})"
+    return f", FP8 GEMMs{recipe}" if ctx.device.type == "cuda" else f", FP8 emulated{recipe} (not a speed)"
 
 
 LR = 9.6e-4  # the MLPerf 1x8 H100 peak learning rate (REFERENCE.md)
@@ -729,7 +731,7 @@ def config_context(args: argparse.Namespace, setup: ConfigSetup) -> Context:
     return Context(cfg, resolve_device(args.device), run.precision, run.compile_mode, run.cuda_graphs,
                    train.model.attention_backend, args.hf_attention, train.model.group_bounds, args.seed,
                    (run.precision,), optimizer=train.optim.optimizer, sharded=train.optim.distributed,
-                   layouts=(train.data.input_layout,))
+                   layouts=(train.data.input_layout,), fp8=Fp8Recipe.of(run.fp8_recipe, run.fp8_layers))
 
 
 def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
@@ -741,7 +743,7 @@ def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
         "graphs": ctx.graphs, "attention_backend": ctx.attention_backend, "optimizer": ctx.optimizer,
         "sharded": ctx.sharded, "rows_per_step": cfg.rows, "steps": cfg.steps, "rounds": cfg.rounds,
         "warmup": cfg.warmup, "max_seq_length": cfg.max_seq_length, "peak_tflops": peak, "peak_dtype": peak_dtype,
-        "bert": cfg.bert.to_dict(),
+        "bert": cfg.bert.to_dict(), "fp8": asdict(ctx.fp8) if "fp8" in ctx.precisions else None,
     }
 
 

@@ -39,7 +39,7 @@ from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.model.compiling import compile_model
 from mlperf_bert.model import fp8
 from mlperf_bert.model.fp8 import (
-    LAYER_GEMMS, capability_problem, convert_to_fp8, fp8_config, fp8_layer_names, fp8_unavailable,
+    LAYER_GEMMS, Fp8Recipe, capability_problem, convert_to_fp8, fp8_config, fp8_layer_names, fp8_unavailable,
 )
 from mlperf_bert.startup import check_environment
 from mlperf_bert.train.checkpoint import read_checkpoint
@@ -149,15 +149,22 @@ def _gradients(model: nn.Module, batch: FlatBatch, precision: str) -> tuple[floa
     return loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def test_fp8_step_loss_and_gradients_stay_within_tolerance_of_bf16(trained_run) -> None:
+# Every recipe over every encoder GEMM, and tensorwise and delayed over the FFN's two only.
+RECIPES = [Fp8Recipe(scaling) for scaling in ("tensorwise", "rowwise", "rowwise_gw_hp", "delayed")] + [
+    Fp8Recipe("tensorwise", "ffn"), Fp8Recipe("delayed", "ffn")]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=Fp8Recipe.describe)
+def test_fp8_step_loss_and_gradients_stay_within_tolerance_of_bf16(trained_run, recipe: Fp8Recipe) -> None:
+    """Every recipe's first step (the delayed one calibrates on it: its second step is test_fp8_delayed.py's)."""
     model = copy.deepcopy(trained_run.eval.model).eval()  # no dropout: both steps see the same network
     batch = trained_run.eval.data.batches()[0]
     loss_bf16, grads_bf16 = _gradients(model, batch, "bf16")
-    loss_fp8, grads_fp8 = _gradients(convert_to_fp8(copy.deepcopy(model), CPU), batch, "fp8")
+    loss_fp8, grads_fp8 = _gradients(convert_to_fp8(copy.deepcopy(model), CPU, recipe), batch, "fp8")
     assert abs(loss_fp8 - loss_bf16) <= LOSS_TOLERANCE * loss_bf16, (loss_fp8, loss_bf16)
     assert grads_fp8.keys() == grads_bf16.keys()
-    fp8_weights = {f"{layer}.weight" for layer in fp8_layer_names(model)}
-    fp8_biases = {f"{layer}.bias" for layer in fp8_layer_names(model)}
+    fp8_weights = {f"{layer}.weight" for layer in fp8_layer_names(model, recipe)}
+    fp8_biases = {f"{layer}.bias" for layer in fp8_layer_names(model, recipe)}
     largest = max(float(g.norm()) for g in grads_bf16.values())
     for name, reference in grads_bf16.items():
         if float(reference.norm()) < 1e-4 * largest:
@@ -171,11 +178,12 @@ def test_fp8_step_loss_and_gradients_stay_within_tolerance_of_bf16(trained_run) 
             assert error <= OTHER_GRADIENT_TOLERANCE, (name, error)
 
 
-def test_fp8_layers_compile_to_the_eager_step(trained_run) -> None:
-    """torch.compile traces torchao's FP8 tensor subclass (dynamo + AOT autograd, `compiling.compile_model`):
-    loss and gradients equal the eager FP8 step's. aot_eager: the trace without Inductor's code generation,
-    which takes minutes on the CPU."""
-    eager = convert_to_fp8(copy.deepcopy(trained_run.eval.model), CPU).eval()  # no dropout
+@pytest.mark.parametrize("recipe", [Fp8Recipe(), Fp8Recipe("delayed")], ids=Fp8Recipe.describe)
+def test_fp8_layers_compile_to_the_eager_step(trained_run, recipe: Fp8Recipe) -> None:
+    """torch.compile traces torchao's FP8 tensor subclass and the delayed recipe's autograd function with
+    its amax buffers (dynamo + AOT autograd, `compiling.compile_model`): loss and gradients equal the eager
+    FP8 step's. aot_eager: the trace without Inductor's code generation, which takes minutes on the CPU."""
+    eager = convert_to_fp8(copy.deepcopy(trained_run.eval.model), CPU, recipe).eval()  # no dropout
     compiled = compile_model(copy.deepcopy(eager), "default", backend="aot_eager")
     batch = trained_run.eval.data.batches()[0]
     loss_eager, grads_eager = _gradients(eager, batch, "fp8")

@@ -31,7 +31,7 @@ from .data.batch import Item, pad_items, unpad
 from .model.init_checkpoint import load_init_checkpoint
 from .optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
 from .model.compiling import compile_model
-from .model.fp8 import convert_to_fp8
+from .model.fp8 import Fp8Recipe, convert_to_fp8
 from .config.closed_division import EVAL_ITER_KEY, EVAL_ITER_START_KEY, INIT_CHECKPOINT_KEY, TARGET_KEY
 from .config.settings import TrainConfig
 from .optim.capturable import capturable
@@ -240,7 +240,8 @@ def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)
     if cfg.run.precision == "fp8":
-        convert_to_fp8(model, device)  # same parameters and state-dict keys: checkpoints load either way
+        # same parameters and state-dict keys: checkpoints load either way
+        convert_to_fp8(model, device, Fp8Recipe.of(cfg.run.fp8_recipe, cfg.run.fp8_layers))
     return model
 
 

@@ -30,6 +30,9 @@ DEFAULT_GROUP_BOUNDS = (128, 256, 384, 512)
 OPTIMIZERS = ("lamb", "adam")
 OPTIMIZER_IMPLS = ("auto", "reference", "foreach", "apex")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# --precision fp8: how each tensor is scaled (model/fp8.py) and which GEMMs run in FP8.
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "delayed")
+FP8_LAYER_SETS = ("encoder", "ffn")
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs")  # torch.compile modes without its own graphs
 INPUT_PIPELINES = ("torch", "dali")
 DEVICES = ("auto", "cpu", "cuda")
@@ -358,6 +361,14 @@ class RunSettings:
     precision: str = flag("fp32 (CPU), bf16, fp16 with dynamic loss scaling (GPU), or fp8: the encoder's linear "
                           "layers in FP8 through torchao, the rest bf16 (GPUs of compute capability >= 8.9; "
                           "emulated on the CPU)", "precision and fast path", "fp32", choices=PRECISIONS)
+    fp8_recipe: str | None = flag("--precision fp8: tensorwise, rowwise, rowwise_gw_hp (torchao's dynamic scaling, "
+                                  "fast accumulation in all three GEMMs) or delayed (each scale from the same "
+                                  "tensor's amax one step before, as NVIDIA's TransformerEngine runs; "
+                                  "model/fp8_delayed.py); default tensorwise", "precision and fast path", None,
+                                  choices=FP8_RECIPES)
+    fp8_layers: str | None = flag("--precision fp8: encoder (QKV, attention output and both FFN GEMMs of every "
+                                  "layer) or ffn (the two FFN GEMMs only, the largest); default encoder",
+                                  "precision and fast path", None, choices=FP8_LAYER_SETS)
     device: str = flag("auto: cuda when available", "run and logging", "auto", choices=DEVICES)
     log_freq: int = flag("steps between progress lines on stderr", "run and logging", 10)
     init_loss_scale: float = flag("fp16 initial loss scale", "precision and fast path", 2.0**16)
@@ -386,6 +397,12 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
+        for name, allowed in (("fp8_recipe", FP8_RECIPES), ("fp8_layers", FP8_LAYER_SETS)):
+            value = getattr(self, name)
+            if value is not None:
+                _choice(name, value, allowed)
+                _require(self.precision == "fp8", f"--{name} applies to --precision fp8 only; drop it with "
+                                                  f"--precision {self.precision}")
         _choice("device", self.device, DEVICES)
         _choice("submission_division", self.submission_division, DIVISIONS)
         _choice("submission_status", self.submission_status, SUBMISSION_STATUSES)

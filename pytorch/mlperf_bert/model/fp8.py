@@ -7,13 +7,21 @@ Everything else stays as under bf16 (`precision.AUTOCAST_DTYPES["fp8"]`): embedd
 decoder tied to them, the pooler, the heads, LayerNorms, softmax and attention.
 `fp8_layer_names` lists the converted layers; `is_fp8_layer` is the one rule that picks them.
 
-The recipe is torchao's tensorwise dynamic scaling: one scale per tensor from the tensor's own
-absolute maximum, E4M3 for inputs and weights, E5M2 for output gradients (NVIDIA's HYBRID
-format). NVIDIA's `DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent")` takes
-the scale from the previous step's maximum instead; with a history of one the two differ only
-by one step's drift of the maximum. The scales are device tensors, so a step stays free of host
-reads and captures in a CUDA graph; the weights stay fp32 parameters (cast to FP8 in each
-forward), so state dicts, checkpoints and the optimizer are those of any other precision.
+Recipes (`--fp8_recipe`, `Fp8Recipe`):
+- `tensorwise` (default): torchao's dynamic scaling, one scale per tensor from the tensor's own
+  absolute maximum, E4M3 for inputs and weights, E5M2 for output gradients (NVIDIA's HYBRID
+  format);
+- `rowwise`: torchao's, one scale per row of each operand (E4M3 throughout);
+- `rowwise_gw_hp`: torchao's rowwise, with the weight-gradient GEMM in bf16;
+- `delayed`: this package's `fp8_delayed.DelayedFp8Linear`, each scale from the same tensor's
+  amax one step before, as NVIDIA's `DelayedScaling(amax_history_len=1, "most_recent")`: the
+  cast needs no reduction pass before it.
+All four use fast accumulation in all three GEMMs (forward, input and weight gradients), as
+NVIDIA's runs do (torchao's default has it in the forward only). `--fp8_layers ffn` keeps FP8 to
+the two FFN GEMMs, whose M, N and K are the largest (the ones FP8 speeds up most).
+The scales are device tensors, so a step stays free of host reads and captures in a CUDA graph;
+the weights stay fp32 parameters (cast to FP8 in each forward), so state dicts, checkpoints and
+the optimizer are those of any other precision.
 
 On a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell) the GEMMs are
 `torch._scaled_mm`; elsewhere (the CPU) torchao emulates them: the same FP8 rounding, matmuls in
@@ -23,12 +31,15 @@ high precision. `fp8_unavailable` says why a run cannot use FP8 (checked at star
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ..config.settings import FP8_LAYER_SETS, FP8_RECIPES
 from ..runtime.optional import dependency_problem
+from .fp8_delayed import DelayedFp8Linear
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -39,22 +50,52 @@ ENCODER_LAYERS = "bert.encoder.layer."
 # The linear layers of one encoder layer that run in FP8, relative to the layer.
 LAYER_GEMMS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
                "intermediate.dense", "output.dense")
+FFN_GEMMS = ("intermediate.dense", "output.dense")
+LAYER_SETS = {"encoder": LAYER_GEMMS, "ffn": FFN_GEMMS}
+TORCHAO_RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How --precision fp8 scales its tensors (`scaling`) and which GEMMs of each layer it converts (`layers`)."""
+
+    scaling: str = "tensorwise"
+    layers: str = "encoder"
+
+    def __post_init__(self) -> None:
+        if self.scaling not in FP8_RECIPES:
+            raise ValueError(f"--fp8_recipe must be one of {', '.join(FP8_RECIPES)}; got {self.scaling!r}")
+        if self.layers not in FP8_LAYER_SETS:
+            raise ValueError(f"--fp8_layers must be one of {', '.join(FP8_LAYER_SETS)}; got {self.layers!r}")
+
+    @classmethod
+    def of(cls, scaling: str | None, layers: str | None) -> "Fp8Recipe":
+        """The recipe of the run's flags (None: the default)."""
+        return cls(scaling or cls.scaling, layers or cls.layers)
+
+    @property
+    def gemms(self) -> tuple[str, ...]:
+        return LAYER_SETS[self.layers]
+
+    def describe(self) -> str:
+        return f"{self.scaling}, {self.layers} GEMMs"
 # torch._scaled_mm needs both dimensions of each weight to be multiples of 16.
 ALIGNMENT = 16
 INSTALL_HINT = "pip install 'torchao==0.18.*' (the [fp8] extra of this package), the release for torch 2.13"
 
 
-def is_fp8_layer(module: nn.Module, name: str) -> bool:
-    """Whether the module at `name` (a `named_modules` name of `BertForPreTraining`) runs in FP8."""
+def is_fp8_layer(module: nn.Module, name: str, gemms: tuple[str, ...] = LAYER_GEMMS) -> bool:
+    """Whether the module at `name` (a `named_modules` name of `BertForPreTraining`) runs in FP8:
+    an nn.Linear of an encoder layer whose name inside the layer is one of `gemms`."""
     if not isinstance(module, nn.Linear) or not name.startswith(ENCODER_LAYERS):
         return False
     index, _, inner = name[len(ENCODER_LAYERS):].partition(".")
-    return index.isdigit() and inner in LAYER_GEMMS
+    return index.isdigit() and inner in gemms
 
 
-def fp8_layer_names(model: nn.Module) -> list[str]:
+def fp8_layer_names(model: nn.Module, recipe: Fp8Recipe = Fp8Recipe()) -> list[str]:
     """The names of the linear layers `convert_to_fp8` converts, in module order."""
-    return [name for name, module in model.named_modules() if is_fp8_layer(module, name)]
+    return [name for name, module in model.named_modules() if is_fp8_layer(module, name, recipe.gemms)]
 
 
 class _ImportNoise(logging.Filter):
@@ -96,12 +137,13 @@ def torchao_install_hint(torch_version: str = torch.__version__) -> str:
     return f"{INSTALL_HINT}; each torchao release fits one torch release, and this is torch {torch_version}"
 
 
-def fp8_unavailable(device: torch.device) -> str | None:
-    """Why a run on `device` cannot train in FP8, with the fix; None when it can.
+def fp8_unavailable(device: torch.device, scaling: str = "tensorwise") -> str | None:
+    """Why a run on `device` cannot train in FP8 with the `scaling` recipe, with the fix; None when it can.
 
-    The CPU runs torchao's emulation (FP8 numerics, no speed); a GPU needs FP8 tensor cores.
+    The CPU runs torchao's emulation or the delayed recipe's CPU `_scaled_mm` (FP8 numerics, no speed);
+    a GPU needs FP8 tensor cores. Only torchao's recipes need torchao.
     """
-    missing = torchao_missing()
+    missing = None if scaling == "delayed" else torchao_missing()
     if missing is not None or device.type != "cuda":
         return missing
     return capability_problem(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
@@ -116,21 +158,25 @@ def capability_problem(capability: tuple[int, int], name: str) -> str | None:
             f"Ada, Hopper, Blackwell), but {name} is {major}.{minor}: use --precision bf16 on this GPU")
 
 
-def fp8_config(emulate: bool) -> "Float8LinearConfig":
-    """torchao's tensorwise recipe (E4M3 forward, E5M2 gradients, dynamic scales).
+def fp8_config(emulate: bool, scaling: str = "tensorwise") -> "Float8LinearConfig":
+    """torchao's recipe `scaling` (one of TORCHAO_RECIPES) with fast accumulation in all three GEMMs.
 
     pad_inner_dim: the weight-gradient GEMM's inner dimension is the token count, which unpadded
     batches do not keep at a multiple of 16; torchao pads it with zeros (a no-op for packed rows).
     """
     _quiet_torchao_import()
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
 
-    return Float8LinearConfig(emulate=emulate, pad_inner_dim=True)
+    fast = Float8GemmConfig(use_fast_accum=True)
+    config = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[scaling])
+    return replace(config, emulate=emulate, pad_inner_dim=True, gemm_config_output=fast, gemm_config_grad_input=fast,
+                   gemm_config_grad_weight=fast)
 
 
-def check_alignment(model: nn.Module) -> None:
+def check_alignment(model: nn.Module, recipe: Fp8Recipe = Fp8Recipe()) -> None:
     """Raises ValueError naming the size when an FP8 layer's weight is not a multiple of 16 each way."""
-    for name in fp8_layer_names(model):
+    for name in fp8_layer_names(model, recipe):
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
         if linear.in_features % ALIGNMENT or linear.out_features % ALIGNMENT:
@@ -139,15 +185,37 @@ def check_alignment(model: nn.Module) -> None:
                              "or use --precision bf16")
 
 
-def convert_to_fp8(model: nn.Module, device: torch.device) -> nn.Module:
-    """Swaps the FP8 layers for torchao `Float8Linear`s in place, keeping their parameters (same objects).
+def convert_to_fp8(model: nn.Module, device: torch.device, recipe: Fp8Recipe = Fp8Recipe()) -> nn.Module:
+    """Swaps the recipe's FP8 layers in place (torchao `Float8Linear`s, or `DelayedFp8Linear`s for the
+    delayed recipe), keeping their parameters (same objects).
 
-    device: where the model will run; FP8 GEMMs on CUDA, emulated elsewhere. Call it before
-    the model is wrapped (DDP), compiled, or its parameters handed to an optimizer.
+    device: where the model will run; torchao's FP8 GEMMs on CUDA, emulated elsewhere (the delayed
+    recipe's `torch._scaled_mm` runs on both). Call it before the model is wrapped (DDP), compiled,
+    or its parameters handed to an optimizer.
     """
-    check_alignment(model)
-    config = fp8_config(emulate=device.type != "cuda")
+    check_alignment(model, recipe)
+    if recipe.scaling == "delayed":
+        for name in fp8_layer_names(model, recipe):
+            parent, _, child = name.rpartition(".")
+            linear = model.get_submodule(name)
+            assert isinstance(linear, nn.Linear)
+            setattr(model.get_submodule(parent), child, DelayedFp8Linear.from_linear(linear))
+        return model
+    config = fp8_config(emulate=device.type != "cuda", scaling=recipe.scaling)
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(model, module_filter_fn=is_fp8_layer, config=config)
+    convert_to_float8_training(model, module_filter_fn=lambda m, n: is_fp8_layer(m, n, recipe.gemms), config=config)
+    for name in fp8_layer_names(model, recipe):
+        model.get_submodule(name).register_forward_pre_hook(_input_in_autocast_dtype)
     return model
+
+
+def _input_in_autocast_dtype(module: nn.Module, args: tuple) -> tuple:
+    """The input in the autocast dtype of its device. torchao's Float8Linear casts its input under
+    CUDA's autocast only; on the CPU an fp32 input (a LayerNorm's output) would reach its bf16
+    gradient GEMMs as fp32 (rowwise_gw_hp's weight gradient refuses the mix). On a GPU a no-op."""
+    (x,) = args
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return (x.to(torch.get_autocast_dtype(device_type)),)
+    return args

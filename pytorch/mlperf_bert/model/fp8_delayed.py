@@ -1,0 +1,149 @@
+"""`--fp8_recipe delayed`: a linear layer whose three GEMMs run in FP8, scaled by the previous step's amax.
+
+NVIDIA's MLPerf BERT (TransformerEngine `DelayedScaling(amax_history_len=1, "most_recent")`) scales
+each FP8 tensor by the absolute maximum that the same tensor had one step before. The cast then
+needs no reduction of its own before it: it is a pointwise multiply, clamp and convert that
+Inductor fuses into the kernel producing the tensor (the LayerNorm, GELU or dropout-add before
+it), and the amax that the next step will use is reduced in the same pass. torchao's dynamic
+scaling (`--fp8_recipe tensorwise`) must reduce the whole tensor first and cast after.
+
+What each tensor gets:
+- input x (E4M3): the scale of the previous forward's amax of x;
+- weight W (E4M3): its own amax, each forward: the weights are small (at most 4M values per layer)
+  and change every step, so they are cast once per step from their current value;
+- output gradient dY (E5M2, the wider range gradients need): the previous backward's amax.
+
+The first forward and backward of a layer have no history: they scale by the tensor's own amax
+(`calibrated` is then set; under torch.compile that is one recompile of each layer). The amax
+buffers are not part of the state dict, so checkpoints equal those of any other precision; a
+resumed run calibrates again. GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA
+runs them): Y = X W^T + b in the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout
+of `_scaled_mm` wants its first operand row-major and its second column-major, hence the
+transposed copies of W for dX, and of dY and X for dW; token counts that are not a multiple of 16
+are padded with zero rows for dW (a no-op for packed rows of 512). On the CPU `_scaled_mm` runs
+too (no speed), so this path is the same code there and on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# torch._scaled_mm wants the inner dimension of each GEMM to be a multiple of 16.
+ALIGN = 16
+# A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way).
+_TINY = 1e-12
+INPUT, WEIGHT, GRAD = 0, 1, 2  # slots of the amax buffer
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 factor that maps amax onto the largest value of `dtype` (1 for an all-zero tensor)."""
+    amax = amax.float()
+    return torch.where(amax > _TINY, fp8_max(dtype) / amax.clamp(min=_TINY), torch.ones_like(amax))
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale, saturated to the format's range (a value above last step's amax clamps), then cast."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().abs().amax().float()
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (what _scaled_mm wants of its second operand)."""
+    return x.t().contiguous().t()
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of ALIGN (the token dimension, the inner one of dW's GEMM)."""
+    extra = -x.shape[0] % ALIGN
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+class _DelayedFp8Matmul(torch.autograd.Function):
+    """Y = X W^T (+ b) with FP8 operands; the amax buffer's INPUT and GRAD slots give and take the scales."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                amax: torch.Tensor, calibrated: bool, grad_calibrated: bool,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
+        x8 = to_fp8(x, x_scale, E4M3)
+        amax[INPUT].copy_(amax_of(x))
+        w_amax = amax_of(weight)
+        amax[WEIGHT].copy_(w_amax)
+        w_scale = scale_of(w_amax, E4M3)
+        w8 = to_fp8(weight, w_scale, E4M3)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
+                               bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype,
+                               use_fast_accum=True)
+        ctx.save_for_backward(x8, x_scale, w8, w_scale, amax)
+        ctx.grad_calibrated, ctx.has_bias, ctx.x_dtype = grad_calibrated, bias is not None, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:
+        x8, x_scale, w8, w_scale, amax = ctx.saved_tensors
+        g_scale = scale_of(amax[GRAD] if ctx.grad_calibrated else amax_of(grad_out), E5M2)
+        g8 = to_fp8(grad_out, g_scale, E5M2)
+        amax[GRAD].copy_(amax_of(grad_out))
+        g_inverse = g_scale.reciprocal()
+        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
+                                  out_dtype=grad_out.dtype, use_fast_accum=True)
+        grad_w = torch._scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)), scale_a=g_inverse,
+                                  scale_b=x_scale.reciprocal(), out_dtype=torch.float32, use_fast_accum=True)
+        grad_b = grad_out.float().sum(0) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None, None
+
+
+class DelayedFp8Linear(nn.Linear):
+    """An nn.Linear (same parameters, same state-dict keys) computing its GEMMs in FP8 with delayed scaling."""
+
+    amax: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device)
+        # [input, weight, output gradient]: the last amax of each; not saved (a resumed run calibrates again).
+        self.register_buffer("amax", torch.zeros(3, device=device), persistent=False)
+        self.calibrated = False  # a forward has set amax[INPUT]
+        self.grad_calibrated = False  # a training forward ran, so its backward has set amax[GRAD]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "DelayedFp8Linear":
+        """The layer in place of `linear`, holding the same parameter objects (optimizers and DDP see no change)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device=torch.device("meta"))
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.amax = torch.zeros(3, device=linear.weight.device)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stacked(self, self.weight, self.bias, x)
+
+    @staticmethod
+    def stacked(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None,
+                x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b in FP8 with `owner`'s amax history: the layer's own weight, or the stacked weights of
+        several layers that read the same input (query, key and value: `bert.fused_projection`)."""
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        flat = x.reshape(-1, x.shape[-1])
+        out = _DelayedFp8Matmul.apply(flat, weight, bias, owner.amax, owner.calibrated, owner.grad_calibrated,
+                                      out_dtype)
+        owner.calibrated = True
+        if torch.is_grad_enabled() and weight.requires_grad:
+            owner.grad_calibrated = True
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8 delayed scaling"

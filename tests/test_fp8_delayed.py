@@ -1,0 +1,113 @@
+"""`--fp8_recipe delayed` (model/fp8_delayed.py): scales from the previous step's amax, against a hand computation.
+
+The expected values are computed here from the definition: quantise with the scale that the
+previous call's amax gives (saturating), dequantise, multiply in fp32. Fast accumulation and
+`torch._scaled_mm`'s own summation order differ from that by fp32 rounding only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining
+from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8, fp8_layer_names, fp8_unavailable
+from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear
+
+CPU = torch.device("cpu")
+TINY = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def quantised(x: torch.Tensor, amax: float, dtype: torch.dtype) -> torch.Tensor:
+    """x scaled so that `amax` meets the format's largest value, clamped, rounded to `dtype`, scaled back."""
+    top = torch.finfo(dtype).max
+    scale = top / amax
+    return (x.double() * scale).clamp(-top, top).to(dtype).double() / scale
+
+
+def layer(seed: int = 0, in_features: int = 32, out_features: int = 48) -> DelayedFp8Linear:
+    torch.manual_seed(seed)
+    return DelayedFp8Linear.from_linear(nn.Linear(in_features, out_features))
+
+
+def test_second_forward_scales_by_the_first_ones_amax_and_saturates_above_it():
+    fp8 = layer()
+    first = torch.randn(16, 32)
+    fp8(first)
+    second = 3.0 * torch.randn(16, 32)  # about 3x the first's amax: its largest values saturate
+    got = fp8(second).double()
+    w = quantised(fp8.weight.detach(), float(fp8.weight.detach().abs().max()), E4M3)
+    expected = quantised(second, float(first.abs().max()), E4M3) @ w.t() + fp8.bias.detach().double()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    own_scale = quantised(second, float(second.abs().max()), E4M3) @ w.t() + fp8.bias.detach().double()
+    assert (got - own_scale).abs().max() > 1e-2  # dynamic scaling would give another result
+    assert float(fp8.amax[INPUT]) == float(second.abs().max())  # what the next call will scale by
+
+
+def test_first_forward_and_backward_calibrate_on_their_own_amax():
+    fp8 = layer(1)
+    x = torch.randn(16, 32, requires_grad=True)
+    out = fp8(x)
+    grad = torch.randn_like(out) * 1e-3  # gradients far below E5M2's range at scale 1
+    out.backward(grad)
+    g = quantised(grad, float(grad.abs().max()), E5M2)
+    w = quantised(fp8.weight.detach(), float(fp8.weight.detach().abs().max()), E4M3)
+    xq = quantised(x.detach(), float(x.detach().abs().max()), E4M3)
+    torch.testing.assert_close(x.grad.double(), g @ w, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(fp8.weight.grad.double(), g.t() @ xq, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(fp8.bias.grad, grad.sum(0), rtol=1e-6, atol=1e-9)
+    assert float(fp8.amax[GRAD]) == float(grad.abs().max())
+
+
+def test_second_backward_scales_by_the_first_backwards_amax_and_pads_odd_token_counts():
+    fp8 = layer(2)
+    x1 = torch.randn(13, 32, requires_grad=True)  # 13 tokens: the weight gradient's inner dimension is padded
+    fp8(x1).backward(torch.randn(13, 48))
+    x2 = torch.randn(13, 32, requires_grad=True)
+    fp8.weight.grad = None
+    grad = 2.0 * torch.randn(13, 48)
+    previous = float(fp8.amax[GRAD])
+    fp8(x2).backward(grad)
+    g = quantised(grad, previous, E5M2)
+    xq = quantised(x2.detach(), float(x1.detach().abs().max()), E4M3)
+    w = quantised(fp8.weight.detach(), float(fp8.weight.detach().abs().max()), E4M3)
+    torch.testing.assert_close(fp8.weight.grad.double(), g.t() @ xq, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x2.grad.double(), g @ w, rtol=1e-5, atol=1e-6)
+
+
+def test_autocast_gives_the_autocast_dtype_and_a_3d_input_keeps_its_shape():
+    fp8 = layer(3)
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fp8(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 8, 48)
+
+
+def test_conversion_keeps_parameters_state_dict_and_converts_the_recipes_layers():
+    torch.manual_seed(0)
+    model = BertForPreTraining(TINY)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    recipe = Fp8Recipe("delayed", "ffn")
+    convert_to_fp8(model, CPU, recipe)
+    converted = [name for name, m in model.named_modules() if isinstance(m, DelayedFp8Linear)]
+    assert converted == fp8_layer_names(model, recipe) == [
+        f"bert.encoder.layer.{i}.{g}" for i in range(2) for g in ("intermediate.dense", "output.dense")]
+    assert list(model.state_dict()) == keys  # the amax buffers are not saved
+    assert all(p is before[name] for name, p in model.named_parameters())
+    assert fp8_unavailable(CPU, "delayed") is None
+
+
+def test_fp8_recipe_flags_reach_the_settings_and_are_refused_without_fp8(tmp_path):
+    base = ["--input_dir", str(tmp_path), "--eval_dir", str(tmp_path), "--output_dir", str(tmp_path / "o"),
+            "--bert_config_path", str(tmp_path / "b.json"), "--max_steps", "10", "--submission_division", "open"]
+    cfg = parse_config([*base, "--precision", "fp8", "--fp8_recipe", "delayed", "--fp8_layers", "ffn"], 1)
+    assert (cfg.run.fp8_recipe, cfg.run.fp8_layers) == ("delayed", "ffn")
+    with pytest.raises(ConfigError, match="--fp8_recipe applies to --precision fp8 only; drop it with --precision bf16"):
+        parse_config([*base, "--precision", "bf16", "--fp8_recipe", "delayed"], 1)
+    run_and_time = (REPO / "run_and_time.sh").read_text()
+    assert '"FP8_RECIPE --fp8_recipe"' in run_and_time and '"FP8_LAYERS --fp8_layers"' in run_and_time
