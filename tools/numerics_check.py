@@ -31,8 +31,9 @@ sequences and predictions are compared. One row per layer and quantity:
   loss         mlm, nsp, total
   grad         each weight's gradient, in the order backward computes them (heads, the last
                layer down to the first, embeddings)
-Each row's error is the normwise relative error ||test - ref|| / ||ref|| (the worst batch).
-A non-finite value is an infinite error.
+Each row's error is the normwise relative error ||test - ref|| / ||ref||, judged batch by batch
+(the batch furthest out of its band counts). A non-finite value is an infinite error, outside any
+band.
 
 Tolerance bands, derived from the formats' rounding. Rounding to nearest with unit roundoff u
 (fp32 2^-24, bf16 2^-8, fp16 2^-11, FP8 e4m3 2^-4, e5m2 2^-3) makes a relative error spread
@@ -40,13 +41,13 @@ evenly over [-u, u]: rms u/sqrt(3). A GEMM of inner size K whose two operands ar
 u_a and u_b, accumulated in fp32 (a random walk of K roundings: sqrt(K) 2^-24) and rounded to
 u_out, has the normwise error
     e(K) = sqrt(u_a^2 + u_b^2 + K 2^-48 + u_out^2) / sqrt(3)
-(independent errors add in quadrature; for random-signed data the error of a dot product is
-relative to its value, so no condition number enters). The operands are the autocast dtype's
-(fp32 under fp32), e4m3 for the six GEMMs of each encoder layer under fp8 (their backward's
-output gradients e5m2: torchao's recipe, model/fp8.py); LayerNorms, softmax and the loss run in
-fp32 under autocast, so their stages cost e = 2^-24 / sqrt(3). Stages: the embeddings; per layer
-the QKV GEMM, the two attention GEMMs (K = max(head_dim, max_seqlen)), the output projection with
-its LayerNorm, the two FFN GEMMs; the heads. Errors add up along the path in variance:
+(independent errors add in quadrature; relative to the GEMM's result when its terms are
+random-signed: the condition factor below corrects that where they are not). The operands are the
+autocast dtype's (fp32 under fp32), e4m3 for the six GEMMs of each encoder layer under fp8 (their
+backward's output gradients e5m2: torchao's recipe, model/fp8.py); LayerNorms, softmax and the loss
+run in fp32 under autocast, so their stages cost e = 2^-24 / sqrt(3). Stages: the embeddings; per
+layer the QKV GEMM, the two attention GEMMs (K = max(head_dim, max_seqlen)), the output projection
+with its LayerNorm, the two FFN GEMMs; the heads. Errors add up along the path in variance:
 - inside a residual branch (attention, FFN rows) a row carries the residual stream's variance S
   and the branch's own stages so far;
 - where a branch rejoins the stream (the LayerNorm rows) S grows by the branch's variance times
@@ -57,18 +58,51 @@ its LayerNorm, the two FFN GEMMs; the heads. Errors add up along the path in var
 - a weight's gradient carries the whole forward's variance (without the rho credit: the backward
   stream's shares are not measured), the backward data-gradient GEMMs from the loss down to its
   stage and its own weight-gradient GEMM (K = tokens). Gradient bands are the loosest rows.
-    band = GROWTH * sqrt(variance)
+    band = GROWTH * sqrt(variance) * max(1, kappa)
 GROWTH covers what the sum leaves out: each stage's amplification of the error it receives
-(LayerNorm's 1/sigma, softmax, GELU), cancellation in a sum of few terms (the NSP head's
-gradient over a handful of sequences) and the spread of a normwise error around its rms. It is 8,
-set from measurements (docs/BRING_UP.md): clean runs of the demo model on the CPU in fp32, bf16
-and emulated FP8, packed, unpadded and padded, stay within 0.26 of their bands in the forward rows
-and 0.49 in the gradients (bf16's pooler and NSP gradients), while the planted faults of
+(LayerNorm's 1/sigma, softmax, GELU) and the spread of a normwise error around its rms. It is 8,
+set from measurements (docs/BRING_UP.md): clean runs of three model sizes on the CPU in fp32 and
+bf16, packed, unpadded and padded, over seeds (tests/test_numerics_bands.py's property test), and
+of the demo model in emulated FP8 stay within 0.28 of their bands, while the planted faults of
 tests/test_numerics_check.py leave theirs by 16x to 10^6x in fp32.
 
-Output: a table with one row per layer and quantity (error, band, error/band), the first row out
-of its band marked; the last line names it. Exit status 0 when every row is inside its band, 1
-when one is not, 2 for a usage error (one line naming the flag or file).
+Cancellation: the condition factor kappa. The variance above is relative to each row's own size,
+which holds for a sum of random-signed terms (a random walk: |sum| ~ sqrt(sum of squares)) but not
+for one whose terms cancel. Take a row computed as the sum y = sum_j t_j (per element: a GEMM's
+dot product, a weight gradient's sum over tokens). Each term arrives with a relative error d_j of
+rms e (its operands' rounding and the error they carry), so y's error is sum_j t_j d_j. Split
+d_j = c + d'_j into what the terms share (similar inputs round alike) and what they do not: the
+shared part cancels as the terms do, a relative error e of y; the independent part has rms
+e * sqrt(sum_j t_j^2), relative to y
+    e * kappa,   kappa = sqrt(sum_j t_j^2) / |sum_j t_j|
+and over a row's elements, normwise, kappa = sqrt(sum over elements and terms of t^2) / ||y||.
+Random-signed terms give kappa ~ 1, terms of one sign kappa <= 1, and cancelling terms kappa >> 1:
+the NSP head's weight gradient sum_s (p_s - label_s) pooled_s runs over a few sequences whose
+pooled vectors are nearly alike at seeded weights, and labels of both kinds keep only their small
+differences (kappa up to 80 on the demo models). This is the classical summation bound's condition
+number with squares for absolute values: that bound, |fl(sum t) - sum t| <= gamma_n sum_j |t_j|,
+is for errors that conspire in sign and, for random-signed terms, is sqrt(n) times this one, which
+would loosen every row by the square root of its inner size (16 at 256 tokens) where this check's
+variances are rms throughout. A band is multiplied by max(1, kappa): below 1 the terms' own
+rounding shrinks but the result's does not. kappa is measured per batch on the fp64 reference
+(`SumConditions`), a second computation of each row's sum from squared operands, never from the
+run under test:
+  GEMM rows (FFN, pooler, NSP logits, MLM transform, MLM logits: the GEMM before the activation):
+      Y = X W^T + b,  sum t^2 = sum_i ||X[:, i]||^2 ||W[:, i]||^2 + rows * ||b||^2
+  attention: sum over sequences, heads, queries q and keys j of P_qj^2 ||v_j||^2
+  LayerNorm rows: residual + branch (embeddings: word + position + token type), sum of ||term||^2
+  weight gradients, dW = sum_t g_t x_t^T over the tokens (sequences, predictions) of the batch:
+      sum_t ||g_t||^2 ||x_t||^2; a LayerNorm's weight sum_t ||g_t * xhat_t||^2; an embedding table
+      sum_t ||g_t||^2, the tied word table also the MLM decoder's sum_m ||dlogits_m||^2 ||h_m||^2
+  losses: means of positive terms, kappa <= 1, no factor.
+kappa covers the row's own sum. A cancellation earlier on the path reaches the row as carried error
+that the rms model and GROWTH account for (the softmax backward of near-uniform attention behind
+the key weights' gradients, BRING_UP.md).
+
+Output: a table with one row per layer and quantity (error, band, its condition factor,
+error/band), the first row out of its band marked; the last line names it. Exit status 0 when
+every row is inside its band, 1 when one is not, 2 for a usage error (one line naming the flag or
+file).
 """
 
 from __future__ import annotations
@@ -93,7 +127,7 @@ from mlperf_bert.config.cli import build_parser, config_from_args
 from mlperf_bert.config.settings import ConfigError, TrainConfig
 from mlperf_bert.data.batch import IGNORE_INDEX, FlatBatch, Item, PaddedBatch, flatten_items, pad_items, unpad
 from mlperf_bert.data.static_batch import static_packed_batch
-from mlperf_bert.model.bert import BertConfig, BertForPreTraining, PretrainingOutput
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining, BertLMPredictionHead, PretrainingOutput
 from mlperf_bert.optim.loss_scale import DeviceLossScaler
 from mlperf_bert.startup import device_problems
 from mlperf_bert.train.cuda_graphs import capture, copy_batch
@@ -392,15 +426,155 @@ class BranchShares:
             handle.remove()
 
 
+def _squares_per_row(x: torch.Tensor) -> torch.Tensor:
+    """||x_t||^2 of each row t of x ([..., features] flattened to rows)."""
+    flat = x.detach().reshape(-1, x.shape[-1])
+    return (flat * flat).sum(-1)
+
+
+def gemm_squares(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    """Sum over Y = X W^T + b's elements of its terms' squares: (X*X)(W*W)^T summed, plus b^2 per row."""
+    xs = x.detach().reshape(-1, x.shape[-1])
+    total = float(((xs * xs).sum(0) * (weight.detach() ** 2).sum(0)).sum())
+    return total if bias is None else total + xs.shape[0] * float((bias.detach() ** 2).sum())
+
+
+def outer_squares(grad: torch.Tensor, x: torch.Tensor) -> float:
+    """sum_t ||g_t||^2 ||x_t||^2: the terms' squares of a weight gradient sum_t g_t x_t^T."""
+    return float((_squares_per_row(grad) * _squares_per_row(x)).sum())
+
+
+def attention_squares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> float:
+    """sum of P_qj^2 ||v_j||^2 over sequences, heads, queries and keys (q, k, v: [T, heads, dim]) of
+    softmax(q k^T / sqrt(dim)) v; the probabilities computed again, sequence by sequence."""
+    total, bounds = 0.0, cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x.detach()[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, dim]
+        probs = torch.softmax(qs @ ks.transpose(1, 2) / math.sqrt(qs.shape[-1]), dim=-1)
+        total += float(((probs * probs) @ (vs * vs).sum(-1, keepdim=True)).sum())
+    return total
+
+
+class SumConditions:
+    """Hooks on the fp64 reference that measure the condition kappa of the sum behind each row (the
+    module docstring's "Cancellation"): each sum's terms' squares, summed again from squared operands,
+    against the sum's norm. One batch at a time: `reset` before its forward, `conditions` after its
+    backward."""
+
+    def __init__(self, model: BertForPreTraining) -> None:
+        self.model = model
+        self.squares: dict[str, float] = {}  # row key -> sum of its terms' squares
+        self.norms: dict[str, float] = {}  # forward row key -> ||sum||
+        self._kept: dict[str, torch.Tensor] = {}
+        layers = model.config.num_hidden_layers
+        gemm_rows = {"bert.pooler.dense": "pooler", "cls.seq_relationship": "nsp_logits",
+                     "cls.predictions.transform.dense": "mlm_transform"}
+        gemm_rows |= {f"bert.encoder.layer.{n}.intermediate.dense": f"layer{n}.ffn" for n in range(layers)}
+        hooks: list[torch.utils.hooks.RemovableHandle] = []
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                hooks.append(module.register_forward_hook(self._linear(name, gemm_rows.get(name))))
+            elif isinstance(module, torch.nn.LayerNorm):
+                hooks.append(module.register_forward_hook(self._layer_norm(name)))
+            elif isinstance(module, torch.nn.Embedding):
+                hooks.append(module.register_forward_hook(self._embedding(name)))
+        hooks.append(model.get_submodule("bert.embeddings.LayerNorm").register_forward_pre_hook(self._embedding_sum))
+        for n in range(layers):
+            p = f"bert.encoder.layer.{n}."
+            hooks.append(model.get_submodule(p + "attention.self.attend").register_forward_hook(self._attention(n)))
+            for module, key in (("attention.output", f"layer{n}.attention_ln"), ("output", f"layer{n}.output_ln")):
+                hooks += [model.get_submodule(p + module + ".dense").register_forward_hook(self._keep(key)),
+                          model.get_submodule(p + module + ".LayerNorm").register_forward_pre_hook(self._residual(key))]
+        hooks += [model.get_submodule("cls.predictions.transform").register_forward_hook(self._keep("mlm_logits")),
+                  model.get_submodule("cls.predictions").register_forward_hook(self._decoder)]
+        self._handles = hooks
+
+    def _add(self, key: str, squares: float) -> None:
+        self.squares[key] = self.squares.get(key, 0.0) + squares
+
+    def _linear(self, name: str, row: str | None) -> Callable:
+        def hook(module: torch.nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            x = inputs[0]
+            if row is not None:
+                self._add(row, gemm_squares(x, module.weight, module.bias))
+                self.norms[row] = float(torch.linalg.vector_norm(output.detach()))
+            output.register_hook(lambda grad: self._add(f"grad:{name}.weight", outer_squares(grad, x)))
+        return hook
+
+    def _layer_norm(self, name: str) -> Callable:
+        def hook(module: torch.nn.LayerNorm, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            normed = F.layer_norm(inputs[0].detach(), module.normalized_shape, eps=module.eps)  # xhat
+            output.register_hook(lambda grad: self._add(f"grad:{name}.weight", float(((grad * normed) ** 2).sum())))
+        return hook
+
+    def _embedding(self, name: str) -> Callable:
+        def hook(module: torch.nn.Embedding, inputs: object, output: torch.Tensor) -> None:
+            self._add("embeddings", float(_squares_per_row(output).sum()))  # a term of the embeddings' sum
+            output.register_hook(lambda grad: self._add(f"grad:{name}.weight", float(_squares_per_row(grad).sum())))
+        return hook
+
+    def _embedding_sum(self, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.norms["embeddings"] = float(torch.linalg.vector_norm(inputs[0].detach()))
+
+    def _attention(self, n: int) -> Callable:
+        def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            q, k, v, cu_seqlens = inputs[:4]
+            self._add(f"layer{n}.attention", attention_squares(q, k, v, cu_seqlens))
+            self.norms[f"layer{n}.attention"] = float(torch.linalg.vector_norm(output.detach()))
+        return hook
+
+    def _keep(self, key: str) -> Callable:
+        def hook(module: torch.nn.Module, inputs: object, output: torch.Tensor) -> None:
+            self._kept[key] = output.detach()
+        return hook
+
+    def _residual(self, key: str) -> Callable:
+        """The LayerNorm's input is residual + branch (the kept output projection): two terms."""
+        def hook(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            total, branch = inputs[0].detach(), self._kept.pop(key)
+            self._add(key, float(_squares_per_row(total - branch).sum() + _squares_per_row(branch).sum()))
+            self.norms[key] = float(torch.linalg.vector_norm(total))
+        return hook
+
+    def _decoder(self, module: BertLMPredictionHead, inputs: tuple, logits: torch.Tensor) -> None:
+        """logits = h E^T + bias, E the tied word embeddings (its first `vocab_size` rows compared)."""
+        hidden, table = self._kept.pop("mlm_logits"), inputs[1][: logits.shape[-1]]
+        self._add("mlm_logits", gemm_squares(hidden, table, module.bias[: logits.shape[-1]]))
+        self.norms["mlm_logits"] = float(torch.linalg.vector_norm(logits.detach()))
+        logits.register_hook(lambda grad: self._add("grad:bert.embeddings.word_embeddings.weight",
+                                                    outer_squares(grad, hidden)))
+
+    def reset(self) -> None:
+        self.squares.clear()
+        self.norms.clear()
+        self._kept.clear()
+
+    def conditions(self) -> dict[str, float]:
+        """Row key -> kappa of this batch (after its backward); infinite for a sum of norm 0 whose terms are not."""
+        norms = self.norms | {f"grad:{name}": float(torch.linalg.vector_norm(p.grad))
+                              for name, p in self.model.named_parameters() if p.grad is not None}
+        return {key: _ratio(math.sqrt(squares), norms[key]) for key, squares in self.squares.items() if key in norms}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
 Capture = dict[str, torch.Tensor]  # capture key -> fp64 CPU tensor (real tokens / sequences / predictions)
 
 
 @dataclass
 class Reference:
-    """The fp64 reference's rows for each batch, and its branches' shares of the residual stream."""
+    """The fp64 reference's rows for each batch, its branches' shares of the residual stream and, per
+    batch, the condition of each row's sum (row key -> kappa; a row without one has none)."""
 
     captures: list[Capture]
     shares: list[dict[str, float]]
+    conditions: list[dict[str, float]]
 
 
 def _select(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -442,23 +616,26 @@ def reference_model(model: torch.nn.Module, bert: BertConfig) -> BertForPreTrain
 def reference_captures(reference: BertForPreTraining, batches: Sequence[CheckBatch]) -> Reference:
     """The reference's rows for each batch: fp64 throughout, the loss too (the trainer's loss reads fp32)."""
     layers = reference.config.num_hidden_layers
-    recorder, shares = Recorder(reference, layers), BranchShares(reference, layers)
-    captures = []
+    recorder, shares, sums = Recorder(reference, layers), BranchShares(reference, layers), SumConditions(reference)
+    captures, conditions = [], []
     try:
         for check in batches:
             batch = check.reference_batch
             reference.zero_grad(set_to_none=True)
+            sums.reset()
             out = reference(batch)
             mlm = F.cross_entropy(out.mlm_logits, batch.masked_lm_ids)
             nsp = F.cross_entropy(out.nsp_logits, batch.next_sentence_labels)
             (mlm + nsp).backward()
+            conditions.append(sums.conditions())
             flat = CheckBatch(check.rows, batch)
             captures.append(_collect(recorder.outputs, out, {"mlm": mlm, "nsp": nsp, "total": mlm + nsp}, reference,
                                      flat, 1.0))
     finally:
         recorder.remove()
         shares.remove()
-    return Reference(captures, shares.shares)
+        sums.remove()
+    return Reference(captures, shares.shares, conditions)
 
 
 def _device_batch(check: CheckBatch, device: torch.device) -> FlatBatch:
@@ -511,18 +688,22 @@ def _graphed_step(model: BertForPreTraining, first: CheckBatch, precision: str, 
 
 @dataclass
 class RowResult:
+    """The batch furthest out of its band: its error, its band and the condition factor in that band."""
+
     where: str
     quantity: str
-    error: float  # worst batch's ||test - ref|| / ||ref||
-    band: float
+    error: float  # ||test - ref|| / ||ref||
+    band: float  # the row's band times `condition`
+    condition: float = 1.0  # max(1, kappa) of the row's sum in this batch
 
     @property
     def ratio(self) -> float:
-        return self.error / self.band
+        """error / band; infinite for a non-finite error (whatever the band) or a band of 0."""
+        return self.error / self.band if math.isfinite(self.error) and self.band > 0 else math.inf
 
     @property
     def inside(self) -> bool:
-        return self.error <= self.band
+        return math.isfinite(self.error) and self.error <= self.band
 
     @property
     def name(self) -> str:
@@ -540,15 +721,21 @@ def relative_error(test: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def compare(specs: Sequence[RowSpec], reference: Reference, test: Sequence[Capture]) -> list[RowResult]:
-    """Each row's worst relative error over the batches, against its band. A quantity the test run
-    lacks (a gradient that never arrived) is an infinite error."""
+    """Each row in the batch furthest out of its band: the error against the band times that batch's
+    condition factor max(1, kappa). A quantity the test run lacks (a gradient that never arrived) is
+    an infinite error."""
     results = []
     for spec in specs:
-        worst = 0.0
-        for ref, got in zip(reference.captures, test):
+        worst: RowResult | None = None
+        for ref, conditions, got in zip(reference.captures, reference.conditions, test):
             value = got.get(spec.key)
-            worst = max(worst, math.inf if value is None else relative_error(value, ref[spec.key]))
-        results.append(RowResult(spec.where, spec.quantity, worst, spec.band))
+            error = math.inf if value is None else relative_error(value, ref[spec.key])
+            condition = max(1.0, conditions.get(spec.key, 1.0))
+            row = RowResult(spec.where, spec.quantity, error, spec.band * condition, condition)
+            if worst is None or row.ratio > worst.ratio:
+                worst = row
+        assert worst is not None, "compare needs at least one batch"
+        results.append(worst)
     return results
 
 
@@ -558,10 +745,11 @@ def first_outside(results: Sequence[RowResult]) -> RowResult | None:
 
 def format_table(results: Sequence[RowResult]) -> str:
     first = first_outside(results)
-    lines = [f"{'#':>4}  {'where':<16}{'quantity':<34}{'rel error':>11}{'band':>11}{'err/band':>10}"]
+    lines = [f"{'#':>4}  {'where':<16}{'quantity':<34}{'rel error':>11}{'band':>11}{'cond':>8}{'err/band':>10}"]
     for n, r in enumerate(results):
         mark = "  <- first out of band" if r is first else ("  out of band" if not r.inside else "")
-        lines.append(f"{n:>4}  {r.where:<16}{r.quantity:<34}{r.error:>11.3e}{r.band:>11.3e}{r.ratio:>10.3f}{mark}")
+        lines.append(f"{n:>4}  {r.where:<16}{r.quantity:<34}{r.error:>11.3e}{r.band:>11.3e}{r.condition:>8.2f}"
+                     f"{r.ratio:>10.3f}{mark}")
     return "\n".join(lines)
 
 
