@@ -128,6 +128,7 @@ from mlperf_bert.config.settings import ConfigError, TrainConfig
 from mlperf_bert.data.batch import IGNORE_INDEX, FlatBatch, Item, PaddedBatch, flatten_items, pad_items, unpad
 from mlperf_bert.data.static_batch import static_packed_batch
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, BertLMPredictionHead, PretrainingOutput
+from mlperf_bert.model.fp8 import Fp8Recipe
 from mlperf_bert.optim.loss_scale import DeviceLossScaler
 from mlperf_bert.startup import device_problems
 from mlperf_bert.train.cuda_graphs import capture, copy_batch
@@ -859,7 +860,8 @@ def run_check(setup: Setup) -> Report:
     specs = plan_rows(setup.bert, run.precision, cfg.data.max_seq_length, tokens, reference.shares)
     results = compare(specs, reference,
                       device_captures(setup.model, setup.batches, run.precision, setup.device, run.cuda_graphs))
-    label = (f"{run.precision} on {setup.device.type}, attention {setup.model.bert.backend}, layout "
+    recipe = f" ({Fp8Recipe.of(run.fp8_recipe, run.fp8_layers).describe()})" if run.precision == "fp8" else ""
+    label = (f"{run.precision}{recipe} on {setup.device.type}, attention {setup.model.bert.backend}, layout "
              f"{cfg.data.input_layout}, compile {run.compile_mode}{', CUDA graph' if run.cuda_graphs else ''}")
     name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"
     return Report(label, name, time.perf_counter() - start, results)
