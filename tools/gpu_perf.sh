@@ -20,7 +20,8 @@
 #
 # Variables: PYTHON (python3), CONFIG (default: by the GPU's name, H200 -> config_DGXH200_1x8.sh, H100,
 # B200, A100 likewise), BUDGET_S (470 s: 8 minutes less a margin, compiles included), VARIANTS (labels
-# of the table below, comma-separated: only those), TRAINER_WARMUP (10), TRAINER_STEPS (40).
+# of the table below, comma-separated: only those), TRAINER_WARMUP (10), TRAINER_STEPS (40; fewer than 30
+# timed steps is a failure).
 # Offline, as tools/bring_up.sh: wheels in carry/wheels are installed into a temporary folder first on
 # PYTHONPATH. Exit status: 0 when every step that ran passed (and at least one ran), 1 otherwise, 2 for
 # a usage error.
@@ -28,7 +29,8 @@ set -uo pipefail
 
 # The shipped step's variants, in order of value: `label|config variables` (set on top of the config by
 # throughput.py --config_var). A variant whose variable run_and_time.sh does not read (FP8_RECIPE and
-# FP8_LAYERS until they land) is skipped with a note, as is one whose PRECISION this device lacks.
+# FP8_LAYERS until they land) is skipped with a note, as is one whose PRECISION this device lacks or whose
+# values the config already has. The smoke mode times the first that runs.
 variants=(
   "bf16|PRECISION=bf16"
   "fp8 tensorwise|PRECISION=fp8 FP8_RECIPE=tensorwise"
@@ -176,9 +178,12 @@ variant() {
 
 packed_vs_hf() {
   fits "packed-hf bf16" "$need_hf" || return
-  local shape=()
+  local shape=() limit=150 left
   [[ $SMOKE == 1 ]] || shape=(--rounds 3 --steps 5 --warmup 3)  # HF padded is 2-6x slower: fewer steps
-  bench_step "packed-hf bf16" 150 "$work/tp_packed_vs_hf.json" --precision bf16 --layouts packed,hf_padded "${shape[@]}"
+  left=$(($(budget_left) - need_trainer))  # the trainer's time stays free where both fit
+  ((left >= need_hf && left < limit)) && limit=$left
+  bench_step "packed-hf bf16" "$limit" "$work/tp_packed_vs_hf.json" --precision bf16 --layouts packed,hf_padded \
+    "${shape[@]}"
 }
 
 # trainer_data DIR BATCH SEQ_LENGTH PREDICTIONS LAYOUT: BERT-Large-shaped sequences (make_demo_data.py: the
