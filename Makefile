@@ -57,10 +57,16 @@ clean-demo:
 # One command on a new machine (tools/bring_up.sh, docs/BRING_UP.md): the GPU tests, the numerics check
 # in every precision the device supports, make gpu-check per config with its peak memory, and the
 # throughput benchmark; results and summary.txt in BRING_UP_OUT (default $OUT, else bring_up_out/).
-.PHONY: bring-up carry
+.PHONY: bring-up carry gpu-perf
 BRING_UP_OUT ?= $(if $(OUT),$(OUT),bring_up_out)
 bring-up:
 	PYTHON=$${PYTHON_GPU:-python3} bash tools/bring_up.sh "$(BRING_UP_OUT)"
+
+# The prepared GPU measurement (tools/gpu_perf.sh, docs/PERFORMANCE.md): the shipped config of this GPU,
+# its variants, packed against HuggingFace, and the trainer itself, in 8 minutes; one summary.txt.
+GPU_PERF_OUT ?= $(if $(OUT),$(OUT),gpu_perf_out)
+gpu-perf:
+	PYTHON=$${PYTHON_GPU:-python3} bash tools/gpu_perf.sh "$(GPU_PERF_OUT)"
 
 # The wheels bring-up installs offline (pip install --no-index), for a device machine's Python
 # (CARRY_PYTHON: 3.12, x86-64 Linux) that has torch and no package registry: torchao for --precision

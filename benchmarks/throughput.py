@@ -4,6 +4,8 @@
     PYTHONPATH=pytorch python benchmarks/throughput.py --config large --precision bf16,fp8
     PYTHONPATH=pytorch python benchmarks/throughput.py --config tiny --device cpu    # seconds, for CI
     PYTHONPATH=pytorch python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh  # a config's set-up
+    PYTHONPATH=pytorch python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh \
+        --config_var PRECISION=bf16 --config_var COMPILE_MODE=none       # the same step, bf16 and eager
 
 Every set-up (a layout at a precision) trains a freshly initialised model (same seed) with
 LAMB on the same synthetic batches: `--warmup` untimed steps once, then `--rounds` rounds of
@@ -40,7 +42,10 @@ layout, precision, compile mode, CUDA graphs, attention back-end and its groups,
 sharding come from that config, the step from its per-GPU batch (packed rows; a flat layout
 gets the sequences of half as many rows, since a pack holds 2 sequences as the configs count
 them). One process cannot shard: a sharded config is timed with the optimizer's whole update,
-which is what the sharded optimizer computes on one rank.
+which is what the sharded optimizer computes on one rank. `--config_var NAME=VALUE` (repeatable)
+sets a config variable on top of the config before run_and_time.sh reads it, as an `export` after
+the config's own would: the same step with one thing changed, labelled `packed/bf16 [PRECISION=bf16]`
+and recorded in the results (`config_vars`).
 
 Reported per set-up: real sequences/s, real tokens/s, useful TFLOP/s (mlperf_bert.model.flops:
 3 x forward matrix multiplies over real tokens only) and utilisation against the peak
@@ -55,6 +60,7 @@ import datetime
 import gc
 import json
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -66,7 +72,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from clip_study import launch_env, trainer_flags
+from clip_study import RUN_AND_TIME, launch_env, trainer_flags
 from data_prep import packing
 from mlperf_bert.model import flops
 from mlperf_bert.data.lengths import load_length_histogram
@@ -181,6 +187,7 @@ class Context:
     sharded: bool = False  # the config shards its optimizer (timed unsharded: one process, see the docstring)
     layouts: tuple[str, ...] = LAYOUTS
     fp8: Fp8Recipe = Fp8Recipe()  # under fp8: the recipe (a config's FP8_RECIPE and FP8_LAYERS)
+    config_vars: tuple[tuple[str, str], ...] = ()  # --config_var overrides of a --from_config set-up
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -424,10 +431,18 @@ class Result:
     speedup_vs_hf: float | None = None  # their median
     speedup_min: float | None = None
     speedup_max: float | None = None
+    config_vars: dict[str, str] = field(default_factory=dict)  # --config_var overrides, in the given order
 
     @property
     def name(self) -> str:
-        return f"{self.layout}/{self.precision}"
+        """`packed/bf16`, with the overrides of the config when there are any: `packed/bf16 [PRECISION=bf16]`."""
+        given = ", ".join(f"{k}={v}" for k, v in self.config_vars.items())
+        return f"{self.layout}/{self.precision}" + (f" [{given}]" if given else "")
+
+    @property
+    def file_stem(self) -> str:
+        """The name as a file name: `packed_bf16_PRECISION=bf16`."""
+        return re.sub(r"[^A-Za-z0-9_.=-]+", "_", self.name).strip("_")
 
 
 @dataclass(frozen=True)
@@ -452,7 +467,7 @@ def build_runner(layout: str, ctx: Context, steps: list[list[Item]]) -> Runner:
     return hf_runner(ctx, steps)
 
 
-def profile_layout(runner: Runner, ctx: Context, name: str, out_dir: Path) -> None:
+def profile_layout(runner: Runner, ctx: Context, result: Result, out_dir: Path) -> None:
     """Three more steps under torch.profiler: a Chrome trace and a table of the top ops."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -462,7 +477,7 @@ def profile_layout(runner: Runner, ctx: Context, name: str, out_dir: Path) -> No
             runner.step(batch)
         ctx.synchronize()
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = name.replace("/", "_")
+    stem, name = result.file_stem, result.name
     prof.export_chrome_trace(str(out_dir / f"{stem}.trace.json"))
     key = "self_device_time_total" if ctx.device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=30)
@@ -554,15 +569,17 @@ def add_speedups(results: list[Result]) -> None:
 
 def print_table(results: list[Result], header: dict) -> None:
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in header.items()
-                   if not isinstance(v, (dict, list))) + f" precisions={','.join(header['precisions'])}")
-    print(f"{'set-up':<16}{'ms/step':>9}{'seq/s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'util':>7}{'loss':>8}"
+                   if v is not None and not isinstance(v, (dict, list)))
+          + f" precisions={','.join(header['precisions'])}")
+    width = max([16] + [len(r.name) + 2 for r in results])  # a label with --config_var overrides is longer
+    print(f"{'set-up':<{width}}{'ms/step':>9}{'seq/s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'util':>7}{'loss':>8}"
           f"{'vs HF (min-max)':>18}  notes")
     for r in results:
         if r.status != "ok":
-            print(f"{r.name:<16}  {r.status}")
+            print(f"{r.name:<{width}}  {r.status}")
             continue
         vs_hf = f"{r.speedup_vs_hf:.2f} ({r.speedup_min:.2f}-{r.speedup_max:.2f})" if r.speedup_vs_hf else "-"
-        print(f"{r.name:<16}{1e3 * r.seconds / r.steps:>9.2f}{r.sequences_per_s:>10.1f}{r.tokens_per_s:>12.0f}"
+        print(f"{r.name:<{width}}{1e3 * r.seconds / r.steps:>9.2f}{r.sequences_per_s:>10.1f}{r.tokens_per_s:>12.0f}"
               f"{r.useful_tflops:>9.3f}{r.utilisation:>7.1%}{r.loss:>8.3f}{vs_hf:>18}  {r.notes}")
     rounds = [" ".join(f"{s:.3f}" for s in r.round_seconds) for r in results if r.status == "ok"]
     for r, line in zip((r for r in results if r.status == "ok"), rounds):
@@ -579,6 +596,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from_config", type=Path, metavar="config_X.sh",
                    help="time exactly this shipped config's set-up (layout, precision, compile mode, graphs, "
                         f"attention, optimizer, per-GPU batch); not with {', '.join(CONFIG_SETUP_FLAGS)}")
+    p.add_argument("--config_var", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --from_config: set this config variable before run_and_time.sh reads the config "
+                        "(repeatable), e.g. PRECISION=bf16 or COMPILE_MODE=none")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", default="auto",
                    help=f"comma-separated subset of {PRECISIONS}, each run with every layout; auto: bf16 on a "
@@ -616,6 +636,7 @@ class ConfigSetup:
 
     path: Path
     train: TrainConfig
+    config_vars: dict[str, str] = field(default_factory=dict)  # set on top of the config (--config_var)
 
     @property
     def rows(self) -> int:
@@ -634,36 +655,69 @@ def config_world_size(config: Path) -> int:
     return int(counts[0]) * int(counts[1])
 
 
-def trainer_flags_of(config: Path) -> tuple[list[str], int]:
-    """The trainer flags `run_and_time.sh` builds from `config` (`clip_study.trainer_flags`: the launcher's
-    own table of config variables, never a second mapping), and the config's world size. Only the run's
-    folders and files, which no set-up depends on, are placeholders."""
+# Variables the benchmark sets itself when it asks run_and_time.sh for a config's flags: the run's folders
+# and files (placeholders no set-up depends on) and the interpreter that catches the flags.
+PLACEHOLDER_VARS = ("DATADIR_PHASE2", "EVALDIR", "BERT_CONFIG", "INIT_CHECKPOINT", "OUTPUT_DIR", "SEED",
+                    "NODE_RANK", "MASTER_ADDR", "PYTHON")
+CONFIG_VAR = re.compile(r"([A-Z][A-Z0-9_]*)=(.*)", re.S)
+
+
+def parse_config_vars(given: list[str], launcher: Path = RUN_AND_TIME) -> dict[str, str]:
+    """`--config_var NAME=VALUE` flags as {NAME: VALUE} (a later one wins); SystemExit names a malformed one,
+    a placeholder, and a variable the launcher never reads (its override would change nothing)."""
+    known = launcher.read_text()
+    values: dict[str, str] = {}
+    for item in given:
+        match = CONFIG_VAR.fullmatch(item)
+        if match is None:
+            raise SystemExit(f"--config_var {item}: give NAME=VALUE with an UPPER_CASE config variable name, "
+                             "e.g. --config_var PRECISION=bf16")
+        name, value = match.groups()
+        if name in PLACEHOLDER_VARS:
+            raise SystemExit(f"--config_var {item}: the benchmark sets {name} itself (no set-up depends on it)")
+        if not re.search(rf"\b{name}\b", known):
+            raise SystemExit(f"--config_var {item}: {launcher.name} does not read {name}, so it would change "
+                             "nothing; give a variable of its flag table")
+        values[name] = value
+    return values
+
+
+def trainer_flags_of(config: Path, config_vars: dict[str, str] | None = None) -> tuple[list[str], int]:
+    """The trainer flags `run_and_time.sh` builds from `config` and `config_vars` on top of it
+    (`clip_study.trainer_flags`: the launcher's own table of config variables, never a second mapping), and
+    the config's world size. Only the run's folders and files, which no set-up depends on, are placeholders."""
     with tempfile.TemporaryDirectory(prefix="config_setup_") as tmp:
         folder = Path(tmp)
         for name in ("data", "eval"):
             (folder / name).mkdir()
         (folder / "bert_config.json").write_text("{}\n")
         (folder / "init.pt").touch()  # a closed-division config names the phase-1 checkpoint; never read here
-        overrides = {"DATADIR_PHASE2": str(folder / "data"), "EVALDIR": str(folder / "eval"),
-                     "BERT_CONFIG": str(folder / "bert_config.json"), "INIT_CHECKPOINT": str(folder / "init.pt"),
-                     "OUTPUT_DIR": str(folder / "out"), "SEED": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        placeholders = {"DATADIR_PHASE2": str(folder / "data"), "EVALDIR": str(folder / "eval"),
+                        "BERT_CONFIG": str(folder / "bert_config.json"), "INIT_CHECKPOINT": str(folder / "init.pt"),
+                        "OUTPUT_DIR": str(folder / "out"), "SEED": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
         try:
-            flags = trainer_flags(config.resolve(), overrides)
+            flags = trainer_flags(config.resolve(), {**(config_vars or {}), **placeholders})
         except RuntimeError as refused:
             lines = str(refused).strip().splitlines()
-            raise SystemExit(f"--from_config {config}: run_and_time.sh refused it: {lines[-1]}") from refused
+            raise SystemExit(f"--from_config {config}{given_note(config_vars)}: run_and_time.sh refused it: "
+                             f"{lines[-1]}") from refused
     return flags, config_world_size(config)
 
 
-def config_setup(config: Path) -> ConfigSetup:
-    """The config's set-up, parsed and validated by the trainer (SystemExit with the line naming a problem)."""
+def given_note(config_vars: dict[str, str] | None) -> str:
+    return "".join(f" --config_var {k}={v}" for k, v in (config_vars or {}).items())
+
+
+def config_setup(config: Path, config_vars: dict[str, str] | None = None) -> ConfigSetup:
+    """The config's set-up with `config_vars` set on top, parsed and validated by the trainer (SystemExit with
+    the line naming a problem)."""
     if not config.is_file():
         raise SystemExit(f"--from_config {config}: no such file; give a config_<SYSTEM>.sh of the repository")
-    flags, world = trainer_flags_of(config)
+    flags, world = trainer_flags_of(config, config_vars)
     try:
-        return ConfigSetup(config, parse_config(flags, world))
+        return ConfigSetup(config, parse_config(flags, world), dict(config_vars or {}))
     except ConfigError as err:
-        raise SystemExit(f"--from_config {config}: the trainer refuses it: {err}") from err
+        raise SystemExit(f"--from_config {config}{given_note(config_vars)}: the trainer refuses it: {err}") from err
 
 
 def given_setup_flags(argv: list[str]) -> list[str]:
@@ -701,7 +755,9 @@ def chosen(flag: str, given: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 def build_context(args: argparse.Namespace) -> Context:
     """The run's settings at its first precision (`contexts` gives one per precision)."""
     if args.from_config is not None:
-        return config_context(args, config_setup(args.from_config))
+        return config_context(args, config_setup(args.from_config, parse_config_vars(args.config_var)))
+    if args.config_var:
+        raise SystemExit("--config_var sets a variable of a config: it needs --from_config config_X.sh")
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     chosen("--layouts", args.layouts, LAYOUTS)
@@ -731,10 +787,11 @@ def config_context(args: argparse.Namespace, setup: ConfigSetup) -> Context:
     return Context(cfg, resolve_device(args.device), run.precision, run.compile_mode, run.cuda_graphs,
                    train.model.attention_backend, args.hf_attention, train.model.group_bounds, args.seed,
                    (run.precision,), optimizer=train.optim.optimizer, sharded=train.optim.distributed,
-                   layouts=(train.data.input_layout,), fp8=Fp8Recipe.of(run.fp8_recipe, run.fp8_layers))
+                   layouts=(train.data.input_layout,), fp8=Fp8Recipe.of(run.fp8_recipe, run.fp8_layers),
+                   config_vars=tuple(setup.config_vars.items()))
 
 
-def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
+def header(ctx: Context, peak: float, peak_dtype: str, from_config: Path | None = None) -> dict:
     cfg = ctx.cfg
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
     return {
@@ -744,6 +801,7 @@ def header(ctx: Context, peak: float, peak_dtype: str) -> dict:
         "sharded": ctx.sharded, "rows_per_step": cfg.rows, "steps": cfg.steps, "rounds": cfg.rounds,
         "warmup": cfg.warmup, "max_seq_length": cfg.max_seq_length, "peak_tflops": peak, "peak_dtype": peak_dtype,
         "bert": cfg.bert.to_dict(), "fp8": asdict(ctx.fp8) if "fp8" in ctx.precisions else None,
+        "from_config": None if from_config is None else str(from_config), "config_vars": dict(ctx.config_vars),
     }
 
 
@@ -756,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_dtype = matmul_peak_tflops(ctx.device, args.peak_size or (8192 if ctx.device.type == "cuda" else 256))
     steps = synthetic_steps(ctx.cfg, args.seed)
     work = timed_work(ctx.cfg, steps)
-    setups = [Setup(replace(ctx, precision=precision), Result(layout, precision, "ok"))
+    setups = [Setup(replace(ctx, precision=precision), Result(layout, precision, "ok",
+                                                              config_vars=dict(ctx.config_vars)))
               for precision in ctx.precisions for layout in ctx.layouts]
     run_rounds(setups, steps, ctx.cfg.rounds)
     results = [finish(setup, work, peak) for setup in setups]
@@ -764,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_dir is not None:
         for setup in setups:
             if setup.result.status == "ok" and setup.runner is not None:
-                profile_layout(setup.runner, setup.ctx, setup.result.name, args.profile_dir)
-    head = header(ctx, peak, peak_dtype)
+                profile_layout(setup.runner, setup.ctx, setup.result, args.profile_dir)
+    head = header(ctx, peak, peak_dtype, args.from_config)
     print_table(results, head)
     if args.json is not None:
         args.json.write_text(json.dumps({**head, "results": [asdict(r) for r in results]}, indent=2) + "\n")

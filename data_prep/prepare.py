@@ -36,7 +36,6 @@ from data_prep.samples import SampleParams, create_samples
 from data_prep.samples import output_name as samples_output_name
 from mlperf_bert.data.shards import REFUSED_NAME, list_shards
 from data_prep.stratify import StratifyParams, stratify
-from data_prep.tfrecords import import_tfrecords
 from data_prep.vocab import load_vocab
 
 log = logging.getLogger("data_prep")
@@ -91,6 +90,10 @@ def cmd_import_tfrecord(args: argparse.Namespace) -> None:
         if not path.exists():
             raise DataPrepError(f"{path}: no such TFRecord file or folder (--input)")
         sources += sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    # Here, not at the top: crc32c and protobuf are this step's alone, and a machine that only packs or
+    # verifies (a GPU machine making tools/gpu_perf.sh's shards) need not have them.
+    from data_prep.tfrecords import import_tfrecords
+
     import_tfrecords(sources, args.out, args.max_seq_length, args.max_predictions, args.compression, args.workers)
 
 

@@ -18,6 +18,7 @@ from conftest import REPO, config_exports, load_script
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import TrainConfig
 
+H200 = REPO / "config_DGXH200_1x8.sh"
 GPU_CONFIGS = sorted(p.name for p in REPO.glob("config_*.sh") if "export DEVICE=cpu" not in p.read_text())
 # Every set-up variable other than the shipped configs' values and the benchmark's defaults.
 VARIANT = {"INPUT_LAYOUT": "unpadded", "PRECISION": "fp16", "COMPILE_MODE": "max-autotune-no-cudagraphs",
@@ -95,3 +96,44 @@ def test_from_config_names_a_config_the_launcher_refuses(bench, tmp_path: Path) 
     bad.write_text((REPO / GPU_CONFIGS[0]).read_text().replace("export BATCHSIZE=", "export BATCHSIZE=x"))
     with pytest.raises(SystemExit, match=r"run_and_time.sh refused it: .*BATCHSIZE=x.* is not a whole number"):
         bench.config_setup(bad)
+
+
+# ---------------------------------------------------------------- --config_var: the same step, one thing changed
+
+
+def test_config_var_sets_the_variable_before_the_launcher_reads_the_config(bench) -> None:
+    args = bench.parse_args(["--from_config", str(H200), "--device", "cpu", "--config_var", "PRECISION=bf16",
+                             "--config_var", "COMPILE_MODE=none"])
+    ctx = bench.build_context(args)
+    assert (ctx.precision, ctx.precisions, ctx.compile_mode) == ("bf16", ("bf16",), "none")
+    assert ctx.config_vars == (("PRECISION", "bf16"), ("COMPILE_MODE", "none"))
+    assert ctx.graphs and ctx.layouts == ("packed",)  # the rest stays the config's
+    result = bench.Result("packed", "bf16", "ok", config_vars=dict(ctx.config_vars))
+    assert result.name == "packed/bf16 [PRECISION=bf16, COMPILE_MODE=none]"
+    assert result.file_stem == "packed_bf16_PRECISION=bf16_COMPILE_MODE=none"
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ("precision=bf16", "--config_var precision=bf16: give NAME=VALUE with an UPPER_CASE config variable name"),
+    ("PRECISION", "--config_var PRECISION: give NAME=VALUE"),
+    ("=bf16", "--config_var =bf16: give NAME=VALUE"),
+    ("FP8_NO_SUCH_THING=1", "--config_var FP8_NO_SUCH_THING=1: run_and_time.sh does not read FP8_NO_SUCH_THING, so "
+                            "it would change nothing"),
+    ("DATADIR_PHASE2=/data", "--config_var DATADIR_PHASE2=/data: the benchmark sets DATADIR_PHASE2 itself"),
+])
+def test_a_bad_config_var_is_refused_with_one_line(bench, given: str, message: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--from_config", str(H200), "--device", "cpu", "--config_var", given])
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_config_var_without_from_config_is_refused(bench) -> None:
+    with pytest.raises(SystemExit, match="--config_var sets a variable of a config: it needs --from_config"):
+        bench.build_context(bench.parse_args(["--config", "tiny", "--config_var", "PRECISION=bf16"]))
+
+
+def test_a_value_the_trainer_refuses_is_its_flag_parsers_one_line(bench, capsys) -> None:
+    with pytest.raises(SystemExit) as refused:
+        bench.config_setup(H200, {"PRECISION": "fp12"})
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.startswith("error: argument --precision: invalid choice: 'fp12'")

@@ -6,6 +6,7 @@ multiset comparison that does not trust any index bookkeeping of the code under 
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import REPO, run_cli
 from data_prep.corpus import write_corpus
 from data_prep.eval_set import EvalParams, make_eval_set
 from data_prep.fileio import read_json
@@ -215,3 +217,17 @@ def test_layout_limits_are_enforced():
         to_fixed(samples, 8, 4)
     with pytest.raises(DataPrepError, match="left to right"):
         to_packed(samples, np.array([[-1, 0, -1]]), 16)
+
+
+def test_prepare_pack_runs_without_the_tfrecord_import_packages(demo_data, tmp_path):
+    """A GPU machine without crc32c (only import-tfrecord needs it) still packs: tools/gpu_perf.sh makes its
+    trainer's shards with `prepare.py pack` there."""
+    fake = tmp_path / "site" / "crc32c"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'crc32c'\")\n")
+    pythonpath = f"{tmp_path / 'site'}:{REPO / 'pytorch'}:{REPO}"
+    done = run_cli([sys.executable, "data_prep/prepare.py", "--quiet", "pack", "--input", str(demo_data / "train"),
+                    "--out", str(tmp_path / "packed"), "--max_seq_length", "64", "--workers", "1"],
+                   env={"PYTHONPATH": pythonpath})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "packed").glob("*.hdf5"))

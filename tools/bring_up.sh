@@ -30,80 +30,11 @@ PYTHON=${PYTHON:-python3}
 SMOKE=${SMOKE:-0}
 budget=${BUDGET_S:-510}
 start=$SECONDS
-mkdir -p "$out" || { echo "bring_up.sh: cannot create the output folder $out" >&2; exit 2; }
-out=$(cd "$out" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-summary=$out/summary.txt
-log=$out/bring_up.log
-: > "$summary"
-: > "$log"
-export PYTHONPATH="$here/pytorch:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-failed=0
-
-note() { echo "$*" | tee -a "$summary"; }
-
-# step NAME LIMIT_S COMMAND...: runs COMMAND within min(LIMIT_S, the budget left), its output in the log;
-# one summary line: the step, its status, its seconds and the last line it printed.
-step() {
-  local name=$1 limit=$2 left rc t0 status
-  shift 2
-  : > "$work/step.log"
-  left=$((budget - (SECONDS - start)))
-  if ((left < 15)); then
-    note "$(printf '%-26s %-24s' "$name" "skipped: budget spent")"
-    return 0
-  fi
-  ((limit > left)) && limit=$left
-  t0=$SECONDS
-  { echo "=== $name: $*"; } >> "$log"
-  (cd "$here" && timeout --kill-after=10 "$limit" "$@") > "$work/step.log" 2>&1
-  rc=$?
-  cat "$work/step.log" >> "$log"
-  case $rc in
-    0) status=passed ;;
-    124 | 137) status="timed out (${limit} s)"; failed=1 ;;
-    *) status="FAILED (exit $rc)"; failed=1 ;;
-  esac
-  note "$(printf '%-26s %-24s %4d s  %s' "$name" "$status" $((SECONDS - t0)) "$(grep -v '^\s*$' "$work/step.log" | tail -n 1)")"
-  return 0
-}
-
-install_carried() {
-  local wheels=("$here"/carry/wheels/*.whl)
-  if [[ ! -e ${wheels[0]} ]]; then
-    note "carry: no wheels in carry/wheels (make carry fills it); using what is installed"
-    return
-  fi
-  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
-      "${wheels[@]}" >> "$log" 2>&1; then
-    export PYTHONPATH="$work/site:$PYTHONPATH"
-    note "carry: installed ${#wheels[@]} wheel(s) offline: ${wheels[*]##*/}"
-  else
-    note "carry: pip install --no-index of carry/wheels FAILED (see bring_up.log); using what is installed"
-    failed=1
-  fi
-}
-
-# The machine's facts, and the precisions it supports (the trainer's own start-up checks decide).
-describe_machine() {
-  "$PYTHON" - "$1" <<'PY'
-import importlib.util, platform, sys
-import torch
-from mlperf_bert.model.fp8 import fp8_unavailable
-from mlperf_bert.model.precision import precision_problem
-device = torch.device(sys.argv[1])
-name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-cc = ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else "-"
-found = {m: importlib.util.find_spec(m) is not None for m in ("torchao", "flash_attn", "triton", "mlperf_logging")}
-print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, device {name}, "
-      f"compute capability {cc}; " + ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in found.items()))
-supported = [p for p in ("fp32", "bf16", "fp16", "fp8")
-             if not (p == "fp16" and device.type != "cuda") and precision_problem(p, device) is None
-             and (p != "fp8" or fp8_unavailable(device) is None)]
-print("precisions: " + " ".join(supported))
-PY
-}
+# shellcheck source=/dev/null
+source "$here/tools/budget_steps.sh"
+check_budget bring_up.sh "$budget"
+work="" log="" failed=0 precisions=()  # tools/budget_steps.sh sets them, and summary
+open_folder bring_up.sh bring_up.log
 
 numerics() {
   local name=$1
@@ -135,12 +66,7 @@ else
   exit 2
 fi
 
-note "bring-up $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown), $([[ $SMOKE == 1 ]] && echo 'CPU smoke mode' || echo "budget ${budget} s")"
-[[ $SMOKE == 1 ]] || install_carried
-facts=$(cd "$here" && describe_machine "$device" 2>>"$log") || { note "env: FAILED: torch or this package does not import (bring_up.log)"; exit 1; }
-note "env: $(head -n 1 <<< "$facts")"
-read -r -a precisions <<< "$(sed -n 's/^precisions: //p' <<< "$facts")"
-note "env: precisions supported: ${precisions[*]}"
+machine_lines bring-up "$device"
 
 if [[ $SMOKE == 1 ]]; then
   # The demo-size model, one precision, each step in its smallest form: the script cannot rot.

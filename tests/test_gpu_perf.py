@@ -1,0 +1,174 @@
+"""tools/gpu_perf.sh, the prepared GPU measurement, as a user starts it (its CPU smoke mode runs every step it
+has), its table of variants, and tools/gpu_perf_report.py's figures (throughput.py's --config_var:
+tests/test_config_benchmark.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, load_script, run_cli
+
+H200 = REPO / "config_DGXH200_1x8.sh"
+SCRIPT = REPO / "tools" / "gpu_perf.sh"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script(REPO / "benchmarks" / "throughput.py", "throughput_gpu_perf")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load_script(REPO / "tools" / "gpu_perf_report.py", "gpu_perf_report")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("gpu_perf")
+    done = run_cli(["bash", str(SCRIPT), str(out)], env={"SMOKE": "1", "PYTHON": sys.executable}, timeout=300)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, summary + done.stderr
+    return out, summary
+
+
+def _row(summary: str, name: str) -> str:
+    return next(line for line in summary.splitlines() if line.startswith(name))
+
+
+def variants_table() -> list[tuple[str, dict[str, str]]]:
+    """The `label|NAME=VALUE ...` rows of gpu_perf.sh's variants table."""
+    block = re.search(r"^variants=\(\n(.*?)^\)", SCRIPT.read_text(), re.S | re.M)
+    assert block, "gpu_perf.sh has no variants=( ... ) table"
+    rows = [line.strip().strip('"') for line in block.group(1).splitlines() if line.strip()]
+    return [(label, dict(v.split("=", 1) for v in given.split())) for label, given in (r.split("|") for r in rows)]
+
+
+def test_smoke_mode_runs_every_step_and_writes_one_folder(smoke):
+    out, summary = smoke
+    lines = summary.splitlines()
+    assert lines[0].startswith("gpu-perf ") and "CPU smoke mode" in lines[0]
+    assert "config: config_DGXH200_1x8.sh at toy sizes, COMPILE_MODE=none" in lines
+    for name in ("shipped config_DGXH200_1x8.sh", "variant bf16   ", "packed-hf bf16", "trainer data", "trainer ",
+                 "trainer vs benchmark"):
+        assert " passed " in _row(summary, name), _row(summary, name)
+    assert lines[-1].startswith("gpu-perf: passed (6 steps ran)"), lines[-1]
+    assert "    top kernels (self time): " in summary
+    assert re.search(r"^    packed/bf16 \[COMPILE_MODE=none, PRECISION=bf16\]: [\d.]+ ms/step, .*x the shipped step's "
+                     r"time$", summary, re.M), summary
+    assert re.search(r"trainer [\d.]+ samples/s, [\d.]+ ms/step over steps 2-8 .* benchmark packed/fp8 "
+                     r"\[COMPILE_MODE=none\] [\d.]+ ms/step .* trainer/benchmark step time [\d.]+$", summary, re.M)
+    # the device tool brings back 8 files: everything is in these
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_perf.log", "kernels.txt", "summary.txt", "throughput.json",
+                                                     "trainer.json"]
+    assert "=== trainer: bash -c" in (out / "gpu_perf.log").read_text()
+
+
+def test_smoke_mode_skips_what_this_tree_or_device_lacks_with_a_line_each(smoke):
+    _, summary = smoke
+    launcher = (REPO / "run_and_time.sh").read_text()
+    for label, given in variants_table():
+        row = _row(summary, f"variant {label} ")
+        unknown = [name for name in given if not re.search(rf"\b{name}\b", launcher)]
+        if unknown:
+            assert f"skipped: run_and_time.sh does not read {unknown[0]} yet" in row, row
+        elif given["PRECISION"] == "fp16":  # autocast in fp16 is a GPU's
+            assert row.endswith("skipped: fp16 is not supported on this device"), row
+        elif label != "bf16":
+            assert row.endswith("skipped: the smoke mode times one variant (bf16)"), row
+
+
+def test_an_override_changes_the_timed_set_up_and_is_recorded(smoke):
+    out, _ = smoke
+    runs = json.loads((out / "throughput.json").read_text())
+    assert set(runs) == {"shipped", "variant_bf16", "packed_vs_hf"}
+    shipped, bf16 = runs["shipped"], runs["variant_bf16"]
+    assert shipped["results"][0]["precision"] == "fp8" and shipped["config_vars"] == {"COMPILE_MODE": "none"}
+    assert bf16["precisions"] == ["bf16"] and bf16["from_config"].endswith("config_DGXH200_1x8.sh")
+    assert bf16["config_vars"] == bf16["results"][0]["config_vars"] == {"COMPILE_MODE": "none", "PRECISION": "bf16"}
+    assert {r["layout"] for r in runs["packed_vs_hf"]["results"]} == {"packed", "hf_padded"}
+    trainer = json.loads((out / "trainer.json").read_text())
+    assert trainer["trainer"]["last_step"] - trainer["trainer"]["first_step"] == 6
+    assert trainer["benchmark"]["label"] == "packed/fp8 [COMPILE_MODE=none]"
+    assert trainer["trainer_over_benchmark_step_time"] > 0
+
+
+def test_a_run_where_no_step_ran_is_not_a_pass(tmp_path):
+    """BUDGET_S too small for any step; on the A100 config, which trains in bf16, the bf16 variant is its step."""
+    done = run_cli(["bash", str(SCRIPT), str(tmp_path)], env={"SMOKE": "1", "PYTHON": sys.executable, "BUDGET_S": "5",
+                                                             "CONFIG": "config_DGXA100_1x8.sh"})
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert done.returncode == 1, lines
+    assert "shipped config_DGXA100_1x8.sh skipped: budget spent" in lines
+    assert ("variant bf16               skipped: config_DGXA100_1x8.sh already has PRECISION=bf16 (the shipped step)"
+            in lines)
+    assert re.fullmatch(r"variant bf16 eager +skipped: \d s left of the budget, needs 45 s \(30 s kept for "
+                        r"packed-hf and the trainer\)", _row("\n".join(lines), "variant bf16 eager"))
+    assert lines[-1].startswith("gpu-perf: FAILED: no step ran")
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"BUDGET_S": "8min"}, "gpu_perf.sh: BUDGET_S=8min is not a whole number of seconds (e.g. BUDGET_S=470)"),
+    ({"VARIANTS": "bf16,fp4"}, "gpu_perf.sh: VARIANTS: no variant 'fp4'; choose from: bf16, fp8 tensorwise"),
+])
+def test_usage_errors_are_one_line_and_exit_2(tmp_path, env, line):
+    done = run_cli(["bash", str(SCRIPT), str(tmp_path)], env={"SMOKE": "1", "PYTHON": sys.executable, **env})
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(line), done.stderr
+
+
+def test_every_variant_the_launcher_reads_is_accepted_by_the_trainer(bench):
+    """A variant is a line of the table: a misspelt value would show only on a GPU, so each one the launcher
+    knows goes through run_and_time.sh and the trainer's parser here."""
+    launcher = (REPO / "run_and_time.sh").read_text()
+    checked = 0
+    for label, given in variants_table():
+        if all(re.search(rf"\b{name}\b", launcher) for name in given):
+            train = bench.config_setup(H200, given).train
+            assert train.run.precision == given["PRECISION"], label
+            assert train.run.compile_mode == given.get("COMPILE_MODE", "default"), label
+            checked += 1
+    assert checked >= 3
+
+
+# ---------------------------------------------------------------- tools/gpu_perf_report.py
+
+def _progress(step: int, samples: int, rate: float) -> str:
+    return (f"2026-11-27T10:00:00 step {step} samples {samples}/4800 samples/s {rate} tokens/s 1 loss 7.0 lr 1e-3 "
+            f"skipped 0 next_eval 150000 eta_eval 0:01:00 evals none")
+
+
+def test_trainer_rate_is_taken_between_progress_lines_after_the_warm_up(report):
+    """Steps 1-10 take 20 s (compile), then 0.2 s a step at 96 samples a step: each line's rate counts from
+    run_start, the interval's rate from the lines alone."""
+    seconds = {10: 20.0, 20: 22.0, 30: 24.0, 40: 26.0}
+    lines = ["run started at step 0 samples 0; sample limit 4800, global batch 96"]
+    lines += [_progress(step, 96 * step, round(96 * step / t, 1)) for step, t in seconds.items()]
+    lines += ["eval 1 step 40 samples 3840 mlm_accuracy 0.1", _progress(50, 4800, 9999.0)]  # after an eval: left out
+    rate = report.trainer_rate("\n".join(lines), warmup=10, min_steps=30)
+    assert (rate.first_step, rate.last_step, rate.samples_per_step) == (10, 40, 96)
+    assert rate.ms_per_step == pytest.approx(200, rel=2e-3) and rate.samples_per_s == pytest.approx(480, rel=2e-3)
+
+
+def test_a_trainer_that_stopped_early_is_a_failure_naming_the_steps(report, tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("\n".join([_progress(10, 960, 48.0), _progress(20, 1920, 87.3)]) + "\n")
+    done = run_cli([sys.executable, "tools/gpu_perf_report.py", "trainer", str(log), str(tmp_path / "none.json"),
+                    "--warmup", "10", "--min_steps", "30"])
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"gpu_perf_report.py trainer: {log}: 2 progress line(s), 10 step(s) timed after "
+                                   "the 10 warm-up step(s); needs 30: did the trainer stop early?")
+
+
+def test_top_kernels_reads_the_device_share_of_a_gpu_profile_table(report):
+    header = ("Name    Self CPU %    Self CPU    CPU total %    CPU total    CPU time avg    Self CUDA    "
+              "Self CUDA %    CUDA total    CUDA time avg    # of Calls")
+    row = ("{name}    0.00%    0.000us    0.00%    0.000us    0.000us    46.886ms    {share}    46.886ms    "
+           "651.198us    72")
+    table = "\n".join(["-" * 40, header, "-" * 40, row.format(name="flash_bprop", share="9.95%"),
+                       row.format(name="nvjet_gemm", share="9.34%"), "-" * 40, "Self CPU time total: 483.317ms"])
+    assert report.top_kernels(table, 5) == "flash_bprop 9.95%, nvjet_gemm 9.34%"
