@@ -53,14 +53,14 @@ def test_smoke_mode_runs_every_step_and_writes_one_folder(smoke):
     lines = summary.splitlines()
     assert lines[0].startswith("gpu-perf ") and "CPU smoke mode" in lines[0]
     assert "config: config_DGXH200_1x8.sh at toy sizes, COMPILE_MODE=none" in lines
-    for name in ("shipped config_DGXH200_1x8.sh", "variant bf16   ", "packed-hf bf16", "trainer data", "trainer ",
-                 "trainer vs benchmark"):
+    for name in ("shipped config_DGXH200_1x8.sh", "variant fp8 delayed ", "packed-hf bf16", "trainer data",
+                 "trainer ", "trainer vs benchmark"):
         assert " passed " in _row(summary, name), _row(summary, name)
     assert lines[-1].startswith("gpu-perf: passed (6 steps ran)"), lines[-1]
     assert "    top kernels (self time): " in summary
-    assert re.search(r"^    packed/bf16 \[COMPILE_MODE=none, PRECISION=bf16\]: [\d.]+ ms/step, .*x the shipped step's "
-                     r"time$", summary, re.M), summary
-    assert re.search(r"trainer [\d.]+ samples/s, [\d.]+ ms/step over steps 2-8 .* benchmark packed/fp8 "
+    assert re.search(r"^    packed/fp8 \[COMPILE_MODE=none, PRECISION=fp8, FP8_RECIPE=delayed\]: [\d.]+ ms/step, .*x the "
+                     r"shipped step's time$", summary, re.M), summary
+    assert re.search(r"trainer [\d.]+ samples/s, [\d.]+ ms/step over steps 2-8 .* benchmark packed/bf16 "
                      r"\[COMPILE_MODE=none\] [\d.]+ ms/step .* trainer/benchmark step time [\d.]+$", summary, re.M)
     # the device tool brings back 8 files: everything is in these
     assert sorted(p.name for p in out.iterdir()) == ["gpu_perf.log", "kernels.txt", "summary.txt", "throughput.json",
@@ -76,24 +76,28 @@ def test_smoke_mode_skips_what_this_tree_or_device_lacks_with_a_line_each(smoke)
         unknown = [name for name in given if not re.search(rf"\b{name}\b", launcher)]
         if unknown:
             assert f"skipped: run_and_time.sh does not read {unknown[0]} yet" in row, row
-        elif given["PRECISION"] == "fp16":  # autocast in fp16 is a GPU's
+        elif given.get("PRECISION") == "fp16":  # autocast in fp16 is a GPU's
             assert row.endswith("skipped: fp16 is not supported on this device"), row
-        elif label != "bf16":
-            assert row.endswith("skipped: the smoke mode times one variant (bf16)"), row
+        elif label == "bf16":  # the H200 config trains in bf16: this variant is its shipped step
+            assert row.endswith("skipped: config_DGXH200_1x8.sh already has PRECISION=bf16 (the shipped step)"), row
+        elif label != "fp8 delayed":
+            assert row.endswith("skipped: the smoke mode times one variant (fp8 delayed)"), row
 
 
 def test_an_override_changes_the_timed_set_up_and_is_recorded(smoke):
     out, _ = smoke
     runs = json.loads((out / "throughput.json").read_text())
-    assert set(runs) == {"shipped", "variant_bf16", "packed_vs_hf"}
-    shipped, bf16 = runs["shipped"], runs["variant_bf16"]
-    assert shipped["results"][0]["precision"] == "fp8" and shipped["config_vars"] == {"COMPILE_MODE": "none"}
-    assert bf16["precisions"] == ["bf16"] and bf16["from_config"].endswith("config_DGXH200_1x8.sh")
-    assert bf16["config_vars"] == bf16["results"][0]["config_vars"] == {"COMPILE_MODE": "none", "PRECISION": "bf16"}
+    assert set(runs) == {"shipped", "variant_fp8_delayed", "packed_vs_hf"}
+    shipped, fp8 = runs["shipped"], runs["variant_fp8_delayed"]
+    assert shipped["results"][0]["precision"] == "bf16" and shipped["config_vars"] == {"COMPILE_MODE": "none"}
+    assert fp8["precisions"] == ["fp8"] and fp8["from_config"].endswith("config_DGXH200_1x8.sh")
+    assert fp8["config_vars"] == fp8["results"][0]["config_vars"] == {"COMPILE_MODE": "none", "PRECISION": "fp8",
+                                                                       "FP8_RECIPE": "delayed"}
+    assert fp8["fp8"] == {"scaling": "delayed", "layers": "encoder"}
     assert {r["layout"] for r in runs["packed_vs_hf"]["results"]} == {"packed", "hf_padded"}
     trainer = json.loads((out / "trainer.json").read_text())
     assert trainer["trainer"]["last_step"] - trainer["trainer"]["first_step"] == 6
-    assert trainer["benchmark"]["label"] == "packed/fp8 [COMPILE_MODE=none]"
+    assert trainer["benchmark"]["label"] == "packed/bf16 [COMPILE_MODE=none]"
     assert trainer["trainer_over_benchmark_step_time"] > 0
 
 
@@ -106,14 +110,14 @@ def test_a_run_where_no_step_ran_is_not_a_pass(tmp_path):
     assert "shipped config_DGXA100_1x8.sh skipped: budget spent" in lines
     assert ("variant bf16               skipped: config_DGXA100_1x8.sh already has PRECISION=bf16 (the shipped step)"
             in lines)
-    assert re.fullmatch(r"variant bf16 eager +skipped: \d s left of the budget, needs 45 s \(30 s kept for "
-                        r"packed-hf and the trainer\)", _row("\n".join(lines), "variant bf16 eager"))
+    assert re.fullmatch(r"variant fp8 delayed +skipped: \d s left of the budget, needs 45 s \(30 s kept for "
+                        r"packed-hf and the trainer\)", _row("\n".join(lines), "variant fp8 delayed "))
     assert lines[-1].startswith("gpu-perf: FAILED: no step ran")
 
 
 @pytest.mark.parametrize(("env", "line"), [
     ({"BUDGET_S": "8min"}, "gpu_perf.sh: BUDGET_S=8min is not a whole number of seconds (e.g. BUDGET_S=470)"),
-    ({"VARIANTS": "bf16,fp4"}, "gpu_perf.sh: VARIANTS: no variant 'fp4'; choose from: bf16, fp8 tensorwise"),
+    ({"VARIANTS": "bf16,fp4"}, "gpu_perf.sh: VARIANTS: no variant 'fp4'; choose from: bf16, fp8 delayed"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(tmp_path, env, line):
     done = run_cli(["bash", str(SCRIPT), str(tmp_path)], env={"SMOKE": "1", "PYTHON": sys.executable, **env})
@@ -129,10 +133,13 @@ def test_every_variant_the_launcher_reads_is_accepted_by_the_trainer(bench):
     for label, given in variants_table():
         if all(re.search(rf"\b{name}\b", launcher) for name in given):
             train = bench.config_setup(H200, given).train
-            assert train.run.precision == given["PRECISION"], label
+            assert train.run.precision == given.get("PRECISION", "bf16"), label
             assert train.run.compile_mode == given.get("COMPILE_MODE", "default"), label
+            assert train.run.fp8_recipe == given.get("FP8_RECIPE"), label
+            assert train.run.fp8_layers == given.get("FP8_LAYERS"), label
+            assert train.model.attention_backend == given.get("ATTENTION_BACKEND", "auto"), label
             checked += 1
-    assert checked >= 3
+    assert checked == len(variants_table())  # the launcher reads every variable of the table
 
 
 # ---------------------------------------------------------------- tools/gpu_perf_report.py
