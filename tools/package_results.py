@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from compare import SYSJSON_TOKEN, RunLog, is_run_log, natural_key, olympic_mean, read_run
+from mlperf_bert.config.batch_size import SEQUENCES_PER_PACK, config_batch
 from mlperf_bert.config.closed_division import broken_rules, init_overrun, unchecked_keys
 from scoring import (RcpVerdict, ScoringError, Selection, hyperparameter_mismatches, quiet_logging,
                      rcp_verdict, rcp_window, run_minutes, select_consecutive)
@@ -717,10 +718,12 @@ def config_global_batch_size(config: Mapping[str, str], path: Path) -> tuple[int
 
     if config.get("GLOBAL_BATCH_SIZE"):
         return number("GLOBAL_BATCH_SIZE"), "GLOBAL_BATCH_SIZE"
-    per_pack = 2 if config.get("INPUT_LAYOUT") == "packed" else 1
-    gbs = number("BATCHSIZE") * number("DGXNGPU") * number("DGXNNODES") * per_pack
+    try:
+        batch = config_batch(config, str(path))
+    except ValueError as err:
+        raise PackageError(str(err)) from err
     how = f"BATCHSIZE {config['BATCHSIZE']} x DGXNGPU {config['DGXNGPU']} x DGXNNODES {config['DGXNNODES']}"
-    return gbs, how + (" x 2 sequences per pack" if per_pack == 2 else "")
+    return batch.global_batch_size, how + (f" x {SEQUENCES_PER_PACK} sequences per pack" if batch.packed else "")
 
 
 def rcp_comment(gbs: int, ruleset: str, division: str | None = None) -> str:
