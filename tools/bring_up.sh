@@ -21,7 +21,8 @@
 # the machine changes). Variables: PYTHON (python3), BERT_CONFIG (BERT-Large), BUDGET_S (510 s: 9 minutes
 # less a margin), CONFIGS (gpu-check's configs; default every config_*.sh without DEVICE=cpu), BENCH_CONFIG
 # (the throughput benchmark's model: large), BRING_UP_DEVICE (cpu runs the GPU sequence on the CPU, to try it).
-# Exit status: 0 when every step that ran passed, 1 otherwise, 2 for a usage error.
+# Exit status: 0 when every step that ran passed and one ran at least, 1 otherwise, 2 for a usage error (a BUDGET_S
+# that is not whole seconds, a folder that cannot be written).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,17 +30,28 @@ out=${1:-${OUT:-$here/bring_up_out}}
 PYTHON=${PYTHON:-python3}
 SMOKE=${SMOKE:-0}
 budget=${BUDGET_S:-510}
+# Whole seconds: the shell's arithmetic reads "9m" as an error and "abc" as an unset variable (10#: "0510" is
+# decimal, not octal).
+[[ $budget =~ ^[0-9]+$ ]] || {
+  echo "bring_up.sh: BUDGET_S=$budget is not a whole number of seconds; give one, e.g. BUDGET_S=540 for 9 minutes" >&2
+  exit 2
+}
+budget=$((10#$budget))
 start=$SECONDS
 mkdir -p "$out" || { echo "bring_up.sh: cannot create the output folder $out" >&2; exit 2; }
 out=$(cd "$out" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 summary=$out/summary.txt
 log=$out/bring_up.log
-: > "$summary"
-: > "$log"
+# Every line goes to these two files: a folder that takes neither stops here, named, not at the first step.
+{ : > "$summary" && : > "$log"; } 2> /dev/null || {
+  echo "bring_up.sh: cannot write to the output folder $out; give one you can write (bash tools/bring_up.sh DIR)" >&2
+  exit 2
+}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$here/pytorch:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=0
+ran=0  # steps that ran (not skipped): a bring-up where none did checked nothing
 
 note() { echo "$*" | tee -a "$summary"; }
 
@@ -55,6 +67,7 @@ step() {
     return 0
   fi
   ((limit > left)) && limit=$left
+  ran=$((ran + 1))
   t0=$SECONDS
   { echo "=== $name: $*"; } >> "$log"
   (cd "$here" && timeout --kill-after=10 "$limit" "$@") > "$work/step.log" 2>&1
@@ -189,5 +202,9 @@ import json, sys
 reports = [json.load(open(path)) for path in sys.argv[2:]]
 json.dump(reports, open(sys.argv[1], "w"), indent=1)
 PY
+if ((ran == 0)); then
+  note "bring-up: FAILED: no check ran (every step was skipped: the budget of $budget s was spent before the first; raise BUDGET_S); details in $log"
+  exit 1
+fi
 note "bring-up: $([[ $failed == 0 ]] && echo passed || echo 'FAILED (the lines above)') in $((SECONDS - start)) s; details in $log"
 exit "$failed"
