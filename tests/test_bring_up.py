@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from conftest import run_cli
 
 
 def test_smoke_mode_runs_every_step(tmp_path):
     out = tmp_path / "bring_up"
-    done = run_cli(["bash", "tools/bring_up.sh", str(out)], env={"SMOKE": "1", "PYTHON": sys.executable},
-                   timeout=300)
+    # 999 s written with a leading zero: decimal seconds (the shell would read 0999 as octal, a bad one)
+    done = run_cli(["bash", "tools/bring_up.sh", str(out)], env={"SMOKE": "1", "PYTHON": sys.executable,
+                                                                  "BUDGET_S": "0999"}, timeout=300)
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 0, summary + done.stderr
     lines = summary.splitlines()
@@ -33,3 +36,31 @@ def test_without_gpu_or_smoke_mode_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"bring_up.sh: no CUDA device visible to {sys.executable}; SMOKE=1 runs the CPU smoke mode"]
+
+
+def test_a_bring_up_where_no_check_ran_is_not_a_pass(tmp_path):
+    """BUDGET_S=0: every step is skipped (the machine's facts are no check): exit 1 with a line that says so."""
+    done = run_cli(["bash", "tools/bring_up.sh", str(tmp_path)], env={"SMOKE": "1", "PYTHON": sys.executable,
+                                                                      "BUDGET_S": "0"}, timeout=300)
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert done.returncode == 1, lines
+    assert [line.split()[0] for line in lines if "skipped: budget spent" in line] == ["numerics", "throughput"]
+    assert lines[-1].startswith("bring-up: FAILED: no check ran (every step was skipped: the budget of 0 s")
+    assert not any(line.startswith("bring-up: passed") for line in lines)
+
+
+@pytest.mark.parametrize("budget", ["9m", "abc", "1.5", "-5"])
+def test_a_budget_that_is_not_whole_seconds_is_one_line_and_exit_2(tmp_path, budget):
+    done = run_cli(["bash", "tools/bring_up.sh", str(tmp_path)], env={"SMOKE": "1", "PYTHON": sys.executable,
+                                                                      "BUDGET_S": budget})
+    assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [f"bring_up.sh: BUDGET_S={budget} is not a whole number of seconds; give one, "
+                                        "e.g. BUDGET_S=540 for 9 minutes"]
+
+
+def test_a_folder_it_cannot_write_is_named_with_exit_2():
+    """/proc exists and takes no new file, even for root (a folder chmod'ed read-only does not stop root)."""
+    done = run_cli(["bash", "tools/bring_up.sh", "/proc"], env={"SMOKE": "1", "PYTHON": sys.executable})
+    assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
+    assert done.stderr.splitlines() == ["bring_up.sh: cannot write to the output folder /proc; give one you can "
+                                        "write (bash tools/bring_up.sh DIR)"]

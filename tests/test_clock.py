@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, TRAINER, demo_config_env, run_cli, trainer_args, verify_folder
 from mlperf_bert.config.closed_division import init_overrun
-from mlperf_bert.data.record import RECORD_NAME, read_record, stale_problems
+from mlperf_bert.data.record import RECORD_NAME, FileEntry, Record, read_record, stale_problems
 from mlperf_bert.data.shards import REFUSED_NAME
 from test_closed_division import closed_run_inputs
 
@@ -137,6 +137,51 @@ def test_a_failed_verification_is_refused_in_the_open_division_too(demo_data, tm
     args[args.index("--input_dir") + 1] = str(train)
     done = run_cli([sys.executable, str(TRAINER), *args])
     _refused_before_the_clock(done, tmp_path, "verification failed", "byte-identical")
+
+
+@pytest.mark.parametrize("edit", ["status", "status and problems"])
+def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(demo_data, tmp_path, edit):
+    """A copied shard fails the verification; the record's status changed by hand to ok (and its problems
+    emptied too) still holds the two equal sha256s: one line naming the record and the command to rewrite it."""
+    args = closed_run_inputs(demo_data, tmp_path)
+    train = _copy(demo_data / "train", tmp_path / "train")
+    first, _, third = sorted(train.glob("*.hdf5"))
+    shutil.copy2(first, third)
+    verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(train), "--eval_dir", str(tmp_path / "eval"),
+                      "--workers", "1"])
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    path = train / RECORD_NAME
+    raw = json.loads(path.read_text())
+    assert raw["status"] == "failed" and raw["problems"]
+    assert raw["files"][first.name]["sha256"] == raw["files"][third.name]["sha256"]
+    raw["status"] = "ok"
+    if edit == "status and problems":
+        raw["problems"] = []
+    path.write_text(json.dumps(raw))
+    args[args.index("--input_dir") + 1] = str(train)
+    done = run_cli([sys.executable, str(TRAINER), *args])
+    error = _refused_before_the_clock(done, tmp_path, f"{path}: status ok, yet",
+                                      f"`python data_prep/verify_dataset.py {train} --eval_dir {tmp_path / 'eval'}`")
+    why = ("it lists 1 problem(s)" if edit == "status" else
+           f"{first.name} and {third.name} have the same sha256")
+    assert why in error, error
+
+
+def _record(ok: bool, shas: tuple[str, ...], sequences: tuple[int, ...], problems: tuple[str, ...] = ()) -> Record:
+    files = {f"part_{i}.hdf5": FileEntry(100, 1, sha, 10, n) for i, (sha, n) in enumerate(zip(shas, sequences))}
+    return Record(Path("/data"), ok, "train", "fixed", files, sum(sequences), 64, 10, 100, None, "d", (), problems)
+
+
+def test_an_ok_record_contradicts_itself_only_with_problems_or_copies_the_verification_refuses():
+    assert _record(True, ("a", "b", "c"), (5, 5, 5)).contradiction is None
+    assert _record(True, ("a", "b"), (5, 5), ("part_1.hdf5: row 3 is bad",)).contradiction == (
+        "status ok, yet it lists 1 problem(s) the verification found")
+    assert _record(True, ("a", "b", "a"), (5, 5, 5)).contradiction == (
+        "status ok, yet part_0.hdf5 and part_2.hdf5 have the same sha256: byte-identical shards, which the "
+        "verification refuses")
+    assert _record(True, ("", ""), (5, 5)).contradiction is None  # --no_checksums: no sha256 written
+    assert _record(True, ("a", "a"), (0, 0)).contradiction is None  # empty shards: no samples twice
+    assert _record(False, ("a", "a"), (5, 5), ("copies",)).contradiction is None  # failed: refused as failed
 
 
 def test_an_open_run_on_an_unverified_folder_stops_at_the_bad_row_with_run_stop_aborted(demo_data, tmp_path):

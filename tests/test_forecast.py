@@ -78,6 +78,20 @@ def test_the_forecast_follows_the_schedule_and_the_progress_and_never_ends_befor
     assert (reached.reached, reached.samples, reached.high) == (True, 450_000, 450_000)
 
 
+def test_a_run_that_went_on_past_the_target_reached_it_at_its_first_eval_there():
+    """Evals at 150,000 a piece; the first at or past 0.720 is the 3rd (450,000 samples, 210 s), exactly at it
+    or over it, whatever the evals after it read (above, or back under the target)."""
+    seconds = [90.0, 150.0, 210.0, 270.0, 330.0]
+    for accuracies in ([0.40, 0.65, 0.720, 0.7215, 0.7230], [0.40, 0.65, 0.7201, 0.7195, 0.7199]):
+        result = predict(_evals(accuracies), SCHEDULE_448, seconds)
+        assert (result.reached, result.evals, result.samples, result.low, result.high) == (True, 3, 450_000,
+                                                                                           450_000, 450_000)
+        assert result.seconds == (210.0, 210.0, 210.0)
+        assert result.line() == "0.720 reached at 450,000 samples"
+    just_under = predict(_evals([0.40, 0.65, 0.7199999]), SCHEDULE_448)
+    assert not just_under.reached and just_under.samples >= 600_000  # no sooner than the next eval
+
+
 def test_wall_time_follows_the_runs_own_pace_between_evals():
     evals = _evals([0.375, 0.40, 0.48])
     seconds = [90.0, 150.0, 210.0]  # a minute a 150,000 samples after a 30 s start
@@ -142,6 +156,21 @@ def test_the_cli_forecasts_a_running_log_as_the_model_does(tmp_path, capsys):
     replay = capsys.readouterr().out.splitlines()
     assert replay[0].split(": ", 1)[1] == out[0].split(": ", 1)[1]
     assert replay[2] == "real end: 2.70M samples, 18.8 min after run_start"
+
+
+def test_the_cli_on_a_log_that_went_on_past_the_target_names_the_first_eval_there(tmp_path, capsys):
+    """NVIDIA's run reached 0.7200 at its eval at 2,703,232 samples; two more evals and no run_stop after it
+    (3.00M samples at the last) do not move the point it reached the target."""
+    lines = NVIDIA_448.read_text().splitlines(keepends=True)
+    last_eval = max(i for i, line in enumerate(lines) if '"key": "eval_accuracy"' in line)
+    more = [f':::MLLOG {{"namespace": "", "time_ms": {ms}, "event_type": "POINT_IN_TIME", "key": "eval_accuracy", '
+            f'"value": {value}, "metadata": {{"epoch_num": {samples}}}}}\n'
+            for ms, value, samples in ((1653327388000, 0.7204, 2_852_864), (1653327450000, 0.7230, 3_002_496))]
+    log = tmp_path / "result_0.txt"
+    log.write_text("".join(lines[:last_eval + 1] + more))
+    assert forecast_cli.main([str(log)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{log}: forecast: 0.720 reached at 2.70M samples", out
 
 
 def _forecast(low: float, high: float) -> Forecast:

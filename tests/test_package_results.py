@@ -359,6 +359,21 @@ def test_pack_refuses_a_run_of_another_global_batch_size_naming_it(tmp_path):
     assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("text", ["note: run 9 was lost when the node rebooted; rerun tomorrow\n", ""])
+def test_a_result_file_without_mlperf_lines_is_named_once_and_nothing_else_is_checked(tmp_path, capsys, text):
+    """A plain note (or an empty file) as result_9.txt: one line naming it, exit 1; without the stop, each of
+    the 14 fixed hyperparameters it does not log and the checkers' findings came as 17 FAIL lines."""
+    package = tmp_path / "NVIDIA"
+    shutil.copytree(NVIDIA_V20, package)
+    note = next(package.glob("results/*/bert/result_9.txt"))
+    note.write_text(text)
+    assert package_results.main(["check", str(package), "--ruleset", "2.0.0"]) == 1
+    out = capsys.readouterr().out
+    assert len(re.findall(r"result_\d+\.txt", out)) == 1 and out.count("FAIL: ") == 1, out
+    assert f"FAIL: {note.relative_to(package)}: holds no MLPerf log lines" in out
+    assert out.rstrip().endswith("FAIL (1 problem(s))")
+
+
 def test_check_names_the_result_file_with_another_learning_rate(tmp_path):
     package = tmp_path / "NVIDIA"
     shutil.copytree(NVIDIA_V20, package)

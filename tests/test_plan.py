@@ -15,11 +15,13 @@ import torch
 from conftest import REPO
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
 from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, extrapolate, memory_from_dict
-from mlperf_bert.dryrun.shipped import BERT_LARGE, exports
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.dryrun.shipped import BERT_LARGE, exports, trainer_argv
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward
 
 import plan
+import recipe
 import step_model
 
 CONFIGS = plan.shipped_gpu_configs()
@@ -220,11 +222,77 @@ def test_plan_takes_another_device(traced: dict[str, dict[str, Any]], capsys: py
 
 
 def test_hypothetical_system_spreads_the_gpus_over_nodes() -> None:
+    def gbs(env: dict[str, str]) -> int:
+        return plan.config_batch_shape(env, "config").global_batch_size
+
     env = plan.config_env(REPO / "config_DGXH200_1x8.sh", 16, "H200")
-    assert (env["DGXNGPU"], env["DGXNNODES"], plan.global_batch_size(env)) == ("8", "2", 1536)
+    assert (env["DGXNGPU"], env["DGXNNODES"], gbs(env)) == ("8", "2", 1536)
     env = plan.config_env(REPO / "config_GB200_2x4.sh", 8, "GB200")
-    assert (env["DGXNGPU"], env["DGXNNODES"], plan.global_batch_size(env)) == ("4", "2", 768)
-    assert plan.global_batch_size(plan.config_env(REPO / "config_DGXA100_1x8.sh", 1, "A100")) == 56
+    assert (env["DGXNGPU"], env["DGXNNODES"], gbs(env)) == ("4", "2", 768)
+    assert gbs(plan.config_env(REPO / "config_DGXA100_1x8.sh", 1, "A100")) == 56
+
+
+# The global batch by hand, from each config's "Batch arithmetic" comment: BATCHSIZE (per GPU and optimizer step,
+# the accumulation inside it) x GPUs per node x nodes, x 2 sequences a pack. GRADIENT_STEPS splits BATCHSIZE into
+# micro-batches and multiplies nothing.
+HAND_GBS = {"config_DGXA100_1x8.sh": 56 * 8, "config_DGXA100_128x8.sh": 2 * 2 * 8 * 128,
+            "config_DGXB200_1x8.sh": 48 * 2 * 8, "config_DGXH100_1x8.sh": 48 * 2 * 8,
+            "config_DGXH200_1x8.sh": 48 * 2 * 8, "config_GB200_2x4.sh": 48 * 2 * 4 * 2,
+            "config_SamsungA100_128x8.sh": 16 * 8 * 128}
+# Shipped configs with accumulation: (config, GRADIENT_STEPS) -> the same global batch, smaller micro-batches.
+ACCUMULATED = [("config_DGXA100_1x8.sh", 2), ("config_DGXA100_1x8.sh", 4), ("config_GB200_2x4.sh", 2),
+               ("config_DGXA100_128x8.sh", 2)]
+
+
+def _trainer_gbs(env: dict[str, str], folder: Path) -> int:
+    """The global batch the trainer logs: its config built from the flags run_and_time.sh passes for `env`."""
+    folder.mkdir()
+    return parse_config(trainer_argv(env, folder), int(env["DGXNGPU"]) * int(env["DGXNNODES"])).global_batch_size
+
+
+def _planned(name: str, env: dict[str, str], device: str, traced: dict[str, Any]) -> plan.Prediction:
+    """The plan of `env`, on the memory and work of a shipped config's trace (the batch count does not read it)."""
+    p = plan.predict(name, env, step_model.DEVICES[device], traced)
+    assert f"global batch {p.gbs}\n" in plan.report(p) and f"GBS {p.gbs} " in p.window.where()
+    return p
+
+
+def test_plan_and_trainer_count_one_global_batch_on_every_shipped_config(predictions: dict[str, plan.Prediction],
+                                                                         tmp_path: Path) -> None:
+    assert set(HAND_GBS) == {c.name for c in CONFIGS}
+    for config in CONFIGS:
+        env = exports(config)
+        assert predictions[config.name].gbs == _trainer_gbs(env, tmp_path / config.name) == HAND_GBS[config.name]
+
+
+@pytest.mark.parametrize("name, steps", ACCUMULATED)
+def test_accumulation_does_not_multiply_the_planned_global_batch(traced: dict[str, dict[str, Any]], tmp_path: Path,
+                                                                  name: str, steps: int) -> None:
+    """GRADIENT_STEPS > 1 (one node and several): the plan's batch, RCP window and throughput are the trainer's."""
+    env = {**exports(REPO / name), "GRADIENT_STEPS": str(steps)}
+    p = _planned(name, env, plan.device_of(env, REPO / name), traced[name])
+    assert p.gbs == _trainer_gbs(env, tmp_path / "trainer") == HAND_GBS[name]
+    assert p.throughput == pytest.approx(HAND_GBS[name] / p.step.seconds)
+
+
+def test_the_recipe_finders_config_plans_at_its_own_global_batch(traced: dict[str, dict[str, Any]],
+                                                                 tmp_path: Path) -> None:
+    """8 A100s of 16 GB: BATCHSIZE 56 in 4 micro-batches of 14, the published 448 (14 x 4 x 8), not 1,792."""
+    path = tmp_path / "config_A16_1x8.sh"
+    assert recipe.main(["--gpus", "8", "--memory_gb", "16", "--device", "A100", "--write", str(path)]) == 0
+    env = exports(path)
+    assert (env["BATCHSIZE"], env["GRADIENT_STEPS"]) == ("56", "4")
+    p = _planned(path.name, env, "A100", traced["config_DGXA100_1x8.sh"])
+    assert p.gbs == _trainer_gbs(env, tmp_path / "trainer") == 14 * 4 * 8
+
+
+def test_a_batch_the_accumulation_does_not_divide_is_one_line_and_exit_2(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config_DGXA100_1x8.sh"
+    config.write_text((REPO / config.name).read_text().replace("GRADIENT_STEPS=1", "GRADIENT_STEPS=3"))
+    assert plan.main([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "BATCHSIZE=56 is not divisible by GRADIENT_STEPS=3" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("args, says", [

@@ -59,6 +59,22 @@ def test_verdict_passes_at_the_threshold_and_names_the_rank_the_others_waited_fo
     assert not passed and "every rank waited alike (slowest: rank 0 on node0)" in line
 
 
+def test_one_rank_has_no_link_to_measure_and_passes_skipped() -> None:
+    """One rank sends nothing (2 (n - 1) / n = 0): the config's 75 GB/s threshold is not failed at 0 GB/s."""
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
+           "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "DEVICE": "cpu", "NCCL_TEST_MIN_BUSBW_GBPS": "75"}
+    done = subprocess.run([sys.executable, str(REPO / "pytorch" / "nccl_preflight.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stdout + done.stderr
+    assert done.stdout == ("NCCL_TEST: skipped: one rank, no link to measure (an all-reduce over one rank sends "
+                           "nothing; NCCL_TEST_MIN_BUSBW_GBPS=75 applies to 2 ranks or more)\n")
+    passed, line = verdict(_times(2e-3), 256 * MIB, 75.0)
+    assert passed and line.startswith("NCCL_TEST: skipped: one rank")
+    passed, line = verdict(_times(2e-3, 2e-3), 256 * MIB, 75.0)  # two ranks: 256 MiB in 2 ms is 134 GB/s
+    assert passed and line.startswith("NCCL_TEST: passed") and "bus bandwidth 134 GB/s" in line
+
+
 def test_bus_bandwidth_is_that_of_nccl_tests() -> None:
     # all_reduce_perf: algbw = bytes / time, busbw = algbw x 2 (n - 1) / n
     assert bus_bandwidth_gbps(10**9, 8, 1.0) == pytest.approx(1.75)

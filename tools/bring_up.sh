@@ -21,7 +21,8 @@
 # the machine changes). Variables: PYTHON (python3), BERT_CONFIG (BERT-Large), BUDGET_S (510 s: 9 minutes
 # less a margin), CONFIGS (gpu-check's configs; default every config_*.sh without DEVICE=cpu), BENCH_CONFIG
 # (the throughput benchmark's model: large), BRING_UP_DEVICE (cpu runs the GPU sequence on the CPU, to try it).
-# Exit status: 0 when every step that ran passed, 1 otherwise, 2 for a usage error.
+# Exit status: 0 when every step that ran passed and one ran at least, 1 otherwise, 2 for a usage error (a BUDGET_S
+# that is not whole seconds, a folder that cannot be written).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -115,5 +116,9 @@ import json, sys
 reports = [json.load(open(path)) for path in sys.argv[2:]]
 json.dump(reports, open(sys.argv[1], "w"), indent=1)
 PY
+if ((ran_steps == 0)); then
+  note "bring-up: FAILED: no check ran (every step was skipped: the budget of $budget s was spent before the first; raise BUDGET_S); details in $log"
+  exit 1
+fi
 note "bring-up: $([[ $failed == 0 ]] && echo passed || echo 'FAILED (the lines above)') in $((SECONDS - start)) s; details in $log"
 exit "$failed"

@@ -16,18 +16,24 @@ open_folder() {
   trap 'rm -rf "$work"' EXIT
   summary=$out/summary.txt
   log=$out/$2
-  : > "$summary"
-  : > "$log"
+  # Every line goes to these two files: a folder that takes neither stops here, named, not at the first step.
+  { : > "$summary" && : > "$log"; } 2> /dev/null || {
+    echo "$1: cannot write to the output folder $out; give one you can write ($1 DIR)" >&2
+    exit 2
+  }
   export PYTHONPATH="$here/pytorch:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   failed=0
 }
 
-# check_budget SCRIPT BUDGET: BUDGET_S must be a whole number of seconds (a usage error otherwise: exit 2).
+# check_budget SCRIPT BUDGET: BUDGET_S must be a whole number of seconds (a usage error otherwise: exit 2; the
+# shell's arithmetic would read "9m" as an error and "abc" as an unset variable). Sets `budget` to it, read as
+# decimal ("0510" is 510, not octal). 0 is a budget: every step is skipped, and a run where none ran fails.
 check_budget() {
-  if [[ ! $2 =~ ^[0-9]+$ ]] || (($2 < 1)); then
+  if [[ ! $2 =~ ^[0-9]+$ ]]; then
     echo "$1: BUDGET_S=$2 is not a whole number of seconds (e.g. BUDGET_S=470)" >&2
     exit 2
   fi
+  budget=$((10#$2))
 }
 
 note() { echo "$*" | tee -a "$summary"; }

@@ -56,6 +56,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mlperf_bert.config.batch_size import config_batch
+
 REPO = Path(__file__).resolve().parents[1]
 MLLOG_TOKEN = ":::MLLOG "
 TEMP_CHECKPOINT = re.compile(r"\.ckpt-(\d{12,})\.pt\.tmp-\d+")
@@ -626,7 +628,7 @@ def run_overrides(args: argparse.Namespace) -> dict[str, str]:
     if every <= 0:
         config = dict(re.findall(r"^export (\w+)=(\S*)", args.config.read_text(), re.M))
         merged = {**config, **overrides}
-        every = 2 * int(merged["BATCHSIZE"]) * int(merged["DGXNGPU"]) * int(merged.get("GRADIENT_STEPS", "1"))
+        every = 2 * config_batch(merged, args.config.name).global_batch_size
     overrides["CHECKPOINT_EVERY_SAMPLES"] = str(every)
     return overrides
 

@@ -24,7 +24,8 @@
       The launchers run it inside the container before each run, so the description of the machine
       that trained travels with the log and `pack` can use it on any other machine.
 
-Checks: every result file through the compliance checker, and whether it converged: one run that
+Checks: first that every result file holds MLPerf log lines (a file with none, such as a note, is
+named in one line and the checks stop there). Then every result file through the compliance checker, and whether it converged: one run that
 did not (or one file that does not comply) counts as the slowest and is dropped by the olympic mean,
 as training_rules.adoc §12 and the official package checker allow; two fail the package, and
 --strict accepts none. Every closed-division result file against the closed-division rules the
@@ -62,7 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from compare import SYSJSON_TOKEN, RunLog, is_run_log, natural_key, olympic_mean, read_run
+from compare import MLLOG_TOKEN, SYSJSON_TOKEN, RunLog, is_run_log, natural_key, olympic_mean, read_run
+from mlperf_bert.config.batch_size import SEQUENCES_PER_PACK, config_batch
 from mlperf_bert.config.closed_division import broken_rules, init_overrun, unchecked_keys
 from scoring import (RcpVerdict, ScoringError, Selection, hyperparameter_mismatches, quiet_logging,
                      rcp_verdict, rcp_window, run_minutes, select_consecutive)
@@ -635,10 +637,26 @@ def run_summarizer(package: Path, ruleset: str, logs: Path, verdict: Verdict) ->
             verdict.problems.append(f"result summarizer: no {BENCHMARK} score for {system}")
 
 
+def files_without_log_lines(package: Path) -> list[Path]:
+    """Result files with no `:::MLLOG` line: a note or a stray file, not a run's log."""
+    def holds_log_lines(path: Path) -> bool:
+        with path.open(encoding="latin-1") as lines:
+            return any(MLLOG_TOKEN in line for line in lines)
+
+    return [f for bert_dir in _result_dirs(package) for f in _result_files(bert_dir) if not holds_log_lines(f)]
+
+
 def check_package(package: Path, ruleset: str, logs: Path, strict: bool = False) -> Verdict:
-    """All checks and the score; `logs` receives the official tools' log files."""
+    """All checks and the score; `logs` receives the official tools' log files. A result file without MLPerf
+    lines stops the checks at its one line: every other check would name each key it lacks (20 lines a file)."""
     verdict = Verdict()
     package, logs = package.resolve(), logs.resolve()  # the official tools run with `logs` as cwd
+    strays = files_without_log_lines(package)
+    if strays:
+        verdict.problems += [f"{f.relative_to(package)}: holds no MLPerf log lines (`{MLLOG_TOKEN.strip()}`), so it "
+                             "is no run's log; put the run's log there or take the file out of the package, "
+                             "then check again" for f in strays]
+        return verdict
     check_compliance(package, ruleset, verdict, strict)
     check_hyperparameters(package, verdict)
     check_closed_rules(package, verdict)
@@ -717,10 +735,12 @@ def config_global_batch_size(config: Mapping[str, str], path: Path) -> tuple[int
 
     if config.get("GLOBAL_BATCH_SIZE"):
         return number("GLOBAL_BATCH_SIZE"), "GLOBAL_BATCH_SIZE"
-    per_pack = 2 if config.get("INPUT_LAYOUT") == "packed" else 1
-    gbs = number("BATCHSIZE") * number("DGXNGPU") * number("DGXNNODES") * per_pack
+    try:
+        batch = config_batch(config, str(path))
+    except ValueError as err:
+        raise PackageError(str(err)) from err
     how = f"BATCHSIZE {config['BATCHSIZE']} x DGXNGPU {config['DGXNGPU']} x DGXNNODES {config['DGXNNODES']}"
-    return gbs, how + (" x 2 sequences per pack" if per_pack == 2 else "")
+    return batch.global_batch_size, how + (f" x {SEQUENCES_PER_PACK} sequences per pack" if batch.packed else "")
 
 
 def rcp_comment(gbs: int, ruleset: str, division: str | None = None) -> str:

@@ -44,9 +44,10 @@ import scoring  # noqa: E402
 import step_model  # noqa: E402
 from step_model import DEVICES, Device, StepTime  # noqa: E402
 
+from mlperf_bert.config.batch_size import BatchShape, config_batch  # noqa: E402
 from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, memory_from_dict  # noqa: E402
 from mlperf_bert.dryrun.native import build_dir  # noqa: E402
-from mlperf_bert.dryrun.shipped import exports, world_size  # noqa: E402
+from mlperf_bert.dryrun.shipped import exports  # noqa: E402
 from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward  # noqa: E402
 from mlperf_bert.train.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS  # noqa: E402
 from mlperf_bert.train.evaluation_interval import EvalSchedule  # noqa: E402
@@ -95,10 +96,13 @@ def config_env(config: Path, gpus: int | None, device: str) -> dict[str, str]:
     return {**env, "DGXNGPU": str(min(gpus, per_node)), "DGXNNODES": str(max(gpus // per_node, 1))}
 
 
-def global_batch_size(env: Mapping[str, str]) -> int:
-    """Sequences per step: a pack counts as 2 sequences, as NVIDIA logs it (configs' batch arithmetic)."""
-    per_row = 2 if env.get("INPUT_LAYOUT") == "packed" else 1
-    return int(env["BATCHSIZE"]) * per_row * int(env["GRADIENT_STEPS"]) * world_size(env)
+def config_batch_shape(env: Mapping[str, str], name: str) -> BatchShape:
+    """The config's batch as the trainer counts it (`mlperf_bert.config.batch_size`: BATCHSIZE is per GPU and
+    optimizer step, the accumulation inside it; a pack counts as 2 sequences)."""
+    try:
+        return config_batch(env, name)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,10 +313,10 @@ def residual_spread() -> float:
 def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[str, Any]) -> Prediction:
     memory = memory_from_dict(traced["memory"])
     work = StepWork.from_dict(traced["work"])
-    gpus, per_node = world_size(env), int(env["DGXNGPU"])
+    batch = config_batch_shape(env, name)
+    gpus, per_node, gbs = batch.world_size, int(env["DGXNGPU"]), batch.global_batch_size
     step = step_model.step_time(work, device, gpus, overlaps(env), per_node=per_node)  # the calibrated constants
     spread = math.exp(residual_spread())
-    gbs = global_batch_size(env)
     window = scoring.rcp_window(gbs, RULESET)
     if window.record is None:
         raise PlanError(f"{name}: {window.where()}: no RCP window to predict samples to converge")
@@ -442,6 +446,7 @@ def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: 
             raise PlanError(f"{config}: no such config file (give a config_*.sh)")
         devices[config.name] = device or device_of(exports(config), config)
         envs[config.name] = config_env(config, gpus, devices[config.name])
+        config_batch_shape(envs[config.name], config.name)  # a batch the trainer refuses, before tracing it
     traced = traces(envs, cache)
     return [predict(name, envs[name], DEVICES[devices[name]], traced[name]) for name in envs]
 

@@ -35,6 +35,7 @@ from typing import Any, Collection, Mapping, Sequence
 from package_results import PackageError, rcp_comment, read_config
 from scoring import ABOVE, BELOW, COVERED, INTERPOLATED, RcpWindow, ScoringError, rcp_checker, rcp_window
 
+from mlperf_bert.config.batch_size import config_batch
 from mlperf_bert.config.closed_division import eval_interval_samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,8 +126,7 @@ def config_sets(configs: Sequence[Path]) -> list[HyperparameterSet]:
         env = read_config(path)
         if env.get("DIVISION") != "closed":
             continue
-        per_item = 2 if env.get("INPUT_LAYOUT") == "packed" else 1
-        gbs = int(env["BATCHSIZE"]) * int(env["DGXNGPU"]) * int(env["DGXNNODES"]) * per_item
+        gbs = config_batch(env, path.name).global_batch_size
         sets.append(HyperparameterSet(
             path.name, gbs, float(env["LR"]), int(env["MAX_STEPS"]), int(env.get("WARMUP_STEPS") or 0),
             int(env.get("START_WARMUP_STEP") or 0), float(env["OPT_LAMB_BETA_1"]), float(env["OPT_LAMB_BETA_2"]),

@@ -20,6 +20,7 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dat
 from pathlib import Path
 from typing import Any, Iterator
 
+from .batch_size import BatchShape
 from .closed_division import closed_division_problem
 
 INPUT_LAYOUTS = ("padded", "unpadded", "packed")
@@ -582,14 +583,19 @@ class TrainConfig:
         return Path(directory) if directory else Path(self.run.output_dir) / "checkpoints"
 
     @property
+    def batch(self) -> BatchShape:
+        """The step's batch, counted as the tools count a config file's (`config/batch_size.py`)."""
+        return BatchShape(self.train_batch_size, self.gradient_accumulation_steps, self.world_size,
+                          self.data.input_layout == "packed")
+
+    @property
     def micro_batch_size(self) -> int:
-        return self.train_batch_size // self.gradient_accumulation_steps
+        return self.batch.micro_batch_size
 
     @property
     def global_batch_size(self) -> int:
         """Sequences per optimizer step over all ranks (packs count as 2 sequences, as NVIDIA logs it)."""
-        per_item = 2 if self.data.input_layout == "packed" else 1
-        return self.train_batch_size * self.world_size * per_item
+        return self.batch.global_batch_size
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -66,6 +66,29 @@ class Record:
     def rows(self) -> int:
         return sum(entry.rows for entry in self.files.values())
 
+    @property
+    def contradiction(self) -> str | None:
+        """Why an `ok` record cannot be what the verification wrote, from its own fields (None: it can).
+
+        The verification writes `ok` only without problems, and refuses two shards with samples of equal
+        content (`integrity.duplicate_groups`; equal sha256 is the byte-identical kind). A record that says
+        `ok` and lists problems, or equal sha256s of two such shards, was changed after it was written
+        (a status edited by hand from failed). Empty sha256s (--no_checksums) are no evidence.
+        """
+        if not self.ok:
+            return None
+        if self.problems:
+            return f"status ok, yet it lists {len(self.problems)} problem(s) the verification found"
+        by_digest: dict[str, list[str]] = {}
+        for name, entry in sorted(self.files.items()):
+            if entry.sha256 and entry.sequences:
+                by_digest.setdefault(entry.sha256, []).append(name)
+        copies = next((names for names in by_digest.values() if len(names) > 1), None)
+        if copies:
+            return (f"status ok, yet {copies[0]} and {copies[1]} have the same sha256: byte-identical shards, "
+                    "which the verification refuses")
+        return None
+
 
 def _entry(raw: dict[str, Any]) -> FileEntry:
     return FileEntry(int(raw["bytes"]), int(raw["mtime_ns"]), str(raw["sha256"]), int(raw["rows"]),

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 from unittest import mock
 
+from ..config.batch_size import config_batch
+
 REPO = Path(__file__).resolve().parents[3]
 # The benchmark's model (REFERENCE: BERT-Large uncased, vocabulary 30522).
 BERT_LARGE: dict[str, Any] = {
@@ -45,7 +47,7 @@ def exports(config: Path) -> dict[str, str]:
 
 
 def world_size(env: Mapping[str, str]) -> int:
-    return int(env["DGXNGPU"]) * int(env["DGXNNODES"])
+    return config_batch(env, "the config").world_size
 
 
 def launch_env(config_env: Mapping[str, str], folder: Path, bert: Mapping[str, Any], python: Path) -> dict[str, str]:

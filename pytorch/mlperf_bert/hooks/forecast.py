@@ -83,7 +83,8 @@ class Observed:
 @dataclass(frozen=True)
 class Forecast:
     """Samples (and seconds after run_start) at which the run reaches the target, with an 80%
-    interval. `reached`: the latest eval is at the target already (then all three are it).
+    interval. `reached`: an eval is at the target already (then all three are the first such eval's samples,
+    and `evals` counts the evals up to it).
     `outside`: why the published runs cannot speak for this one (then there are no numbers)."""
 
     evals: int
@@ -188,10 +189,14 @@ def predict(evals: Sequence[tuple[float, float]], schedule_samples: float,
         return Forecast(0, math.nan, math.nan, math.nan, False, None, "no eval after the first training step yet")
     evals = [evals[i] for i in trained]
     eval_seconds = None if eval_seconds is None else [eval_seconds[i] for i in trained]
-    last_samples, last_accuracy = evals[-1]
-    if last_accuracy >= target:
-        now = None if eval_seconds is None else (eval_seconds[-1], eval_seconds[-1], eval_seconds[-1])
-        return Forecast(len(evals), last_samples, last_samples, last_samples, True, now)
+    # The run converged at its first eval at or past the target; a log that goes on past it (no run_stop yet, or
+    # a run told to continue) does not move that point, whatever its later evals read.
+    reached = next((i for i, (_, accuracy) in enumerate(evals) if accuracy >= target), None)
+    if reached is not None:
+        at = evals[reached][0]
+        now = None if eval_seconds is None else (eval_seconds[reached],) * 3
+        return Forecast(reached + 1, at, at, at, True, now)
+    last_samples = evals[-1][0]
     outside = outside_reason(schedule_samples)
     if outside:
         return Forecast(len(evals), math.nan, math.nan, math.nan, False, None, outside)

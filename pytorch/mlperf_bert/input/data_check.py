@@ -6,7 +6,8 @@ it (§6.4, Other Uses of Data). So before `run_start` a run reads only `VERIFIED
 `data_prep/verify_dataset.py` writes after reading every row, and compares it with the files by
 `os.stat` (`data.record`). What it decides:
 
-- a record that says the verification failed: refused (any division);
+- a record that says the verification failed, or says `ok` against its own fields (problems
+  listed, two shards of equal sha256: `Record.contradiction`): refused (any division);
 - the record against this run: the longest sequence, the most predictions and the largest token
   id the verification saw must fit the run's limits; the eval set must hold --num_eval_examples;
 - closed division (a timed result): both folders must have a record, unchanged since it was
@@ -37,6 +38,9 @@ def _usable(folder: Path, closed: bool, what: str, notes: bool, eval_dir: str | 
     """The folder's record when it holds; None (after a note) for an open run without a current one."""
     record = read_record(folder)
     advice = reverify_advice(folder, eval_dir)
+    if record is not None and record.contradiction:
+        raise DataError(f"{record.path}: {record.contradiction}; a record that contradicts itself was changed "
+                        f"after data_prep wrote it and is not trusted: {advice}")
     if record is not None and not record.ok:
         first = record.problems[0] if record.problems else "no problem recorded"
         raise DataError(f"{folder}: data_prep's verification failed ({first}; all problems in {record.path}); "

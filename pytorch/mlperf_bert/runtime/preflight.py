@@ -19,6 +19,7 @@ check fails with one line, and exit code 1, naming where the time went:
 - otherwise every rank waited alike, which is what a slow link or switch looks like from the
   ranks: the line gives the bandwidth and the slowest rank's host, without a culprit.
 
+A job of one rank has no link to measure: the check says so and passes (exit 0).
 A rank that does not join exits 76 (a lost rank, as the trainer's). The check reads no data and
 writes nothing, so it runs before a run's log begins.
 """
@@ -96,9 +97,18 @@ def bus_bandwidth_gbps(nbytes: int, world: int, seconds: float) -> float:
     return nbytes / seconds * 2 * (world - 1) / world / 1e9
 
 
+def one_rank_line(threshold_gbps: float) -> str:
+    """The pre-flight of a job of one rank: an all-reduce over one rank sends nothing (its bus bandwidth
+    formula gives 0 for any time), so there is no link to measure and the check is skipped, not failed."""
+    return (f"{PREFIX}: skipped: one rank, no link to measure (an all-reduce over one rank sends nothing; "
+            f"NCCL_TEST_MIN_BUSBW_GBPS={threshold_gbps:g} applies to 2 ranks or more)")
+
+
 def verdict(times: Sequence[RankTimes], nbytes: int, threshold_gbps: float) -> tuple[bool, str]:
     """(passed, the line to print) from every rank's times."""
     world = len(times)
+    if world < 2:
+        return True, one_rank_line(threshold_gbps)
     slowest = max(times, key=lambda t: t.in_allreduce)
     busbw = bus_bandwidth_gbps(nbytes, world, slowest.in_allreduce)
     facts = (f"all-reduce of {nbytes / 2**20:.0f} MiB over {world} ranks: bus bandwidth {busbw:.3g} GB/s "
@@ -174,6 +184,8 @@ def run(denv: DistEnv, env: Mapping[str, str]) -> tuple[int, str | None]:
     on_gpu = torch.cuda.is_available() and env.get("DEVICE", "auto") != "cpu"
     device = torch.device("cuda", denv.local_rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     settings = Settings.from_environ(env, on_gpu)
+    if denv.world_size == 1:  # no other rank to wait for, no bytes to time
+        return EXIT_OK, one_rank_line(settings.min_busbw_gbps)
     host = socket.gethostname()
     # Under torchrun its agent already serves the store at MASTER_ADDR:MASTER_PORT: join it, as torch's
     # env:// and tcp:// rendezvous do; under srun rank 0 serves it.
