@@ -18,7 +18,7 @@ open_folder() {
   log=$out/$2
   # Every line goes to these two files: a folder that takes neither stops here, named, not at the first step.
   { : > "$summary" && : > "$log"; } 2> /dev/null || {
-    echo "$1: cannot write to the output folder $out; give one you can write ($1 DIR)" >&2
+    echo "$1: cannot write to the output folder $out; give one you can write (bash tools/$1 DIR)" >&2
     exit 2
   }
   export PYTHONPATH="$here/pytorch:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
