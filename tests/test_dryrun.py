@@ -224,6 +224,22 @@ def test_fp8_steps_reach_scaled_mm_on_fake_cuda(tmp_path: Path, flags: list[str]
     assert ("(CapturableShardedLamb)" in output) == ("--distributed_optimizer" in flags), output
 
 
+# The delayed recipe's GEMMs per step: query, key and value as one stacked GEMM, so 4 linears per layer x 3.
+DELAYED_GEMMS_PER_STEP = 2 * 4 * 3
+
+
+@pytest.mark.parametrize("layers, gemms", [("encoder", DELAYED_GEMMS_PER_STEP), ("ffn", 2 * 2 * 3)])
+def test_delayed_fp8_recipe_calls_scaled_mm_inside_the_captured_step(tmp_path: Path, layers: str, gemms: int) -> None:
+    """--fp8_recipe delayed (model/fp8_delayed.py) calls torch._scaled_mm itself: in the captured step, with
+    the stacked query/key/value GEMM, and only the FFN's two linears under --fp8_layers ffn."""
+    code, output = _dry_run(tmp_path, "--precision", "fp8", "--fp8_recipe", "delayed", "--fp8_layers", layers,
+                            "--input_layout", "packed", "--cuda_graphs", "--sync_every", "3")
+    assert code == 0, output
+    captured = int(re.search(r"inside CUDA-graph captures: (\d+)", output).group(1))  # type: ignore[union-attr]
+    assert captured == gemms, output
+    assert "inside a CUDA-graph capture at" not in output, output
+
+
 def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tmp_path: Path) -> None:
     """Sequences of 128 to 512 tokens fall in several length groups: each group is ordered after
     q/k/v by an event and the layer waits for each group's event, and the groups are learnt
