@@ -255,6 +255,7 @@ FLAG_CONTRACT = {
     "--target_mlm_accuracy": (float, 0.72), "--num_eval_examples": (int, 10000), "--eval_batch_size": (int, 128),
     "--eval_iter_start_samples": (int, None), "--eval_iter_samples": (int, None),
     "--max_samples_termination": (int, None), "--seed": (int, 12345), "--precision": (str, "fp32"),
+    "--fp8_recipe": (str, None), "--fp8_layers": (str, None),
     "--device": (str, "auto"), "--log_freq": (int, 10), "--init_loss_scale": (float, 65536.0),
     "--compile_mode": (str, "none"), "--sync_every": (int, 1), "--input_pipeline": (str, "torch"),
     "--dist_optimizer_group_size": (int, 0),

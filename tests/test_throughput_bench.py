@@ -92,7 +92,7 @@ def test_fp8_is_a_precision_axis_reported_as_emulated_on_the_cpu(tmp_path):
     assert set(setups) == {(layout, p) for layout in ("packed", "hf_padded") for p in ("bf16", "fp8")}
     for (layout, precision), r in setups.items():
         assert r["status"] == "ok" and len(r["speedups_vs_hf"]) == 2, r
-        assert ("FP8 emulated (not a speed)" in r["notes"]) == (precision == "fp8"), r
+        assert ("FP8 emulated (tensorwise, encoder GEMMs) (not a speed)" in r["notes"]) == (precision == "fp8"), r
     # Each precision's speed-ups are against hf_padded at that precision.
     fp8_hf = setups[("hf_padded", "fp8")]["round_seconds"]
     packed = setups[("packed", "fp8")]

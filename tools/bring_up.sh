@@ -34,7 +34,7 @@ start=$SECONDS
 # shellcheck source=/dev/null
 source "$here/tools/budget_steps.sh"
 check_budget bring_up.sh "$budget"
-work="" log="" failed=0 precisions=()  # tools/budget_steps.sh sets them, and summary
+work="" log="" failed=0 ran_steps=0 precisions=()  # tools/budget_steps.sh sets them, and summary
 open_folder bring_up.sh bring_up.log
 
 numerics() {

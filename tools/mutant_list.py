@@ -327,8 +327,8 @@ MUTANTS: list[Mutant] = [
        '        self.streams[0].load_state_dict(state["stream"])\n',
        "a loaded position restores only the first slot of the rank"),
     # ------------------------------------------------------------ model/fp8.py
-    _m("fp8-01", FP8, "return index.isdigit() and inner in LAYER_GEMMS",
-       "return len(index) == 1 and index.isdigit() and inner in LAYER_GEMMS",
+    _m("fp8-01", FP8, "return index.isdigit() and inner in gemms",
+       "return len(index) == 1 and index.isdigit() and inner in gemms",
        "the layer index parsed as one digit: layers 10 to 23 of BERT-Large stay bf16"),
     _m("fp8-02", FP8, 'index, _, inner = name[len(ENCODER_LAYERS):].partition(".")',
        'index, _, inner = name[len(ENCODER_LAYERS):].rpartition(".")',
