@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +66,25 @@ def test_a_folder_it_cannot_write_is_named_with_exit_2():
     assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
     assert done.stderr.splitlines() == ["bring_up.sh: cannot write to the output folder /proc; give one you can "
                                         "write (bash tools/bring_up.sh DIR)"]
+
+
+def test_gpu_check_line_reads_the_planners_memory_estimate(tmp_path: Path) -> None:
+    """Each gpu-check line ends with tools/plan.py's traced training peak, read off plan.py's memory line (the
+    first GPU run's said "estimate: tools/plan.py: no memory line"), or with the line plan.py stopped with.
+    Every step's budget is spent (BUDGET_S=0): the estimates are what is left to run."""
+    unknown = tmp_path / "config_UNKNOWN_1x8.sh"
+    unknown.write_text("".join(f"export {name}\n" for name in
+                               ("DGXSYSTEM=UNKNOWN_1x8", "DGXNGPU=8", "DGXNNODES=1", "BATCHSIZE=8", "GRADIENT_STEPS=1")))
+    out = tmp_path / "bring_up"
+    done = run_cli(["bash", "tools/bring_up.sh", str(out)], timeout=300,
+                   env={"BRING_UP_DEVICE": "cpu", "BUDGET_S": "0", "PYTHON": sys.executable,
+                        "CONFIGS": f"config_DGXH200_1x8.sh {unknown}"})
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 1 and "bring-up: FAILED: no check ran" in summary, summary + done.stderr
+    planned = (out / "bring_up.log").read_text().split("=== plan config_DGXH200_1x8.sh\n")[1]
+    training = re.search(r"memory per device: (training \d+\.\d GiB),", planned)
+    assert training, planned
+    estimates = re.findall(r"^    no dry run verdict; no peak memory line; estimate: (.*)$", summary, re.M)
+    assert len(estimates) == 2 and estimates[0] == f"tools/plan.py {training.group(1)}", summary
+    assert estimates[1].startswith("tools/plan.py failed (exit 2): plan.py: config_UNKNOWN_1x8.sh: "
+                                   "DGXSYSTEM='UNKNOWN_1x8' names no known device; pass --device"), summary

@@ -43,17 +43,32 @@ numerics() {
   step "numerics $name" 90 "$PYTHON" tools/numerics_check.py --device "$device" --json "$work/numerics_${name// /_}.json" "$@"
 }
 
+# tools/plan.py's traced training peak of config $1 (its "memory per device: training N GiB" line), else
+# the line it stopped with; its whole output goes to the log.
+plan_estimate() {
+  local out rc training
+  out=$(cd "$here" && timeout 60 "$PYTHON" tools/plan.py "$1" 2>&1)
+  rc=$?
+  printf '=== plan %s\n%s\n' "$1" "$out" >> "$log"
+  training=$(sed -n 's/^ *memory per device: \(training [0-9.]* GiB\).*/\1/p' <<< "$out" | head -n 1)
+  if [[ -n $training ]]; then
+    echo "tools/plan.py $training"
+  elif ((rc == 124)); then
+    echo "tools/plan.py timed out (60 s)"
+  else
+    echo "tools/plan.py failed (exit $rc): $(grep -v '^\s*$' <<< "$out" | tail -n 1)"
+  fi
+}
+
 gpu_check_config() {
   local config=$1 plan_note="tools/plan.py not present: no estimate"
   step "gpu-check $config" 100 env CONFIGS="$config" STEPS=3 PYTHON="$PYTHON" BERT_CONFIG="$bert" \
     bash tools/gpu_check.sh
-  local peak
-  peak=$(grep -o 'peak device memory[^;]*' "$work/step.log" | tail -n 1)
-  if [[ -f $here/tools/plan.py ]]; then
-    plan_note="tools/plan.py: $( (cd "$here" && timeout 60 "$PYTHON" tools/plan.py "$config" 2>&1) | tee -a "$log" \
-      | grep -i -m 1 'memory' || echo 'no memory line')"
-  fi
-  note "    $(grep -E '^dry run: (passed|FAILED)|: error:' "$work/step.log" | tail -n 1); ${peak:-no peak memory line}; estimate: $plan_note"
+  local verdict peak
+  verdict=$(grep -E '^dry run: (passed|FAILED)|: error:' "$work/step.log" | tail -n 1)
+  peak=$(grep -o 'peak device memory of .* GiB' "$work/step.log" | tail -n 1)
+  [[ -f $here/tools/plan.py ]] && plan_note=$(plan_estimate "$config")
+  note "    ${verdict:-no dry run verdict}; ${peak:-no peak memory line}; estimate: $plan_note"
 }
 
 if [[ $SMOKE == 1 ]]; then

@@ -8,6 +8,10 @@ that host reads and copies inside a capture are caught. `install` patches them i
 `torch.cuda` (with a device-less `torch.futures.Future`, SDPA choosing its kernel as on a GPU, and
 flash-attention kernels present, as in every CUDA build) for
 the length of a `with` block.
+
+Captures and replays are counted in one place for both devices (`counted`): the stand-in graph is
+counted, and on a real GPU `count_graphs` puts a counted twin of `torch.cuda.CUDAGraph` in its
+place, so that `--real` reports the captures and replays it ran.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ class _Event(torch.Event):
         return 0.0
 
 
-class _CUDAGraph:
+class _NoDeviceGraph:
+    """A CUDA graph with nothing to capture: between capture_begin and capture_end the recorder is capturing."""
+
     def __init__(self, *_: Any, **__: Any) -> None:
         self.captured = False
 
@@ -95,20 +101,34 @@ class _CUDAGraph:
     def capture_end(self) -> None:
         _state.recorder.capturing = False
         self.captured = True
-        _state.log.captures += 1
 
     def replay(self) -> None:
         if not self.captured:
             raise RuntimeError("CUDAGraph.replay() before a capture")
-        _state.log.replays += 1
-        _state.log.phase_replays[_state.recorder.phase] += 1
 
     def pool(self) -> tuple[int, int]:
         return (0, 0)
 
 
+def counted(graph: type) -> type:
+    """`graph` (the stand-in, or torch's CUDAGraph on a GPU) counting each capture and replay into the log,
+    replays by the recorder's phase, once the graph's own call has returned."""
+
+    class Counted(graph):
+        def capture_end(self) -> None:
+            super().capture_end()
+            _state.log.captures += 1
+
+        def replay(self) -> None:
+            super().replay()
+            _state.log.replays += 1
+            _state.log.phase_replays[_state.recorder.phase] += 1
+
+    return Counted
+
+
 @contextlib.contextmanager
-def _graph(cuda_graph: _CUDAGraph, pool: Any = None, stream: Any = None, **_: Any) -> Iterator[None]:
+def _graph(cuda_graph: _NoDeviceGraph, pool: Any = None, stream: Any = None, **_: Any) -> Iterator[None]:
     cuda_graph.capture_begin()
     try:
         yield
@@ -179,7 +199,7 @@ STANDINS: dict[str, Any] = {
     "synchronize": _synchronize,
     "Stream": _Stream,
     "Event": _Event,
-    "CUDAGraph": _CUDAGraph,
+    "CUDAGraph": counted(_NoDeviceGraph),
     "graph": _graph,
     "stream": _stream,
     "current_stream": lambda device=None: _DEFAULT,
@@ -188,6 +208,19 @@ STANDINS: dict[str, Any] = {
     "max_memory_allocated": lambda device=None: 0,
     "reset_peak_memory_stats": lambda device=None: None,
 }
+
+
+@contextlib.contextmanager
+def count_graphs(recorder: Recorder) -> Iterator[CudaLog]:
+    """On a real GPU: torch.cuda.CUDAGraph counted (`counted`) into a new log, `recorder`'s phases labelling the
+    replays; restores on exit."""
+    _state.recorder, _state.log = recorder, CudaLog()
+    real = torch.cuda.CUDAGraph
+    torch.cuda.CUDAGraph = counted(real)  # type: ignore[misc, assignment]
+    try:
+        yield _state.log
+    finally:
+        torch.cuda.CUDAGraph = real  # type: ignore[misc]
 
 
 @contextlib.contextmanager

@@ -1,8 +1,15 @@
-// A CUDA device that exists only for type, shape and device checks: loaded into a CPU-only
-// PyTorch before any CUDA tensor is made, so that FakeTensorMode can run the trainer on
+// A CUDA device that exists only for type, shape and device checks: loaded into PyTorch
+// before any CUDA tensor is made, so that FakeTensorMode can run the trainer on
 // 'cuda' tensors that hold no data. It registers a device guard that does nothing and CUDA
 // hooks that report one device. No kernel ever runs on it: every op on a 'cuda' tensor must
 // stay inside FakeTensorMode, which computes the result's metadata only.
+//
+// A CUDA build of PyTorch (a GPU machine's) registers its own hooks and guard when `import torch`
+// loads libtorch_cuda, after this library. The hooks here are registered at a higher priority:
+// the registry keeps them and skips the real ones, printing "Higher priority item already
+// registered, skipping registration of CUDAHooks" (two at one priority would end the process).
+// The real guard takes this one's place; the dry run never calls it (FakeTensorMode runs no
+// kernel that would set a device), with or without a GPU.
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -48,6 +55,6 @@ struct FakeCudaHooks final : CUDAHooksInterface {
   void deviceSynchronize(DeviceIndex) const override {}
 };
 
-C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCudaHooks)
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, FakeCudaHooks)
 
 }  // namespace at

@@ -38,7 +38,7 @@ def _torch_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def _compile_command(torch_dir: Path, output: Path) -> list[str]:
+def _compile_command(torch_dir: Path, source: Path, output: Path) -> list[str]:
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
         raise NativeBuildError(f"the fake CUDA device needs a C++ compiler: {compiler} is not on PATH "
@@ -46,29 +46,30 @@ def _compile_command(torch_dir: Path, output: Path) -> list[str]:
     include = torch_dir / "include"
     lib = torch_dir / "lib"
     return [compiler, "-shared", "-fPIC", "-O1", "-std=c++20", "-w", f"-I{include}",
-            f"-I{include / 'torch/csrc/api/include'}", str(SOURCE), f"-L{lib}", "-lc10", "-ltorch_cpu",
+            f"-I{include / 'torch/csrc/api/include'}", str(source), f"-L{lib}", "-lc10", "-ltorch_cpu",
             f"-Wl,-rpath,{lib}", "-o", str(output)]
 
 
-def _content_hash(torch_dir: Path) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+def _content_hash(torch_dir: Path, source: Path) -> str:
+    digest = hashlib.sha256(source.read_bytes())
     digest.update((torch_dir / "version.py").read_bytes())
     digest.update(str(torch_dir).encode())
     return digest.hexdigest()[:16]
 
 
-def build() -> Path:
-    """The shared library for this source and torch build; compiled once (about 2-10 s)."""
+def build(source: Path = SOURCE) -> Path:
+    """The shared library of `source` (the fake device's, or a test's) for this torch build; compiled once
+    (about 2-10 s)."""
     torch_dir = _torch_dir()
-    target = build_dir() / f"fake_cuda_{_content_hash(torch_dir)}.so"
+    target = build_dir() / f"{source.stem}_{_content_hash(torch_dir, source)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run(_compile_command(torch_dir, partial), capture_output=True, text=True)
+    done = subprocess.run(_compile_command(torch_dir, source, partial), capture_output=True, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise NativeBuildError(f"compiling {SOURCE} failed:\n{done.stderr[-4000:]}")
+        raise NativeBuildError(f"compiling {source} failed:\n{done.stderr[-4000:]}")
     partial.replace(target)
     return target
 

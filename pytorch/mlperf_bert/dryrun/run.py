@@ -211,6 +211,11 @@ def cost_tracer(recorder: Recorder) -> CostTracer:
     return CostTracer(phase=lambda: recorder.phase, capturing=recorder.in_capture_now)
 
 
+def cuda_calls(recorder: Recorder, fake: bool = True) -> ContextManager[cuda_standins.CudaLog]:
+    """The log of CUDA calls: the fake device's stand-ins record them all; on a real GPU its graphs are counted."""
+    return cuda_standins.install(recorder) if fake else cuda_standins.count_graphs(recorder)
+
+
 @contextlib.contextmanager
 def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True,
               tracer: CostTracer | None = None) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
@@ -218,14 +223,11 @@ def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = 
     CUDA calls."""
     device = torch.device("cuda", 0)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
-
-    def standins() -> ContextManager[cuda_standins.CudaLog]:
-        return cuda_standins.install(recorder) if fake else contextlib.nullcontext(cuda_standins.CudaLog())
-
-    with standins():  # the attention back-end's choice asks the (fake) GPU its compute capability
+    with cuda_calls(recorder, fake):  # the attention back-end's choice asks the (fake) GPU its compute capability
         parts = supplied(cfg, device, fake)
     traced = tracer if tracer is not None else contextlib.nullcontext()
-    with fake_process_group(denv.world_size), standins() as log, counting_fp8_gemms(recorder), mode, recorder, traced:
+    with fake_process_group(denv.world_size), cuda_calls(recorder, fake) as log, counting_fp8_gemms(recorder), mode, \
+            recorder, traced:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
         try:
             yield run, log
