@@ -144,7 +144,10 @@ def traces(envs: Mapping[str, Mapping[str, str]], cache: bool = True) -> dict[st
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 raise PlanError(f"the dry run of {', '.join(todo)} failed: {lines[-1] if lines else done.returncode}")
             for name, traced in json.loads(result.read_text()).items():
-                (folder / f"{keys[name]}.json").write_text(json.dumps(traced))
+                # Whole or not at all: test files in other workers read the cache while it is written.
+                partial = folder / f"{keys[name]}.json.{os.getpid()}"
+                partial.write_text(json.dumps(traced))
+                partial.replace(folder / f"{keys[name]}.json")
                 found[name] = traced
     return found
 
