@@ -115,3 +115,22 @@ def test_matmul_flops_of_a_step_are_three_times_the_forward_ones(real_step: tupl
     counted = tracer.phases["step"].flops(MATMUL)
     assert encoder <= counted <= 1.3 * encoder, (counted, encoder)
     assert tracer.phases["step"].flops(OTHER) == 0  # element-wise ops are counted by bytes, not FLOPs
+
+
+def test_varlen_attention_ops_are_counted_over_their_grid() -> None:
+    """The package's varlen attention (a custom op, not aten) is a kernel of the step: counted as a matrix product
+    with the FLOPs of every token against max_seqlen keys, forward 4 T S h d and backward 2.5 times that (the
+    backward recomputes the scores), and its bytes; before, the tracer skipped it and a varlen step had no
+    attention work at all."""
+    from mlperf_bert.model.varlen_flash import varlen_flash
+
+    tokens, heads, dim, max_seqlen = 10, 2, 8, 6
+    q, k, v = (torch.randn(tokens, heads, dim, requires_grad=True) for _ in range(3))
+    tracer = CostTracer(device_type="cpu")
+    with tracer:
+        varlen_flash(q, k, v, torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen, 0.1).sum().backward()
+    counted = {op.name: op for op in tracer.phases["build"].ops}
+    forward = 4 * tokens * max_seqlen * heads * dim
+    assert (counted["varlen_flash_forward"].kind, counted["varlen_flash_forward"].flops) == (MATMUL, forward)
+    assert (counted["varlen_flash_backward"].kind, counted["varlen_flash_backward"].flops) == (MATMUL, forward * 5 // 2)
+    assert counted["varlen_flash_forward"].bytes >= 4 * tokens * heads * dim * 4  # q, k, v and the output, fp32

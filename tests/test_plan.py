@@ -35,9 +35,9 @@ def traced() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def predictions(traced: dict[str, dict[str, Any]]) -> dict[str, plan.Prediction]:
-    return {c.name: plan.predict(c.name, exports(c), step_model.DEVICES[plan.device_of(exports(c), c)],
-                                 traced[c.name]) for c in CONFIGS}
+def predictions() -> dict[str, plan.Prediction]:
+    """Each config's plan: our step, and NVIDIA's code on its step traced in NVIDIA's precision."""
+    return {p.name: p for p in plan.plans(CONFIGS, None, None, True)}
 
 
 def test_every_shipped_gpu_config_fits_its_device(predictions: dict[str, plan.Prediction]) -> None:
@@ -179,11 +179,11 @@ def test_eval_graph_is_not_the_training_step(traced: dict[str, dict[str, Any]]) 
 
 
 def test_calibrated_step_time_is_near_the_published_rates(predictions: dict[str, plan.Prediction]) -> None:
-    """The calibration's promise: every published rate within the range the plan prints."""
+    """NVIDIA's code on this system, the calibration's promise: every published rate within its fit's spread."""
     calibrated = {name: pub for name, pub in plan.published().items() if pub.rate is not None}
     assert len(calibrated) == 5, calibrated
     for name, pub in calibrated.items():
-        rate = predictions[name].rate(pub.includes_eval)
+        rate = predictions[name].nvidia_rate(pub.includes_eval)
         assert abs(math.log(rate / pub.rate)) <= plan.residual_spread() + 1e-9, (name, rate, pub.rate)
 
 

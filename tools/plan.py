@@ -4,20 +4,24 @@
     python tools/plan.py config_DGXH200_1x8.sh
     python tools/plan.py config_DGXH200_1x8.sh --gpus 16 --device B200   # the recipe on another system
     python tools/plan.py --all [--plot ttt.png]                           # every shipped GPU config
-    python tools/plan.py --calibrate                                      # refit the two efficiencies
+    python tools/plan.py config_DGXH200_1x8.sh --config_var PRECISION=fp8   # the config with a variable changed
+    python tools/plan.py --calibrate              # refit our step's constants and NVIDIA's two efficiencies
 
 Memory and work come from the config's own training step, traced at BERT-Large shapes under the
 fake CUDA device (`mlperf_bert.dryrun.shipped`; about 5-15 s per config, cached by the config's
-variables and the trainer's source). Step and eval times come from `step_model`; samples to
-converge from the RCP checker's window for the config's global batch size (tools/scoring.py);
-evals at the config's schedule (`--eval_iter_*`, else the MLPerf interval).
+variables and the trainer's source). Step and eval times come from `step_model`'s model of our step,
+calibrated on measurements of this repository's step (tools/measurements, `step_calibration`); the
+terms of a prediction no measurement reaches yet are named as such. NVIDIA's code on this system (the
+model calibrated on NVIDIA's published rates) is a separate line. Samples to converge from the RCP
+checker's window for the config's global batch size (tools/scoring.py); evals at the config's
+schedule (`--eval_iter_*`, else the MLPerf interval).
 
 Time to train (run_start to run_stop) = run_fixed_s + samples / throughput + evals x eval time,
 where samples are rounded up to the eval that sees them. Its range: low at the fewest samples the
 RCP bound accepts (training_rules.adoc §RCP: the olympic mean may be faster than the RCP mean by
-up to its maximum speed-up) and the fastest calibrated step, high at the RCP mean plus one
-standard deviation and the slowest. A forecast from a running job's log can replace `samples`
-(see `Prediction.with_samples`).
+up to its maximum speed-up) and our step shorter by the calibration's largest leave-one-out miss,
+high at the RCP mean plus one standard deviation and the step longer by it. A forecast from a
+running job's log can replace `samples` (see `Prediction.with_samples`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "pytorch"), str(REPO / "tools")]
 
 import scoring  # noqa: E402
+import step_calibration  # noqa: E402
 import step_model  # noqa: E402
 from step_model import DEVICES, Device, StepTime  # noqa: E402
 
@@ -143,7 +148,10 @@ def traces(envs: Mapping[str, Mapping[str, str]], cache: bool = True) -> dict[st
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 raise PlanError(f"the dry run of {', '.join(todo)} failed: {lines[-1] if lines else done.returncode}")
             for name, traced in json.loads(result.read_text()).items():
-                (folder / f"{keys[name]}.json").write_text(json.dumps(traced))
+                # Whole or not at all: test files in other workers read the cache while it is written.
+                partial = folder / f"{keys[name]}.json.{os.getpid()}"
+                partial.write_text(json.dumps(traced))
+                partial.replace(folder / f"{keys[name]}.json")
                 found[name] = traced
     return found
 
@@ -244,8 +252,8 @@ class Prediction:
     gbs: int
     memory: MemoryEstimate
     fit: step_model.Fit
-    step: StepTime
-    step_range: tuple[float, float]  # seconds: fastest and slowest the calibration's residuals allow
+    step: StepTime  # our step: this repository's code, as measured
+    step_range: tuple[float, float]  # seconds: fastest and slowest the calibration's leave-one-out misses allow
     eval_s: float
     window: scoring.RcpWindow
     schedule: EvalSchedule
@@ -255,19 +263,24 @@ class Prediction:
     work: StepWork
     overlap: step_model.Exchange  # how the gradient exchange overlaps the backward pass
     per_node: int  # ranks per node
+    nvidia_step: StepTime  # NVIDIA's code on this system: the model calibrated on NVIDIA's published rates
+    nvidia_work: StepWork  # the step in NVIDIA's precision (`nvidia_env`), which that model reads
+    env: Mapping[str, str]  # the config's variables (with any --config_var)
+    config_vars: Mapping[str, str]  # the --config_var ones
 
     @property
     def throughput(self) -> float:
         return self.gbs / self.step.seconds
 
-    def rate(self, includes_eval: bool = False, k: Mapping[str, float] | None = None) -> float:
-        """Samples/s per device while training, or over a whole eval interval with its eval (`includes_eval`);
-        `k`: other calibration constants."""
-        step = step_model.step_time(self.work, self.device, self.gpus, self.overlap, k, self.per_node).seconds
+    def nvidia_rate(self, includes_eval: bool = False, k: Mapping[str, float] | None = None) -> float:
+        """NVIDIA's code on this system: samples/s per device while training, or over a whole eval interval with
+        its eval (`includes_eval`); `k`: other calibration constants."""
+        work = self.nvidia_work
+        step = step_model.step_time(work, self.device, self.gpus, self.overlap, k, self.per_node).seconds
         if not includes_eval:
             return self.gbs / step / self.gpus
         interval = self.schedule.interval_samples
-        evaluation = step_model.eval_seconds(self.work, self.device, self.gpus, k, self.per_node)
+        evaluation = step_model.eval_seconds(work, self.device, self.gpus, k, self.per_node)
         return interval / (interval / self.gbs * step + evaluation) / self.gpus
 
     def with_samples(self, samples: float, low: float, high: float) -> "Prediction":
@@ -306,17 +319,31 @@ def overlaps(env: Mapping[str, str]) -> step_model.Exchange:
 
 
 def residual_spread() -> float:
-    """The largest |log(predicted / published)| of the calibration: the step time's range."""
+    """The largest |log(predicted / published)| of NVIDIA's calibration: its step time's range."""
     return step_model.constant("step_time_spread")
 
 
-def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[str, Any]) -> Prediction:
+def nvidia_env(env: Mapping[str, str], device: Device) -> dict[str, str] | None:
+    """The config in NVIDIA's precision where it differs: FP8 on a device with FP8 tensor cores (NVIDIA's Hopper and
+    Blackwell runs train in FP8; NVIDIA's model was calibrated on this trainer's FP8 step there)."""
+    if device.fp8_flops is None or env.get("PRECISION") == "fp8":
+        return None
+    return {k: v for k, v in env.items() if k not in step_calibration.FP8_VARIABLES} | {"PRECISION": "fp8"}
+
+
+def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[str, Any],
+            bf16_twin: Mapping[str, Any] | None = None, config_vars: Mapping[str, str] | None = None,
+            nvidia_traced: Mapping[str, Any] | None = None) -> Prediction:
+    """bf16_twin: a compiled FP8 config's trace in bf16 (`step_calibration.bf16_twin`), which its casts' bytes
+    need; nvidia_traced: its trace in NVIDIA's precision (`nvidia_env`) where that differs."""
     memory = memory_from_dict(traced["memory"])
     work = StepWork.from_dict(traced["work"])
+    twin = StepWork.from_dict(bf16_twin["work"]) if bf16_twin else None
+    nvidia = StepWork.from_dict(nvidia_traced["work"]) if nvidia_traced else work
     batch = config_batch_shape(env, name)
     gpus, per_node, gbs = batch.world_size, int(env["DGXNGPU"]), batch.global_batch_size
-    step = step_model.step_time(work, device, gpus, overlaps(env), per_node=per_node)  # the calibrated constants
-    spread = math.exp(residual_spread())
+    step = step_model.our_step_time(work, device, gpus, overlaps(env), per_node, twin)
+    spread = math.exp(step_model.OURS["step_time_spread"].value)
     window = scoring.rcp_window(gbs, RULESET)
     if window.record is None:
         raise PlanError(f"{name}: {window.where()}: no RCP window to predict samples to converge")
@@ -328,8 +355,10 @@ def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[s
     init = step_model.constant("init_fixed_s") + ((warmups + 1) * step.seconds if env.get("CUDA_GRAPHS") == "1" else 0.0)
     return Prediction(name, device, gpus, gbs, memory, step_model.memory_fit(memory, device), step,
                       (step.seconds / spread, step.seconds * spread),
-                      step_model.eval_seconds(work, device, gpus, per_node=per_node), window, schedule, mean,
-                      (low, high), init, work, overlaps(env), per_node)
+                      step_model.our_eval_seconds(work, device, gpus, per_node, twin), window, schedule, mean,
+                      (low, high), init, work, overlaps(env), per_node,
+                      step_model.step_time(nvidia, device, gpus, overlaps(env), per_node=per_node), nvidia, env,
+                      dict(config_vars or {}))
 
 
 def _int(value: str | None) -> int | None:
@@ -340,23 +369,69 @@ def _int(value: str | None) -> int | None:
 # Printing
 
 
-def report(p: Prediction) -> str:
+def fp8_recipe(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """An FP8 set-up's recipe and layers (the trainer's defaults where the config sets none)."""
+    if env.get("PRECISION") != "fp8":
+        return None
+    return env.get("FP8_RECIPE") or "tensorwise", env.get("FP8_LAYERS") or "encoder"
+
+
+def unmeasured(p: Prediction, measured: Iterable[Mapping[str, str]]) -> list[str]:
+    """What in our step's prediction no measurement of this code reaches yet (`measured`: the variables of the
+    measured set-ups), each with what stands in for it."""
+    notes = [f"{t.name}: {t.estimate}" for t in p.step.terms if t.estimate]
+    recipes = {r for env in measured if (r := fp8_recipe(env)) is not None}
+    recipe = fp8_recipe(p.env)
+    if recipe is not None and recipe not in recipes:
+        notes.append(f"FP8 casts of recipe {'/'.join(recipe)}: at the rate measured for "
+                     f"{', '.join('/'.join(r) for r in sorted(recipes)) or 'no recipe'}")
+    if p.device.name != step_model.REFERENCE_DEVICE:
+        notes.append(f"every term: measured on the {step_model.REFERENCE_DEVICE}, scaled to the {p.device.name} "
+                     "by the datasheets' peak and bandwidth ratios")
+    if p.step.comm_s > 0:
+        notes.append(f"{p.step.link.name} collectives: every measured step ran on one GPU (datasheet link rates, "
+                     "NCCL constants from nccl-tests)")
+    if not p.work.captured:
+        notes.append("host launches without a CUDA graph: host_us_per_op, a prior")
+    return notes
+
+
+def _nvidia_rates(p: Prediction, published: Published | None) -> str:
+    with_evals = published is not None and published.includes_eval
+    rate = f"{p.nvidia_rate(with_evals):,.0f} samples/s per device{' with evals' if with_evals else ''}"
+    if published is not None and published.rate:
+        return f"{rate}, NVIDIA published {published.rate:,.0f} (the model calibrated on NVIDIA's published rates)"
+    return f"{rate} (the model calibrated on NVIDIA's published rates)"
+
+
+def _terms(st: StepTime) -> str:
+    return ", ".join(f"{t.name} {t.seconds * 1e3:.1f}{'*' if t.estimate else ''}" for t in st.terms)
+
+
+def report(p: Prediction, published: Published | None = None, measured: Iterable[Mapping[str, str]] = ()) -> str:
+    """The plan in lines; `published`: NVIDIA's figures for this config, beside its model's line; `measured`: the
+    variables of the measured set-ups (`unmeasured`)."""
     gib = 1 << 30
-    m, fit, st = p.memory, p.fit, p.step
+    m, fit, st, nv = p.memory, p.fit, p.step, p.nvidia_step
     ttt, low, high = p.ttt
     evals = p.evals(p.samples)
+    given = ", ".join(f"{k}={v}" for k, v in p.config_vars.items())
+    notes = unmeasured(p, measured)
     lines = [
-        f"{p.name}: {p.gpus} x {p.device.name}, global batch {p.gbs}",
+        f"{p.name}{f' [{given}]' if given else ''}: {p.gpus} x {p.device.name}, global batch {p.gbs}",
         f"  memory per device: training {m.train_peak / gib:.1f} GiB, eval {m.eval_peak / gib:.1f} GiB traced "
         f"(weights {m.weights / gib:.2f}, optimizer state {m.optimizer_state / gib:.2f}, graph pool "
         f"{m.graph_pool / gib:.1f}, step activations {m.step_transient / gib:.1f}, eval set {m.eval_set / gib:.2f}); "
         f"with margins {fit.needed_bytes / 1e9:.1f} GB of {p.device.memory_bytes / 1e9:.0f} GB: "
         + (f"headroom {fit.headroom_bytes / 1e9:.1f} GB" if fit.fits else
            f"DOES NOT FIT ({-fit.headroom_bytes / 1e9:.1f} GB short)"),
-        f"  step: {st.seconds * 1e3:.1f} ms ({st.bound}; compute {st.compute_s * 1e3:.1f} ms, host "
-        f"{st.host_s * 1e3:.1f} ms, {st.link.name} collectives {st.comm_s * 1e3:.1f} ms of which "
-        f"{st.exposed_comm_s * 1e3:.1f} ms exposed); {p.throughput:,.0f} samples/s, "
-        f"{p.throughput / p.gpus:,.0f} per device",
+        f"  step (this code, calibrated on its measured steps): {st.seconds * 1e3:.1f} ms ({st.bound}; compute "
+        f"{st.compute_s * 1e3:.1f} ms: {_terms(st)}; host {st.host_s * 1e3:.1f} ms, {st.link.name} collectives "
+        f"{st.comm_s * 1e3:.1f} ms of which {st.exposed_comm_s * 1e3:.1f} ms exposed); {p.throughput:,.0f} "
+        f"samples/s, {p.throughput / p.gpus:,.0f} per device",
+        "  not yet measured on this code: " + ("; ".join(f"* {n}" for n in notes) if notes else "nothing"),
+        f"  NVIDIA's code on this system: {nv.seconds * 1e3:.1f} ms per step (compute {nv.compute_s * 1e3:.1f} ms), "
+        + _nvidia_rates(p, published),
         f"  samples to converge: RCP mean {p.samples:,.0f}, fewest the RCP bound accepts {p.samples_range[0]:,.0f} "
         f"({p.window.where()})",
         f"  evals: {evals} (every {p.schedule.interval_samples:,} samples from {p.schedule.start_samples:,}), "
@@ -379,11 +454,78 @@ def calibrate(preds: Sequence[Prediction], targets: Mapping[str, Published]) -> 
     for mm in range(20, 101, 2):
         for share in range(5, 101, 5):
             k = {"matmul_efficiency": mm / 100, "fused_traffic_share": share / 100}
-            errors = [math.log(p.rate(pub.includes_eval, k) / (pub.rate or 1)) for p, pub in chosen]
+            errors = [math.log(p.nvidia_rate(pub.includes_eval, k) / (pub.rate or 1)) for p, pub in chosen]
             loss = sum(e * e for e in errors)
             if loss < best[0]:
                 best = (loss, k, max(abs(e) for e in errors))
     return best[1], best[2]
+
+
+def setup_env(setup: step_calibration.SetUp) -> dict[str, str]:
+    """A measured set-up's variables: its config's, the measured ones on top."""
+    _layout(setup.config)  # the config is there
+    return {**exports(REPO / setup.config), **dict(setup.variables)}
+
+
+def _layout(config: str) -> str:
+    if not (REPO / config).is_file():
+        raise PlanError(f"tools/measurements: no {config or 'config'} in the repository (name a config_*.sh in the "
+                        "session's index.json)")
+    return exports(REPO / config).get("INPUT_LAYOUT", "")
+
+
+def measurements() -> step_calibration.Measurements:
+    """tools/measurements, each benchmark's results of its config's layout (our step)."""
+    try:
+        return step_calibration.load(layout_of=_layout)
+    except step_calibration.MeasurementError as err:
+        raise PlanError(str(err)) from err
+
+
+def trace_setups(setups: Iterable[step_calibration.SetUp], cache: bool = True
+                 ) -> dict[step_calibration.SetUp, tuple[step_calibration.Traced, MemoryEstimate]]:
+    """Each measured set-up's work (today's code, with a compiled FP8 set-up's bf16 twin for its casts) and
+    memory; a set-up that is another's twin (the bf16 step of an FP8 one) is traced once."""
+    names: dict[str, str] = {}  # each distinct set of variables -> the name it is traced under
+    envs: dict[str, dict[str, str]] = {}
+
+    def name_of(label: str, env: dict[str, str]) -> str:
+        name = names.setdefault(json.dumps(sorted(env.items())), label)
+        envs[name] = env
+        return name
+
+    wanted: dict[step_calibration.SetUp, tuple[str, str | None]] = {}
+    for setup in setups:
+        env = setup_env(setup)
+        twin = step_calibration.bf16_twin(env)
+        wanted[setup] = (name_of(setup.label, env), name_of(f"{setup.label} in bf16", twin) if twin else None)
+    traced = traces(envs, cache)
+    found = {}
+    for setup, (name, twin_name) in wanted.items():
+        work = StepWork.from_dict(traced[name]["work"])
+        twin = StepWork.from_dict(traced[twin_name]["work"]).step if twin_name else None
+        found[setup] = (step_calibration.Traced(step_model.features(work.step, work.compiled, twin), work.captured,
+                                                work.compiled), memory_from_dict(traced[name]["memory"]))
+    return found
+
+
+@dataclass(frozen=True)
+class OurCalibration:
+    measured: step_calibration.Measurements
+    traced: Mapping[step_calibration.SetUp, tuple[step_calibration.Traced, MemoryEstimate]]
+    fit: step_calibration.Fit
+    checks: list[step_calibration.Check]
+
+
+def calibrate_ours(cache: bool = True) -> OurCalibration:
+    """Our step's constants fitted to tools/measurements (step_calibration), and each set-up fitted and left out."""
+    m = measurements()
+    traced = trace_setups({t.setup for t in m.timed} | {p.setup for p in m.profiles} | {x.setup for x in m.memory},
+                          cache)
+    profiled = step_calibration.profile_constants([(p, traced[p.setup][0]) for p in m.profiles])
+    observations = [step_calibration.Observation(t, traced[t.setup][0]) for t in m.timed]
+    return OurCalibration(m, traced, step_calibration.fit(observations, profiled),
+                          step_calibration.checks(observations, profiled))
 
 
 def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) -> None:
@@ -406,8 +548,8 @@ def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) 
     ax.set_xscale("log")
     ax.set_yscale("log")  # 0.4 to 20 minutes on one picture
     ax.set_xlabel("published time to train (min, olympic mean)")
-    ax.set_ylabel("predicted time to train (min)")
-    ax.set_title("tools/plan.py: predicted against published")
+    ax.set_ylabel("predicted time to train of this code (min)")
+    ax.set_title("tools/plan.py: this code predicted against the published runs")
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -431,7 +573,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=sorted(DEVICES), help="the device (default: the config's DGXSYSTEM's)")
     p.add_argument("--all", action="store_true", help="every shipped GPU config")
     p.add_argument("--plot", type=Path, metavar="FILE", help="draw predicted against published time to train")
-    p.add_argument("--calibrate", action="store_true", help="refit the efficiencies to the published rates")
+    p.add_argument("--config_var", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a config variable on top of the config (repeatable), e.g. PRECISION=fp8")
+    p.add_argument("--calibrate", action="store_true", help="refit our step's constants to tools/measurements and "
+                                                            "NVIDIA's efficiencies to the published rates")
     p.add_argument("--no_cache", action="store_true", help="trace again even when a cached trace matches")
     args = p.parse_args(argv)
     if args.config is None and not (args.all or args.plot or args.calibrate):
@@ -439,16 +584,39 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: bool) -> list[Prediction]:
+def config_vars(given: Sequence[str]) -> dict[str, str]:
+    """`--config_var NAME=VALUE` flags as {NAME: VALUE} (a later one wins), each a variable run_and_time.sh reads."""
+    launcher = (REPO / "run_and_time.sh").read_text()
+    found = {}
+    for item in given:
+        name, equals, value = item.partition("=")
+        if not equals or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+            raise PlanError(f"--config_var {item}: give NAME=VALUE with an upper-case config variable name, e.g. "
+                            "--config_var PRECISION=fp8")
+        if not re.search(rf"\b{name}\b", launcher):
+            raise PlanError(f"--config_var {item}: run_and_time.sh reads no variable {name}")
+        found[name] = value
+    return found
+
+
+def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: bool,
+          variables: Mapping[str, str] | None = None) -> list[Prediction]:
     envs, devices = {}, {}
     for config in configs:
         if not config.is_file():
             raise PlanError(f"{config}: no such config file (give a config_*.sh)")
         devices[config.name] = device or device_of(exports(config), config)
-        envs[config.name] = config_env(config, gpus, devices[config.name])
+        envs[config.name] = {**config_env(config, gpus, devices[config.name]), **(variables or {})}
         config_batch_shape(envs[config.name], config.name)  # a batch the trainer refuses, before tracing it
-    traced = traces(envs, cache)
-    return [predict(name, envs[name], DEVICES[devices[name]], traced[name]) for name in envs]
+    extra = {}  # the bf16 twin of a compiled FP8 step (our step's casts), the step in NVIDIA's precision
+    for name, env in envs.items():
+        for suffix, other in (("in bf16", step_calibration.bf16_twin(env)),
+                              ("in NVIDIA's precision", nvidia_env(env, DEVICES[devices[name]]))):
+            if other is not None:
+                extra[f"{name} {suffix}"] = other
+    traced = traces({**envs, **extra}, cache)
+    return [predict(name, envs[name], DEVICES[devices[name]], traced[name], traced.get(f"{name} in bf16"), variables,
+                    traced.get(f"{name} in NVIDIA's precision")) for name in envs]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -456,14 +624,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         many = args.all or args.plot or args.calibrate
         configs = shipped_gpu_configs() if many and args.config is None else [args.config]
-        preds = plans(configs, args.gpus, args.device, not args.no_cache)
+        variables = config_vars(args.config_var)
+        preds = plans(configs, args.gpus, args.device, not args.no_cache, variables)
+        pubs, measured = published(), [setup_env(t.setup) for t in measurements().timed]
+        as_published = not (variables or args.gpus or args.device)  # the system the published figures are of
         for p in preds:
-            print(report(p))
+            print(report(p, pubs.get(p.name) if as_published else None, measured))
         if args.calibrate:
-            fitted, spread = calibrate(preds, published())
-            print(f"calibrated: {fitted}; largest |log(predicted / published)| {spread:.3f}")
+            ours = calibrate_ours(not args.no_cache)
+            print("our step, calibrated on tools/measurements (step_model.OURS):")
+            print("\n".join(step_calibration.table(ours.fit, ours.checks)))
+            fitted, spread = calibrate(preds, pubs)
+            print(f"NVIDIA's code, calibrated on the published rates (step_model.CALIBRATION): {fitted}; largest "
+                  f"|log(predicted / published)| {spread:.3f}")
         if args.plot:
-            plot(preds, published(), args.plot)
+            plot(preds, pubs, args.plot)
             print(f"plot: {args.plot}")
     except (PlanError, scoring.ScoringError) as err:
         print(f"plan.py: {err}", file=sys.stderr)

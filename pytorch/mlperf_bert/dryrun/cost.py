@@ -29,9 +29,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 MATMUL, FP8, OTHER = "matmul", "fp8", "other"
+OWN_NAMESPACE = "mlperf_bert"  # the package's custom ops (model/varlen_flash.py)
 CAPTURE_PHASE = "capture"
 # Ops that compute no values: their outputs alias or merely allocate (no kernel reads or writes them).
 _NO_TRAFFIC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -98,7 +99,23 @@ def _is_fp8(t: torch.Tensor) -> bool:
     return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for p in _plain(t))
 
 
+def varlen_grid_flops(name: str, args: tuple) -> int:
+    """FLOPs of the varlen attention ops (`varlen_flash_forward(q, k, v, cu_seqlens, max_seqlen, ...)`,
+    `varlen_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, ...)`, q [T, heads, dim]) over
+    the grid of every token against max_seqlen keys: the per-sequence work is at most this, and fake tensors
+    hold no lengths to count it exactly (tools/step_model.py scales the grid by the data's share)."""
+    backward = name == "varlen_flash_backward"
+    q, max_seqlen = (args[1], args[7]) if backward else (args[0], args[4])
+    tokens, heads, dim = q.shape
+    query, key = (1, heads, tokens, dim), (1, heads, max_seqlen, dim)
+    if backward:
+        return int(sdpa_backward_flop_count(query, query, key, key))
+    return int(sdpa_flop_count(query, key, key))
+
+
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    if func.namespace == OWN_NAMESPACE and func._overloadpacket.__name__.startswith("varlen_flash_"):
+        return varlen_grid_flops(func._overloadpacket.__name__, args)
     formula = flop_registry.get(func._overloadpacket)
     if formula is None:
         return 0
@@ -156,7 +173,8 @@ class CostTracer(TorchDispatchMode):
         cost.peak_bytes = max(cost.peak_bytes, self.device_bytes)
         if func.namespace == "c10d":
             self._collective(cost, func, args)
-        elif func.namespace == "aten" and not func.is_view and func._overloadpacket.__name__ not in _NO_TRAFFIC:
+        elif func.namespace in ("aten", OWN_NAMESPACE) and not func.is_view and \
+                func._overloadpacket.__name__ not in _NO_TRAFFIC:
             self._work(cost, func, args, kwargs, out)  # prim ops (a fake tensor's .device) run no kernel
         return out
 

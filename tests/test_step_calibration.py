@@ -1,0 +1,252 @@
+"""Our step's model (tools/step_model.py `our_*`) and its calibration on measurements of this repository's step
+(tools/step_calibration.py, tools/measurements): each measured set-up within 15 %, the leave-one-out misses under
+a stated bound, the memory peak measured on the H200, and the plan's step, time to train and NVIDIA line."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from mlperf_bert.data.lengths import load_length_histogram
+from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
+from mlperf_bert.dryrun.shipped import exports
+
+import plan
+import step_calibration
+import step_model
+from step_calibration import Check, SetUp
+
+H200 = step_model.DEVICES["H200"]
+SESSION = REPO / "tools" / "measurements" / "h200-2026-11-27"
+FIT_BOUND = 0.15  # each measured set-up, fitted on all of them: within 15 % (the issue's bound)
+# The leave-one-out bound: the planner this model replaces missed the measured FP8 step by |log(88.0 / 158.0)|
+# (NVIDIA's rates, a factor 1.8). A model calibrated on our own step that predicts a set-up it was not fitted on no
+# better than that has bought nothing; each set-up isolates one effect (FP8 casts, bf16 GEMMs and fusion, eager
+# kernels), so left out, that effect falls back to its prior and the miss says how good the prior is.
+LEAVE_ONE_OUT_BOUND = abs(math.log(88.0 / 158.0))
+
+
+@pytest.fixture(scope="module")
+def calibration() -> plan.OurCalibration:
+    """The fit on tools/measurements, the measured set-ups traced with today's code (cached by plan.traces)."""
+    return plan.calibrate_ours()
+
+
+def _setup(**variables: str) -> SetUp:
+    return SetUp.of("H200", "config_DGXH200_1x8.sh", variables)
+
+
+FP8_STEP = _setup(PRECISION="fp8", FP8_RECIPE="tensorwise", FP8_LAYERS="encoder", ATTENTION_BACKEND="grouped")
+BF16_STEP = _setup(PRECISION="bf16", ATTENTION_BACKEND="grouped")
+EAGER_STEP = _setup(PRECISION="fp8", FP8_RECIPE="tensorwise", FP8_LAYERS="encoder", ATTENTION_BACKEND="grouped",
+                    COMPILE_MODE="none")
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurements as kept
+
+
+def test_the_sessions_measurements_are_read_with_their_setups() -> None:
+    """The 2026-11-27 H200 files: three --from_config runs and the bring-up's packed rows (its HF rows are not our
+    step); a bf16 step keeps no FP8 recipe, so the bring-up's bf16 rows are the same set-up as tp_bf16.json's."""
+    m = step_calibration.load()
+    timed = {(t.file, t.setup): round(t.ms_per_step, 1) for t in m.timed}
+    assert timed == {("tp_h200cfg.json", FP8_STEP): 158.0, ("tp_bf16.json", BF16_STEP): 144.0,
+                     ("tp_eager.json", EAGER_STEP): 484.2, ("throughput.json", BF16_STEP): 141.5,
+                     ("throughput.json", FP8_STEP): 158.1}
+    assert {(t.session.date, t.session.device, t.session.commit) for t in m.timed} == {("2026-11-27", "H200", "8b184cd")}
+    assert all(t.command for t in m.timed)
+    assert [(x.setup, x.peak_gib) for x in m.memory] == [(FP8_STEP, 37.28)]
+
+
+def test_the_profile_splits_the_fp8_step_by_kind() -> None:
+    """The kernel table's top 30 by kind, per step (docs/PERFORMANCE.md): cuDNN attention 27.95 ms, GEMMs 34.10
+    (`qq` e4m3 x e4m3 forward, `qr` e4m3 x e5m2 backward: twice the forward's FLOPs at the same rate), the optimizer's
+    multi-tensor kernels 6.41, the rest element-wise."""
+    [profile] = step_calibration.load().profiles
+    ms = profile.ms_per_step
+    assert (ms["attention"], ms["GEMMs"], ms["optimizer"]) == pytest.approx((27.953, 34.104, 6.410), abs=0.002)
+    assert sum(ms.values()) == pytest.approx(134.58, abs=0.01)  # the top 30 kernels of 157.0 ms per step
+    assert step_calibration.kernel_kind("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT") == "GEMMs"
+    assert step_calibration.kernel_kind("triton_poi_fused__scaled_mm__to_copy_add_clamp_clone...") == "element-wise"
+
+
+def test_gpu_perf_files_and_a_bad_index(tmp_path: Path) -> None:
+    """A later session's tools/gpu_perf.sh throughput.json ({step: throughput.py file}) gives each result's set-up
+    from its config_vars; an index without a known device is refused in one line that names it."""
+    bench = json.loads((SESSION / "tp_bf16.json").read_text())
+    bench["results"][0]["config_vars"] = {"PRECISION": "bf16", "COMPILE_MODE": "none"}
+    session = tmp_path / "h100-2027-01-02"
+    session.mkdir()
+    (session / "throughput.json").write_text(json.dumps({"bf16 eager": bench, "fp16": None}))
+    index = {"date": "2027-01-02", "device": "H100", "commit": "abc1234",
+             "benchmarks": [{"file": "throughput.json", "config": "config_DGXH100_1x8.sh", "command": "gpu_perf"}]}
+    (session / "index.json").write_text(json.dumps(index))
+    [timed] = step_calibration.load(tmp_path).timed
+    assert timed.setup == SetUp.of("H100", "config_DGXH100_1x8.sh", {"PRECISION": "bf16", "COMPILE_MODE": "none"})
+    (session / "index.json").write_text(json.dumps({**index, "device": "TPU"}))
+    with pytest.raises(step_calibration.MeasurementError, match="index.json: give date, commit and a device of"):
+        step_calibration.load(tmp_path)
+
+
+def test_varlen_score_share_is_the_wikipedia_histograms() -> None:
+    """Per-sequence attention computes E[L^2] / (512 E[L]) of the grid of every token against 512 keys."""
+    counts = load_length_histogram()
+    lengths = np.arange(1, counts.shape[0] + 1)
+    share = float((counts * lengths**2).sum() / (512 * (counts * lengths).sum()))
+    assert step_model.OURS["varlen_score_share"].value == pytest.approx(share, abs=5e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's terms and the fit, by hand
+
+
+def _phase(elementwise: int, gemm: int = 0, fp8: int = 0, attention: int = 0, varlen: int = 0) -> PhaseCost:
+    ops = Counter({OpCost("add", OTHER, 0, elementwise): 1, OpCost("_foreach_mul_", OTHER, 0, 10**9): 1,
+                   OpCost("mm", MATMUL, gemm, 0): 1, OpCost("_scaled_mm", FP8, fp8, 0): 1,
+                   OpCost("_scaled_dot_product_efficient_attention", MATMUL, attention, 0): 1,
+                   OpCost("varlen_flash_forward", MATMUL, varlen, 0): 1})
+    return PhaseCost(ops=Counter({op: n for op, n in ops.items() if op.flops or op.bytes}))
+
+
+def test_our_terms_by_hand() -> None:
+    """Each kind of work at its rate; an FP8 step's casts are the bytes beyond its bf16 twin's; eager element-wise
+    bytes at the eager rate."""
+    c = step_model.ours()
+    fp8 = step_model.features(_phase(5 * 10**9, 10**12, 3 * 10**12, 10**12, 2 * 10**12), True, _phase(10**9))
+    assert (fp8.cast_bytes, fp8.elementwise_bytes, fp8.optimizer_bytes) == (4e9, 5e9, 1e9)
+    terms = {t.name: t.seconds for t in step_model.our_terms(fp8, H200, captured=True, compiled=True)}
+    hbm = H200.hbm_bytes_per_s
+    assert terms["GEMMs"] == pytest.approx((1e12 / 989e12 + 3e12 / 1979e12) / c["gemm_efficiency"])
+    assert terms["attention"] == pytest.approx(1e12 / (989e12 * c["attention_efficiency"]))
+    assert terms["attention per sequence"] == pytest.approx(2e12 / (989e12 * c["varlen_efficiency"]))
+    assert terms["element-wise"] == pytest.approx((1e9 / c["compiled_bandwidth"] + 4e9 / c["cast_bandwidth"]) / hbm)
+    assert terms["optimizer"] == pytest.approx(1e9 / (c["optimizer_bandwidth"] * hbm))
+    eager = {t.name: t.seconds for t in step_model.our_terms(fp8, H200, captured=True, compiled=False)}
+    assert eager["element-wise"] == pytest.approx(5e9 / (c["eager_bandwidth"] * hbm))
+    # Another device: the same work at its datasheet rates.
+    b200 = {t.name: t.seconds for t in step_model.our_terms(fp8, step_model.DEVICES["B200"], True, True)}
+    assert b200["optimizer"] == pytest.approx(terms["optimizer"] * hbm / 8.0e12)
+
+
+def test_the_fit_recovers_what_the_steps_measure_and_keeps_priors_elsewhere() -> None:
+    """Steps made from known constants: the fit finds them; a constant no step exercises (varlen) keeps its prior
+    and is not reported as measured."""
+    truth = step_model.ours() | {"compiled_bandwidth": 0.9, "cast_bandwidth": 2.5, "eager_bandwidth": 0.5}
+    session = step_calibration.Session(SESSION, "2026-11-27", "H200", "8b184cd")
+
+    def observed(n: int, phase: PhaseCost, compiled: bool, twin: PhaseCost | None = None
+                 ) -> step_calibration.Observation:
+        traced = step_calibration.Traced(step_model.features(phase, compiled, twin), True, compiled)
+        timed = step_calibration.Timed(SetUp.of("H200", "config_X.sh", {"N": str(n)}), 1.0, session, "", "")
+        ms = step_calibration.Observation(timed, traced).predict(truth)
+        return step_calibration.Observation(replace(timed, ms_per_step=ms), traced)
+
+    bf16 = _phase(10**11, gemm=4 * 10**13, attention=4 * 10**12)
+    observations = [observed(0, bf16, True), observed(1, _phase(9 * 10**11, fp8=4 * 10**13), True, bf16),
+                    observed(2, bf16, False)]
+    result = step_calibration.fit(observations, {})
+    for name in ("compiled_bandwidth", "cast_bandwidth", "eager_bandwidth"):
+        assert result.constants[name] == pytest.approx(truth[name], rel=1e-3), name
+    assert "varlen_efficiency" not in result.measured
+    assert result.constants["varlen_efficiency"] == pytest.approx(step_model.priors(truth)["varlen_efficiency"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The calibration on the H200 measurements
+
+
+def test_each_measured_setup_is_predicted_within_15_percent(calibration: plan.OurCalibration) -> None:
+    """With the constants as stored (step_model.OURS): the FP8 step, the bf16 step and the eager FP8 step at 48 rows
+    on the H200, each within 15 % of the mean of its measurements."""
+    checks = {c.setup: c for c in calibration.checks}
+    assert set(checks) == {FP8_STEP, BF16_STEP, EAGER_STEP}
+    stored = step_model.ours()
+    for t in calibration.measured.timed:
+        predicted = step_calibration.Observation(t, calibration.traced[t.setup][0]).predict(stored)
+        assert abs(predicted / checks[t.setup].measured_ms - 1) <= FIT_BOUND, (t.setup.label, predicted)
+
+
+def test_stored_constants_are_the_fit(calibration: plan.OurCalibration) -> None:
+    """step_model.OURS holds what `plan.py --calibrate` fits to tools/measurements (rerun it when this fails), and
+    says which constants a measurement reached."""
+    fitted = calibration.fit.constants
+    for name in (*step_model.FITTED, "gemm_efficiency", "attention_efficiency", "optimizer_bandwidth"):
+        assert step_model.OURS[name].value == pytest.approx(fitted[name], rel=0.01), name
+        assert step_model.OURS[name].measured == (name in calibration.fit.measured), name
+    assert step_model.OURS["step_time_spread"].value == pytest.approx(step_calibration.spread(calibration.checks),
+                                                                      abs=0.01)
+
+
+def test_leave_one_out_misses_stay_under_the_bound(calibration: plan.OurCalibration) -> None:
+    """Each set-up predicted from a fit without it (docs/PERFORMANCE.md has the numbers): 2026-11-27, FP8 -4 %,
+    bf16 -22 %, eager -34 %; each must stay under the miss of the planner this model replaces."""
+    misses = {c.setup: Check.miss(c.left_out_ms, c.measured_ms) for c in calibration.checks}
+    assert all(abs(miss) <= LEAVE_ONE_OUT_BOUND for miss in misses.values()), misses
+    assert all(abs(Check.miss(c.fitted_ms, c.measured_ms)) < 0.02 for c in calibration.checks)
+
+
+def test_traced_memory_matches_the_measured_peak(calibration: plan.OurCalibration) -> None:
+    """The H200 FP8 config as it shipped on 2026-11-27: traced training peak 37.9 GiB against 37.28 GiB measured
+    (torch.cuda.max_memory_allocated of the real dry run). Within 5 %: the trace leaves out the allocator's rounding
+    and counts a kernel's unreturned scratch as an output, a few percent either way (tests/test_cost.py), while a
+    lost or doubled buffer of the step (the graph pool alone is 25.9 GiB) moves it far more. With the margins the
+    planner adds, the need stays above what was measured."""
+    [point] = calibration.measured.memory
+    memory = calibration.traced[point.setup][1]
+    assert abs(memory.train_peak / 2**30 / point.peak_gib - 1) <= 0.05, memory.train_peak / 2**30
+    assert step_model.memory_fit(memory, H200).needed_bytes > point.peak_gib * 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_plan_predicts_the_measured_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """config_DGXH200_1x8.sh as shipped (bf16, per-sequence attention) against the nearest measurement, the same
+    step with masked rows (144.0 ms), and with the variables of the FP8 step as it shipped then (158.0 ms): each
+    plan's compute within 15 %. The per-sequence attention term is named as not yet measured."""
+    assert plan.main([str(REPO / "config_DGXH200_1x8.sh")]) == 0
+    out = capsys.readouterr().out
+    shipped = plan.plans([REPO / "config_DGXH200_1x8.sh"], None, None, True)[0]
+    assert abs(shipped.step.compute_s * 1e3 / 144.0 - 1) <= FIT_BOUND, shipped.step
+    assert "not yet measured on this code: * attention per sequence: " in out
+    as_then = plan.plans([REPO / "config_DGXH200_1x8.sh"], None, None, True, dict(FP8_STEP.variables))[0]
+    assert abs(as_then.step.compute_s * 1e3 / 158.0 - 1) <= FIT_BOUND, as_then.step
+    assert not any(t.estimate for t in as_then.step.terms)
+
+
+def test_nvidia_line_is_separate_and_time_to_train_uses_our_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """The report keeps NVIDIA's code on this system as its own line (its model, the published rate beside it);
+    the time to train is our step's: 5 s + 3,321 steps (to the 17th eval, 2,550,528 samples) + 17 evals."""
+    p = plan.plans([REPO / "config_DGXH200_1x8.sh"], None, None, True)[0]
+    text = plan.report(p, plan.published()["config_DGXH200_1x8.sh"])
+    [nvidia] = [line for line in text.splitlines() if "NVIDIA's code on this system" in line]
+    assert f"{p.nvidia_step.seconds * 1e3:.1f} ms per step" in nvidia and "NVIDIA published 1,0" in nvidia
+    assert p.nvidia_step.seconds < 0.75 * p.step.seconds  # NVIDIA's kernels, not ours
+    timed = replace(p, step=replace(p.step, compute_s=0.150, exposed_comm_s=0.0), eval_s=1.0)
+    assert timed.ttt[0] == pytest.approx((5 + 3321 * 0.150 + 17 * 1.0) / 60)  # 8.669 min
+    assert p.ttt[0] == pytest.approx((5 + 3321 * p.step.seconds + 17 * p.eval_s) / 60)
+
+
+@pytest.mark.parametrize("flag, says", [("precision=fp8", "give NAME=VALUE with an upper-case"),
+                                        ("NO_SUCH_VARIABLE=1", "run_and_time.sh reads no variable NO_SUCH_VARIABLE")])
+def test_bad_config_var_is_one_line_and_exit_2(flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main([str(REPO / "config_DGXH200_1x8.sh"), "--config_var", flag]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bf16_twin_only_for_compiled_fp8_steps() -> None:
+    env = exports(REPO / "config_DGXH200_1x8.sh")
+    assert step_calibration.bf16_twin(env) is None  # ships bf16
+    fp8 = {**env, "PRECISION": "fp8", "FP8_RECIPE": "delayed"}
+    assert step_calibration.bf16_twin(fp8) == {**env, "PRECISION": "bf16"}
+    assert step_calibration.bf16_twin({**fp8, "COMPILE_MODE": "none"}) is None
