@@ -56,7 +56,7 @@ check "an integer" "$signed_int_re" START_WARMUP_STEP
 check "a number" "$number_re" LR OPT_LAMB_BETA_1 OPT_LAMB_BETA_2 WEIGHT_DECAY_RATE TARGET_MLM_ACCURACY \
   WARMUP_PROPORTION END_LEARNING_RATE OPT_EPSILON MAX_GRAD_NORM CHECKPOINT_EVERY_MINUTES COLLECTIVE_TIMEOUT_S
 check "0 or 1 (off or on)" '^[01]$' CUDA_GRAPHS DECAY_FROM_WARMUP_END ECHO_MLLOG DIST_OPTIMIZER
-check "0 or 1 (off or on)" '^[01]$' EVAL_CUDA_GRAPH
+check "0 or 1 (off or on)" '^[01]$' EVAL_CUDA_GRAPH UNVERIFIED_DATA
 # torchrun's rendezvous when it starts the ranks of several nodes (docs/FAULTS.md, "Several nodes").
 check "static or c10d" '^(static|c10d)$' RDZV_BACKEND
 check "host:port" '^([^][:space:]:]+|\[[0-9A-Fa-f:.]+\]):[0-9]+$' RDZV_ENDPOINT
@@ -82,6 +82,7 @@ INIT_CHECKPOINT=${INIT_CHECKPOINT:-${CHECKPOINTDIR_PHASE1:+$CHECKPOINTDIR_PHASE1
 flag_table=(
   "DATADIR_PHASE2 --input_dir"
   "EVALDIR --eval_dir"
+  "UNVERIFIED_DATA --unverified_data switch"
   "BERT_CONFIG --bert_config_path"
   "INIT_CHECKPOINT --init_checkpoint"
   "OUTPUT_DIR --output_dir"

@@ -184,17 +184,17 @@ def test_an_ok_record_contradicts_itself_only_with_problems_or_copies_the_verifi
     assert _record(False, ("a", "a"), (5, 5), ("copies",)).contradiction is None  # failed: refused as failed
 
 
-def test_an_open_run_on_an_unverified_folder_stops_at_the_bad_row_with_run_stop_aborted(demo_data, tmp_path):
+def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_aborted(demo_data, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
     for shard in sorted(train.glob("*.hdf5")):
         with h5py.File(shard, "r+") as handle:
             handle["input_ids"][5, 1] = 500  # outside the demo's vocabulary of 128
-    args = trainer_args(demo_data, tmp_path / "out", "--do_train")
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--unverified_data")
     args[args.index("--input_dir") + 1] = str(train)
     done = run_cli([sys.executable, str(TRAINER), *args])
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"note: {train}: no {RECORD_NAME}" in done.stderr
+    assert f"note: --unverified_data: {train}: no {RECORD_NAME}" in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "row 5: input_ids outside [0, vocab_size=128)" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
@@ -305,14 +305,15 @@ def test_the_graph_shape_from_the_record_holds_the_widest_row_of_every_shard(dem
 
 
 def test_a_bad_row_read_by_one_of_two_ranks_ends_the_run_with_run_stop_aborted(demo_data, tmp_path):
-    """run_and_time.sh, two ranks, an unverified folder with one bad shard: the rank that reads it stops
-    with exit 2; rank 0 (which writes the MLPerf log) ends the log with run_stop aborted either way."""
+    """run_and_time.sh, two ranks, an unverified folder trained anyway (UNVERIFIED_DATA=1) with one bad shard:
+    the rank that reads it stops with exit 2; rank 0 (which writes the MLPerf log) ends the log with run_stop
+    aborted either way."""
     train = _copy(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
     shard = sorted(train.glob("*.hdf5"))[2]
     with h5py.File(shard, "r+") as handle:
         handle["input_ids"][5, 1] = 500
-    env = demo_config_env(demo_data, OUTPUT_DIR=str(tmp_path / "out"), WARMUP_STEPS="1",
+    env = demo_config_env(demo_data, OUTPUT_DIR=str(tmp_path / "out"), WARMUP_STEPS="1", UNVERIFIED_DATA="1",
                           DATADIR_PHASE2=str(train), MLPERF_LOG_FILE=str(tmp_path / "mlperf.log"))
     done = run_cli(["bash", str(REPO / "run_and_time.sh")], env)
     assert done.returncode == 2, done.stderr[-3000:]

@@ -269,7 +269,7 @@ FLAG_CONTRACT = {
     "--output_dir": (str, None), "--max_steps": (int, None),
 }
 SWITCHES = {"--do_train", "--cuda_graphs", "--decay_from_warmup_end", "--echo_mllog", "--distributed_optimizer",
-            "--eval_cuda_graph"}
+            "--eval_cuda_graph", "--unverified_data"}
 
 
 def test_flags_keep_their_spelling_type_and_default():

@@ -147,7 +147,7 @@ def test_the_start_up_check_finds_eval_samples_in_the_rows_it_probes(demo_data, 
     rows = len(read_samples(_shards(root)[1]))
     shard = _leak(root, (rows + 20 - PROBE_ROWS) // 2, 20)  # inside the middle block of the longer shard
     first = (rows + 20 - PROBE_ROWS) // 2
-    with pytest.raises(DataError, match=rf"20 eval samples of .* in the rows sampled at start-up in {shard} "
+    with pytest.raises(DataError, match=rf"20 eval samples of .* in the probed rows in {shard} "
                                         rf"\(20, first at row {first}\)"):
         check_integrity(_shards(root), root / "eval", 200)
     with pytest.raises(DataError, match=r"^10 eval samples"):  # a run evaluating on the first 10 only

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -55,3 +56,26 @@ def test_make_demo_works_from_a_path_with_spaces_and_leaves_results_alone(tmp_pa
     assert packed.returncode == 0 and packed.stdout.rstrip().endswith("PASS"), packed.stdout[-2000:] + packed.stderr
     ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", "demo_runs/CPU_1x2/x.log"], cwd=REPO)
     assert ignored.returncode == 0, "demo_runs/ must be ignored by git"
+
+
+def test_demo_data_made_before_the_verification_records_is_verified(tmp_path):
+    """`make demo` on a demo_data/ folder made before VERIFIED.json existed: the run refuses unverified
+    data, so run_demo.sh verifies it first."""
+    from mlperf_bert.data.record import read_record, stale_problems
+
+    config, data = tmp_path / "tiny.sh", tmp_path / "demo_data"
+    config.write_text((REPO / "config_CPU_1x2.sh").read_text()
+                      + "".join(f"export {key}={value}\n" for key, value in TINY.items()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEMO_CONFIG": str(config), "DEMO_DATA": str(data),
+           "PYTHON": sys.executable}
+    made = subprocess.run(["bash", "tools/run_demo.sh", "--data-only"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    for part in ("train", "eval"):
+        (data / part / "VERIFIED.json").unlink()
+    again = subprocess.run(["bash", "tools/run_demo.sh", "--data-only"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and "verifying the demo dataset" in again.stdout, again.stderr[-3000:]
+    train, evals = read_record(data / "train"), read_record(data / "eval")
+    assert train.ok and evals.ok and stale_problems(train) == stale_problems(evals) == []
+    assert train.eval_digests == (evals.samples_digest,)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _fault_launch import assert_same_tensors, load_checkpoint, run_ranks, worker_command
-from conftest import TRAINER, require_tool, run_cli, trainer_args
+from conftest import TRAINER, require_tool, run_cli, trainer_args, verify_folder
 from _runs import cpu_run
 from mlperf_bert import trainer
 from mlperf_bert.optim.loss_scale import DeviceLossScaler, LossScaleReading
@@ -45,7 +45,9 @@ def packed_dir(demo_data, tmp_path_factory) -> Path:
                     "--out", str(out), "--algorithm", "nnlshp", "--max_seq_length", "64",
                     "--max_predictions", "10", "--workers", "1"])
     assert made.returncode == 0, made.stderr[-3000:]
-    return sorted(out.rglob("*.hdf5"))[0].parent
+    folder = sorted(out.rglob("*.hdf5"))[0].parent
+    verify_folder(folder, "--eval_dir", str(demo_data / "eval"), "--max_seq_length", "64", "--max_predictions", "10")
+    return folder
 
 
 def no_dropout(demo_data: Path, tmp_path: Path) -> str:

@@ -108,6 +108,10 @@ def test_own_corpus_end_to_end_to_the_trainer(corpus, tmp_path):
         done = _prepare(*step)
         assert done.returncode == 0, (step[0], done.stderr[-2000:])
     assert json.loads(config.read_text())["vocab_size"] == 700
+    # Steps run alone write no verification record (`prepare.py all` verifies what it writes): a run needs one.
+    verified = _prepare("verify", str(tmp_path / "train"), str(tmp_path / "eval"), "--eval_dir", str(tmp_path / "eval"),
+                        "--vocab", str(vocab), "--workers", "1")
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
     out = tmp_path / "out"
     done = run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(tmp_path / "train"),
                     "--eval_dir", str(tmp_path / "eval"), "--bert_config_path", str(config), "--output_dir", str(out),

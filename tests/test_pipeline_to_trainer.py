@@ -54,6 +54,9 @@ def stratify_by_quartiles(data: Path) -> None:
                     "--max_seq_length", str(MAX_LEN), "--max_predictions", str(MAX_PRED),
                     "--strata_bounds", ",".join(map(str, bounds))])
     assert done.returncode == 0, done.stderr[-3000:]
+    # A step run alone writes no verification record (`all` verifies what it writes): a run needs one.
+    assert verify_main([str(data / "stratified_quartiles"), "--eval_dir", str(only(data, "eval_varlength")),
+                        "--workers", "1"]) == 0
 
 
 def only(root: Path, pattern: str) -> Path:
@@ -91,9 +94,10 @@ def copy_of(prepared: Path, pattern: str, tmp_path: Path) -> Path:
     return copy
 
 
-def train(prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded") -> subprocess.CompletedProcess:
+def train(prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded",
+          *extra: str) -> subprocess.CompletedProcess:
     """One training step, open division (each shard's rows are checked when the step reads it)."""
-    return run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(input_dir),
+    return run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(input_dir), *extra,
                     "--eval_dir", str(only(prepared / "data", "eval_varlength")), "--bert_config_path",
                     str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"), "--input_layout", layout,
                     "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
@@ -126,13 +130,16 @@ def interrupted_reshard(prepared: Path, out: Path, monkeypatch: pytest.MonkeyPat
     assert len(list(out.glob("*.hdf5"))) == 2
 
 
-def test_shard_deleted_after_the_manifest_stops_the_run(prepared, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--unverified_data",)])
+def test_shard_deleted_after_the_manifest_is_refused_before_run_start(prepared, tmp_path, extra):
+    """The folder's listing decides it: refused before the clock, even when unverified data may train."""
     folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
     gone = sorted(folder.glob("*.hdf5"))[2]
     gone.unlink()
-    result = train(prepared, folder, tmp_path)
+    result = train(prepared, folder, tmp_path, "unpadded", *extra)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {gone}: listed in MANIFEST.json but missing")
+    assert not (tmp_path / "out" / "mlperf.log").exists()
 
 
 def test_half_written_reshard_is_refused(prepared, tmp_path, monkeypatch, capsys):
@@ -162,16 +169,17 @@ def test_temporary_file_of_a_killed_step_is_refused(prepared, tmp_path, capsys):
     ("next_sentence_labels", 7, "next_sentence_labels is not 0 or 1"),
 ])
 def test_a_bad_row_stops_the_run_when_its_shard_is_read(prepared, tmp_path, key, value, problem):
-    """An open run on a folder changed since its verification: rows are checked as they are read
-    (after run_start: no row is read before the clock), and the first bad one ends the run."""
+    """An open run told to train a folder changed since its verification (--unverified_data): rows are
+    checked as they are read (after run_start: no row is read before the clock), and the first bad one
+    ends the run."""
     folder = copy_of(prepared, "hdf5_*_shards_fixed", tmp_path)
     shards_ = sorted(folder.glob("*.hdf5"))
     for shard in shards_:  # whichever shard the run reads first holds one
         with h5py.File(shard, "r+") as handle:
             handle[key][(5, 1) if key == "input_ids" else 5] = value
-    result = train(prepared, folder, tmp_path, layout="padded")
+    result = train(prepared, folder, tmp_path, "padded", "--unverified_data")
     assert result.returncode == 2
-    assert "changed since it was verified" in result.stderr  # the open division's note
+    assert "changed since it was verified" in result.stderr  # --unverified_data's note
     line = error_line(result)
     assert line.startswith("error: ") and f": row 5: {problem}" in line and any(str(s) in line for s in shards_)
     events = mllog_events(tmp_path / "out" / "mlperf.log")

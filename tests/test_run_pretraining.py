@@ -14,7 +14,7 @@ import torch
 import transformers
 from PIL import Image
 
-from conftest import TRAINER, run_cli, trainer_args
+from conftest import TRAINER, run_cli, trainer_args, verify_folder
 
 MLPERF_FLAGS = (
     "--input_dir --eval_dir --init_checkpoint --bert_config_path --train_batch_size --gradient_accumulation_steps "
@@ -96,8 +96,9 @@ def test_bad_shards_give_a_clear_error_naming_the_file(demo_data, tmp_path, case
     data = _copy_data(demo_data, tmp_path)
     corrupt, expected = BAD_SHARDS[case]
     corrupt(data / "train" / "part_00000_of_00003.hdf5")
+    # Told to train the changed folder anyway: its rows are checked as they are read.
     result = run_cli([sys.executable, str(TRAINER), *trainer_args(data, tmp_path / "out", "--do_train",
-                                                                  "--max_steps", "400")])
+                                                                  "--max_steps", "400", "--unverified_data")])
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -261,6 +262,8 @@ def test_packed_layout_trains_on_packed_shards(demo_data, tmp_path):
     assert made.returncode == 0, made.stderr[-3000:]
     shards = sorted(packed.rglob("*.hdf5"))
     assert shards
+    verify_folder(shards[0].parent, "--eval_dir", str(demo_data / "eval"), "--max_seq_length", "64",
+                  "--max_predictions", "10")
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--input_layout", "packed",
                         "--train_batch_size", "4")
     args[args.index("--input_dir") + 1] = str(shards[0].parent)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: make the demo data, train config_CPU_1x2.sh to its target on the CPU, check the
 # MLPerf log with the official compliance checker (rulesets 5.0.0 and 2.0.0), print the result.
-# `tools/run_demo.sh --data-only` makes the demo data (in DEMO_DATA) and stops.
+# `tools/run_demo.sh --data-only` makes the demo data (in DEMO_DATA), verified, and stops.
 # Runs go to demo_runs/<system>/ (not committed; LOGDIR overrides): results/ holds only the
 # runs that were packaged on purpose. DEMO_CONFIG names another config file to train;
 # PRECISION in the environment replaces the config's (`PRECISION=fp8 make demo`: the encoder's
@@ -27,6 +27,14 @@ if [[ ! -f "$DEMO_DATA/.complete" ]]; then
     --num_hidden_layers "$DEMO_NUM_LAYERS" --num_attention_heads "$DEMO_NUM_HEADS" \
     --intermediate_size "$DEMO_INTERMEDIATE_SIZE"
   touch "$DEMO_DATA/.complete"
+fi
+# A run trains verified data only (VERIFIED.json, docs/DATA_INTEGRITY.md): demo data made before the
+# verification records gets them here, as make_demo_data.py writes them for new data.
+if [[ ! -f "$DEMO_DATA/train/VERIFIED.json" || ! -f "$DEMO_DATA/eval/VERIFIED.json" ]]; then
+  echo "verifying the demo dataset in $DEMO_DATA"
+  "$PYTHON" data_prep/verify_dataset.py "$DEMO_DATA/train" "$DEMO_DATA/eval" --eval_dir "$DEMO_DATA/eval" \
+    --vocab_size "$(wc -l < "$DEMO_DATA/vocab.txt")" --max_seq_length "$MAX_SEQ_LENGTH" \
+    --max_predictions "$MAX_PREDICTIONS_PER_SEQ" --workers 1 > /dev/null
 fi
 if [[ "${1:-}" == --data-only ]]; then exit 0; fi
 

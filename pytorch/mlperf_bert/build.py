@@ -4,10 +4,10 @@ Before the clock (`prepare_run`, the untimed init phase): model -> training part
 schedule, scaler, DDP, clipping) -> resume of the weights and optimizer -> fast path (the step,
 the guard, CUDA graphs or sync window). No byte of the dataset is read here: the CUDA graphs'
 static shape comes from the folder's verification record (`data.record`). After `run_start`
-(`open_run`): the training input (with the resumed data position), the eval set read in the
-background, the checkpoint writer and the hooks. MLPerf's clock "must start before any part of
-the system touches the dataset" (training_rules.adoc §11); docs/CLOSED_DIVISION.md lists what
-is read on each side of it.
+(`open_run`): --unverified_data's check of data no record vouches for, the training input (with
+the resumed data position), the eval set read in the background, the checkpoint writer and the
+hooks. MLPerf's clock "must start before any part of the system touches the dataset"
+(training_rules.adoc §11); docs/CLOSED_DIVISION.md lists what is read on each side of it.
 
 The order matters where one part holds on to another's tensors: a resume replaces optimizer
 state, so the fast path (which captures and snapshots those tensors) comes after it. The
@@ -36,7 +36,7 @@ from .config.closed_division import EVAL_ITER_KEY, EVAL_ITER_START_KEY, INIT_CHE
 from .config.settings import TrainConfig
 from .optim.capturable import capturable
 from .optim.loss_scale import DeviceLossScaler, LossScaler
-from .data.dataset import DataLimits, load_eval_set
+from .data.dataset import DataError, DataLimits, load_eval_set
 from .input.device_input import DeviceInput, HostBuilder
 from .input.eval_input import EvalInput
 from .runtime.distributed import DistEnv
@@ -51,14 +51,14 @@ from .optim.schedule import LRSchedule
 from .input.source_factory import open_batch_source
 from .input.sources import BatchSource
 from .data.static_batch import StaticShape
-from .input.data_check import recorded_shape
+from .input.data_check import UNVERIFIED_CHECK_KEY, AfterClock, check_after_clock, recorded_shape
 from .train.step import EagerStep, GraphedStep, Step
 from .train.eval_step import EagerEval, EvalStep, GraphedEval, eval_shape
 from .train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 from .train.checkpoint import (Checkpointer, ResumeError, TrainingParts, choose_resume, read_checkpoint, restore,
                                seed_generators)
 from .hooks.live import LiveView
-from .hooks.report import RunReport
+from .hooks.report import RunReport, Summary, write_summary
 from .hooks.train_hooks import CheckpointWriter, EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
 from .train.state import TrainState
 from .train.evaluation_interval import EvalSchedule
@@ -128,6 +128,7 @@ class Run:
     writer: CheckpointWriter
     hooks: Hooks
     resumed: list[Resumed]  # the checkpoint this run continues, or none
+    data_check: str = ""  # what --unverified_data checked after run_start, in words ("" when nothing)
 
     @property
     def cfg(self) -> TrainConfig:
@@ -523,9 +524,36 @@ def prepare_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: Sto
     return Prepared(ev, training, state, resumed, checkpoints, step, guard_used, shape, supplied, extra_hooks)
 
 
+def data_check_after_clock(ev: Evaluation) -> AfterClock | None:
+    """--unverified_data's check of data no record vouches for (`data_check.check_after_clock`), after
+    run_start: the MLPerf log says what ran and how long it took; a problem it finds stops the run, whose
+    summary (rank 0) says so too."""
+    checked = check_after_clock(ev.cfg, ev.denv)
+    if checked is None:
+        return None
+    ev.logger.event(UNVERIFIED_CHECK_KEY, round(checked.seconds, 3),
+                    {"why": checked.why, "status": "refused" if checked.problem else "passed"})
+    if checked.problem is not None:
+        if ev.denv.is_main:
+            write_summary(refused_summary(ev.cfg, checked), Path(ev.cfg.run.output_dir))
+        raise DataError(checked.refusal())
+    if ev.denv.is_main:
+        print(f"note: {checked.line()}", file=sys.stderr, flush=True)
+    return checked
+
+
+def refused_summary(cfg: TrainConfig, checked: AfterClock) -> Summary:
+    """The summary of a run that --unverified_data's check ended before its first step."""
+    return Summary("aborted", "the data check after run_start refused the data", checked.seconds, 0, 0, 0, (), 0.0,
+                   cfg.eval.target_mlm_accuracy, {"MLPerf log": str(cfg.run.mlperf_log_path)},
+                   data_check=checked.line())
+
+
 def open_run(prepared: Prepared) -> Run:
-    """After `run_start`: the eval set starts loading, the training input opens at the resumed position."""
+    """After `run_start`: the data no record vouches for is checked (--unverified_data), the eval set
+    starts loading, the training input opens at the resumed position."""
     p, cfg, ev = prepared, prepared.eval.cfg, prepared.eval
+    checked = data_check_after_clock(ev) if p.supplied.source is None else None
     ev.data.start()
     source = p.supplied.source if p.supplied.source is not None else \
         open_batch_source(cfg, ev.denv, data_limits(cfg, ev.model.config))
@@ -540,7 +568,7 @@ def open_run(prepared: Prepared) -> Run:
     writer = CheckpointWriter(p.checkpoints, p.training.parts, p.state, data, ev.logger, cfg.to_dict())
     hooks = build_hooks(ev, writer, data, p.extra_hooks)
     return Run(ev, p.training.schedule, p.step, p.guard, p.state, source, data, p.checkpoints, writer, hooks,
-               p.resumed)
+               p.resumed, checked.line() if checked is not None else "")
 
 
 def build_run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest,

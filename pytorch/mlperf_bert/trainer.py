@@ -180,14 +180,16 @@ def run(cfg: TrainConfig, denv: DistEnv, device: torch.device, stop: StopRequest
         # position that does not fit is refused before any line goes to the log it continues.
         training = open_run(prepared)
         record = log_run_start(prepared)
+        started = None  # no clock started here: the seconds count from the first step
     else:
         record = log_run_start(prepared)  # the clock starts: from here on the dataset is read
+        started = time.time()  # opening the input (and --unverified_data's check) counts in the time
         # Rank 0 logs run_start; no rank may read before it, so every rank waits for rank 0 here.
         barrier()
         with aborted_on_error(prepared.eval, prepared.state):
             training = open_run(prepared)
     try:
-        return train(training, record)
+        return train(training, record, started)
     finally:
         training.close()
         training.hooks.close()
@@ -209,15 +211,16 @@ def aborted_on_error(ev: Evaluation, state: TrainState) -> Iterator[None]:
         raise
 
 
-def train(run: Run, record: dict) -> RunResult:
+def train(run: Run, record: dict, started: float | None = None) -> RunResult:
     """Trains until the target, a limit or a stop; checkpoints as configured.
 
     record: the run facts `log_run_start` gave when the clock started.
+    started: time.time() at run_start, where the run's seconds count from (None: from now).
     """
     run.checkpoints.record = record
     state = run.state
     run.hooks.run_start(run_start_event(run))
-    start = time.time()
+    start = time.time() if started is None else started
     try:
         status = train_loop(run)
     except TrainingStopped as stopped:
@@ -238,7 +241,7 @@ def run_start_event(run: Run) -> RunStart:
     state = run.state
     return RunStart(state.samples, state.step, stop_samples(run.cfg), run.cfg.global_batch_size,
                     Path(run.cfg.run.output_dir), bool(run.resumed), run.eval.model,
-                    run.cfg.schedule.max_steps * run.cfg.global_batch_size)
+                    run.cfg.schedule.max_steps * run.cfg.global_batch_size, run.data_check)
 
 
 def log_run_start(run: Prepared | Run) -> dict:

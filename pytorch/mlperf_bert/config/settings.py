@@ -195,11 +195,15 @@ class DataSettings:
     balance_deal: str = flag("how sorted samples are dealt to ranks; auto: raster for global_presort and "
                              "cpu_exchange, snake for local_presort (greedy balances best)", "balance", "auto",
                              choices=BALANCE_DEALS)
+    unverified_data: bool = flag("open division: train a folder that has no current verification record "
+                                 "(VERIFIED.json of data_prep/verify_dataset.py); copied shards and eval samples in "
+                                 "training are then looked for after run_start, in the timed run", "data", False)
 
     def __post_init__(self) -> None:
         _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
         _choice("balance", self.balance, BALANCE_POLICIES)
         _choice("balance_deal", self.balance_deal, BALANCE_DEALS)
+        _flag("unverified_data", self.unverified_data)
         _path("input_dir", self.input_dir, required=False)
         _path("eval_dir", self.eval_dir, hint=" (the folder of the eval hdf5 file)")
         _count("max_seq_length", self.max_seq_length, 1, MAX_SEQ_LENGTH_LIMIT)
@@ -529,6 +533,10 @@ class TrainConfig:
         )
         self._check_fast_path()
         if self.run.submission_division == "closed":
+            _require(not self.data.unverified_data,
+                     "closed division: a timed run trains verified data only (training_rules.adoc §6.5, §6.6): "
+                     "drop --unverified_data and verify the folders with data_prep/verify_dataset.py, or run in "
+                     "the open division (--submission_division open)")
             problem = closed_division_problem(self)
             _require(problem is None, problem or "")
 

@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 
 from .shards import (
-    DataError, Samples, check_keys, concat_ranges, decode, detect_format, list_shards, offsets, open_shard, read_arrays,
+    DataError, Samples, check_keys, concat_ranges, decode, list_shards, offsets, open_shard, read_arrays,
     read_picked, segment_sums,
 )
 
@@ -213,7 +213,7 @@ def leakage_message(where: Sequence[tuple[Path, int, int]], eval_source: Path | 
     total = sum(count for _, count, _ in where)
     shown = ", ".join(f"{path} ({count}, first at row {row})" for path, count, row in where[:3])
     more = f" and {len(where) - 3} more shards" if len(where) > 3 else ""
-    scope = "in the rows sampled at start-up " if probed else ""
+    scope = "in the probed rows " if probed else ""
     return (f"{total} eval samples of {eval_source} are also training samples {scope}in {shown}{more}: the "
             "accuracy would be measured on training data (training_rules.adoc §6.5); rebuild the training "
             "shards without the eval samples (data_prep/verify_dataset.py TRAIN_DIR EVAL_DIR counts them all)")
@@ -238,10 +238,10 @@ def probed_rows(rows: int, probe_rows: int = PROBE_ROWS) -> np.ndarray:
 
 
 def probe_shard(path: Path, probe_rows: int = PROBE_ROWS) -> Probe:
-    """`probed_rows` of one shard, read with one hdf5 read per key (its keys were checked before)."""
+    """`probed_rows` of one shard, read with one hdf5 read per key (after its keys, from metadata: the
+    quick check may be the first reader of a shard)."""
     with open_shard(path) as handle:
-        fmt = detect_format(handle)
-        rows = int(handle["input_ids"].shape[0])
+        fmt, rows = check_keys(handle)
         if rows == 0:
             return Probe(path, (fmt, 0), np.zeros(0, np.uint64), np.zeros(0, np.int64))
         picked = probed_rows(rows, probe_rows)

@@ -36,6 +36,7 @@ class RunStart:
     resumed: bool = False
     model: torch.nn.Module | None = None  # the model being trained (None where a hook is fed by hand)
     schedule_samples: int = 0  # samples until the LR schedule ends (max_steps x global batch); 0: not known
+    data_check: str = ""  # what --unverified_data checked after run_start, in words ("" when nothing)
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,13 @@ class Summary:
     target: float = TARGET_ACCURACY
     files: dict[str, str] = field(default_factory=dict)  # what -> path
     forecast: str = ""  # what the forecast said after the first evals (and, short of the target, after the last)
+    data_check: str = ""  # what --unverified_data checked after run_start, inside `seconds` ("" when nothing)
 
     def text(self) -> str:
         reason = f" ({self.reason})" if self.reason else ""
         lines = [f"status: {self.status}{reason}",
                  f"time to train: {self.seconds:.1f} s ({self.seconds / 60:.2f} min, run_start to run_stop)",
+                 *([f"data check: {self.data_check}"] if self.data_check else []),
                  f"steps: {self.steps}, samples: {self.samples}"
                  + (f" (resumed at {self.start_samples})" if self.start_samples else ""),
                  f"throughput: {self.samples_per_second:.1f} samples/s (evals included)",
@@ -52,6 +54,12 @@ class Summary:
         lines += [f"forecast: {self.forecast}"] if self.forecast else []
         lines += [f"{what}: {path}" for what, path in self.files.items()]
         return "\n".join(lines) + "\n"
+
+
+def write_summary(summary: Summary, output_dir: Path) -> None:
+    """summary.txt and summary.json in `output_dir`."""
+    write_text_atomic(output_dir / SUMMARY_TXT, summary.text(), fsync_file=False)
+    write_text_atomic(output_dir / SUMMARY_JSON, json.dumps(asdict(summary), indent=2) + "\n", fsync_file=False)
 
 
 EARLY_EVALS = 3  # the summary sets the forecast made after this many evals beside the real end
@@ -137,12 +145,14 @@ class RunReport(Hook):
         self.output_dir = Path(".")
         self.start_samples = 0
         self.schedule_samples = 0
+        self.data_check = ""
         self.summary: Summary | None = None
 
     def run_start(self, event: RunStart) -> None:
         self.output_dir = event.output_dir
         self.start_samples = event.samples
         self.schedule_samples = event.schedule_samples
+        self.data_check = event.data_check
         self.log_dir = self.log_dir or (self.mlperf_log.parent if self.mlperf_log else event.output_dir)
 
     def step_end(self, event: StepEnd) -> None:
@@ -162,11 +172,8 @@ class RunReport(Hook):
         plot_curves(self.losses, self.evals, curves, self.target,
                     f"{event.status}: {event.samples} samples in {event.seconds:.0f} s")
         self.summary = self._summary(event, curves)
-        text = self.summary.text()
-        write_text_atomic(self.output_dir / SUMMARY_TXT, text, fsync_file=False)
-        write_text_atomic(self.output_dir / SUMMARY_JSON, json.dumps(asdict(self.summary), indent=2) + "\n",
-                          fsync_file=False)
-        print(text, end="", file=self.stream, flush=True)
+        write_summary(self.summary, self.output_dir)
+        print(self.summary.text(), end="", file=self.stream, flush=True)
 
     def _summary(self, event: RunEnd, curves: Path) -> Summary:
         trained = event.samples - self.start_samples
@@ -178,4 +185,5 @@ class RunReport(Hook):
         every_eval = event.evals if len(event.evals) > len(self.evals) else evals  # a resumed run's too
         return Summary(event.status, event.reason, event.seconds, event.step, event.samples,
                        self.start_samples, evals, trained / event.seconds if event.seconds > 0 else 0.0,
-                       self.target, files, forecast_text(every_eval, self.schedule_samples, self.target))
+                       self.target, files, forecast_text(every_eval, self.schedule_samples, self.target),
+                       self.data_check)

@@ -29,7 +29,8 @@ from .sources import BatchSource, ExchangeSource, ItemStream, LocalSource, Token
 
 
 def check_input_data(input_dir: str) -> None:
-    """A training folder without a current verification record, from its metadata (after the clock).
+    """A training folder without a current verification record (--unverified_data), from its metadata
+    (after the clock; `data_check` saw the same listing before it, for a run started by `main`).
 
     Complete (`shards.folder_problems`: MANIFEST.json's files present with their sizes, no
     temporary files, no gaps in the numbering, not refused by data_prep) and one dataset (every

@@ -1,0 +1,163 @@
+"""No unchecked data trains: a folder no current verification record vouches for is refused before
+run_start with the one command that verifies it; only an open run with --unverified_data trains it,
+and then looks for copied shards and eval samples after run_start, where the log and the summary say
+the time counted. What the folder listing and the records decide is refused before run_start either way.
+
+Each case as a user meets it: the trainer started as a process on a folder data_prep made (the
+session's demo data, changed as the case needs).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TRAINER, run_cli, trainer_args, verify_folder
+from data_prep.verify_dataset import mark_refused
+from mlperf_bert.config.cli import parse_config
+from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.data.record import RECORD_NAME
+from mlperf_bert.input.data_check import UNVERIFIED_CHECK_KEY, check_after_clock
+from mlperf_bert.runtime.distributed import dist_env_from
+from test_clock import _copy, _mllog, _refused_before_the_clock
+
+FLAG = "--unverified_data"
+
+
+def _train(demo_data: Path, tmp_path: Path, train: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train", *extra)
+    args[args.index("--input_dir") + 1] = str(train)
+    return run_cli([sys.executable, str(TRAINER), *args])
+
+
+def _verify_command(demo_data: Path, train: Path) -> str:
+    return f"`python data_prep/verify_dataset.py {train} --eval_dir {demo_data / 'eval'}`"
+
+
+def _copied_shards(demo_data: Path, tmp_path: Path) -> Path:
+    """The v2.1 shuffle bug's output: every training shard a byte copy of the first, and no record."""
+    train = _copy(demo_data / "train", tmp_path / "train")
+    first, *rest = sorted(train.glob("*.hdf5"))
+    for shard in rest:
+        shutil.copyfile(first, shard)
+    (train / RECORD_NAME).unlink()
+    return train
+
+
+def _eval_shard_in_training(demo_data: Path, tmp_path: Path) -> Path:
+    train = _copy(demo_data / "train", tmp_path / "train")
+    shutil.copy2(next((demo_data / "eval").glob("*.hdf5")), train)
+    return train
+
+
+def _refused_after_run_start(done: subprocess.CompletedProcess, tmp_path: Path, says: str) -> None:
+    """The check after run_start stopped the run: one error line; the MLPerf log (run_start, the check and
+    its time, run_stop aborted) and the summary say the check ran inside the timed run."""
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert says in errors[0] and "check after run_start" in errors[0] and "inside the timed run" in errors[0]
+    keys = [e["key"] for e in _mllog(tmp_path / "out" / "mlperf.log")]
+    assert keys.count("run_start") == 1 and keys.index("run_start") < keys.index(UNVERIFIED_CHECK_KEY)
+    events = _mllog(tmp_path / "out" / "mlperf.log")
+    check = next(e for e in events if e["key"] == UNVERIFIED_CHECK_KEY)
+    assert check["metadata"]["status"] == "refused" and check["value"] >= 0
+    assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary.startswith("status: aborted (the data check after run_start refused the data)")
+    assert f"data check: {FLAG}" in summary and "inside the timed run" in summary and "refused the data" in summary
+
+
+def test_copied_training_shards_without_a_record_are_refused_before_run_start(demo_data, tmp_path):
+    train = _copied_shards(demo_data, tmp_path)
+    done = _train(demo_data, tmp_path, train)
+    _refused_before_the_clock(done, tmp_path, f"{train}: no {RECORD_NAME}", _verify_command(demo_data, train), FLAG)
+    assert "note:" not in done.stderr  # nothing trains after a note
+
+
+def test_copied_training_shards_trained_anyway_are_refused_by_the_check_after_run_start(demo_data, tmp_path):
+    train = _copied_shards(demo_data, tmp_path)
+    done = _train(demo_data, tmp_path, train, FLAG)
+    assert f"note: {FLAG}: {train}: no {RECORD_NAME}" in done.stderr
+    _refused_after_run_start(done, tmp_path, "3 byte-identical training shards")
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_an_eval_shard_copied_into_training_is_never_trained_on(demo_data, tmp_path, flag):
+    train = _eval_shard_in_training(demo_data, tmp_path)
+    shard = train / next((demo_data / "eval").glob("*.hdf5")).name
+    done = _train(demo_data, tmp_path, train, *([FLAG] if flag else []))
+    if not flag:
+        _refused_before_the_clock(done, tmp_path, f"{shard}: a shard the verification did not see",
+                                  _verify_command(demo_data, train))
+        return
+    _refused_after_run_start(done, tmp_path, f"eval samples of {demo_data / 'eval'} are also training samples")
+
+
+def _marked_refused(demo_data: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A folder data_prep's verification refused (its marker), whose record is gone."""
+    train = _copy(demo_data / "train", tmp_path / "train")
+    mark_refused(train, [f"{train}/part_00001_of_00003.hdf5: row 3: input_ids outside [0, 128)"])
+    (train / RECORD_NAME).unlink()
+    return train, "data_prep's verification refused this folder (" + f"{train}/part_00001_of_00003.hdf5: row 3"
+
+
+def _record_of_other_files(demo_data: Path, tmp_path: Path) -> tuple[Path, str]:
+    """The eval folder's record copied beside the training shards."""
+    train = _copy(demo_data / "train", tmp_path / "train")
+    shutil.copy2(demo_data / "eval" / RECORD_NAME, train / RECORD_NAME)
+    missing = train / next((demo_data / "eval").glob("*.hdf5")).name
+    return train, f"{missing}: listed in {RECORD_NAME} but missing"
+
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("case", [_marked_refused, _record_of_other_files])
+def test_what_the_listing_and_records_decide_is_refused_before_run_start(demo_data, tmp_path, case, flag):
+    """Decided by names and records alone: refused before the clock, also where unverified data may train."""
+    train, says = case(demo_data, tmp_path)
+    done = _train(demo_data, tmp_path, train, *([FLAG] if flag else []))
+    _refused_before_the_clock(done, tmp_path, says)
+
+
+def test_a_folder_not_checked_against_the_eval_set_is_refused_or_checked_after_run_start(demo_data, tmp_path):
+    """Verified without an eval set: no record says the eval samples are held out. Refused with the command
+    that checks it; with the flag the run trains, and the MLPerf log and the summary say the check's time
+    counted."""
+    train = _copy(demo_data / "train", tmp_path / "train")
+    verify_folder(train, "--max_seq_length", "64", "--max_predictions", "10")
+    refused = _train(demo_data, tmp_path, train)
+    _refused_before_the_clock(refused, tmp_path, f"{train} was not checked for samples of the eval set",
+                              _verify_command(demo_data, train), FLAG)
+    done = _train(demo_data, tmp_path, train, FLAG)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = _mllog(tmp_path / "out" / "mlperf.log")
+    keys = [e["key"] for e in events]
+    assert keys.index("run_start") < keys.index(UNVERIFIED_CHECK_KEY) < keys.index("block_start")
+    check = events[keys.index(UNVERIFIED_CHECK_KEY)]
+    assert check["metadata"]["status"] == "passed" and "was not checked for samples" in check["metadata"]["why"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "ran after run_start" in summary["data_check"] and "found none" in summary["data_check"]
+    assert "data check: " in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_the_check_after_run_start_runs_only_where_no_record_vouches(demo_data, tmp_path):
+    """The flag with data the records vouch for reads nothing after run_start; unvouched data is checked."""
+    args = [*trainer_args(demo_data, tmp_path / "out", "--do_train"), FLAG]
+    denv = dist_env_from({})
+    assert check_after_clock(parse_config(args, 1), denv) is None
+    args[args.index("--input_dir") + 1] = str(_copied_shards(demo_data, tmp_path))
+    checked = check_after_clock(parse_config(args, 1), denv)
+    assert checked is not None and "byte-identical" in (checked.problem or "")
+
+
+def test_the_closed_division_refuses_the_flag(demo_data, tmp_path):
+    args = [*trainer_args(demo_data, tmp_path / "out", "--do_train"), FLAG]
+    args[args.index("--submission_division") + 1] = "closed"
+    with pytest.raises(ConfigError, match="closed division: a timed run trains verified data only.*"
+                                          "--submission_division open"):
+        parse_config(args, 1)
