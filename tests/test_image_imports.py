@@ -105,7 +105,8 @@ def test_bring_up_imports_only_the_image_and_the_carried_wheels(tmp_path: Path) 
 
 
 def test_an_import_in_neither_is_named_with_its_line(tmp_path: Path) -> None:
-    """The first GPU run's failure, made again: crc32c without its wheel."""
+    """The first GPU run's failure, made again: crc32c without its wheel. prepare.py imports it only in its
+    import-tfrecord step now, so the module imports; the import inside the function is still named."""
     problems = _problems(tmp_path, {"data_prep/prepare.py"}, image_packages() | carried_packages() - {"crc32c"})
-    assert problems and problems[0].startswith("data_prep/prepare.py: ModuleNotFoundError: No module named 'crc32c'")
+    assert problems and not any("ModuleNotFoundError" in p for p in problems), problems
     assert any(re.fullmatch(r"data_prep/tfrecords\.py:\d+ imports crc32c: not in .*", p) for p in problems), problems

@@ -20,8 +20,8 @@ resumed run calibrates again. GEMMs (`torch._scaled_mm`, fast accumulation in al
 runs them): Y = X W^T + b in the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout
 of `_scaled_mm` wants its first operand row-major and its second column-major, hence the
 transposed copies of W for dX, and of dY and X for dW; token counts that are not a multiple of 16
-are padded with zero rows for dW (a no-op for packed rows of 512). On the CPU `_scaled_mm` runs
-too (no speed), so this path is the same code there and on a GPU.
+are padded with zero rows for dW (a no-op for packed rows of 512). Off a GPU the GEMMs are emulated
+(`scaled_mm`: the same FP8 operands dequantised, multiplied in fp32); everything else is the same code.
 """
 
 from __future__ import annotations
@@ -69,6 +69,19 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inverse: torch.Tensor, b_inverse: torch.Tensor,
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) (+ bias) for FP8 a (row-major) and b (column-major): `torch._scaled_mm`
+    with fast accumulation on a GPU. Elsewhere the same operands dequantised to fp32 and multiplied (the CPU's
+    `_scaled_mm` gives the same numbers but runs a scalar loop, minutes for the demo's model): FP8 rounding,
+    no FP8 speed, as torchao's emulation."""
+    if a.device.type == "cuda":
+        return torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=True)
+    out = (a.float() * a_inverse) @ (b.float() * b_inverse)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
 class _DelayedFp8Matmul(torch.autograd.Function):
     """Y = X W^T (+ b) with FP8 operands; the amax buffer's INPUT and GRAD slots give and take the scales."""
 
@@ -83,9 +96,8 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         amax[WEIGHT].copy_(w_amax)
         w_scale = scale_of(w_amax, E4M3)
         w8 = to_fp8(weight, w_scale, E4M3)
-        out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
-                               bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype,
-                               use_fast_accum=True)
+        out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype,
+                        None if bias is None else bias.to(out_dtype))
         ctx.save_for_backward(x8, x_scale, w8, w_scale, amax)
         ctx.grad_calibrated, ctx.has_bias, ctx.x_dtype = grad_calibrated, bias is not None, x.dtype
         return out
@@ -97,10 +109,9 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         g8 = to_fp8(grad_out, g_scale, E5M2)
         amax[GRAD].copy_(amax_of(grad_out))
         g_inverse = g_scale.reciprocal()
-        grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
-                                  out_dtype=grad_out.dtype, use_fast_accum=True)
-        grad_w = torch._scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)), scale_a=g_inverse,
-                                  scale_b=x_scale.reciprocal(), out_dtype=torch.float32, use_fast_accum=True)
+        grad_x = scaled_mm(g8, _column_major(w8), g_inverse, w_scale.reciprocal(), grad_out.dtype)
+        grad_w = scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)), g_inverse,
+                           x_scale.reciprocal(), torch.float32)
         grad_b = grad_out.float().sum(0) if ctx.has_bias else None
         return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None, None
 
