@@ -240,6 +240,14 @@ def test_delayed_fp8_recipe_calls_scaled_mm_inside_the_captured_step(tmp_path: P
     assert "inside a CUDA-graph capture at" not in output, output
 
 
+def test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16(tmp_path: Path) -> None:
+    """Unpadded batches hold any number of tokens: the weight gradient's inner dimension is padded to the
+    multiple of 16 that torch._scaled_mm asks for (its checks run on the fake device as on a GPU)."""
+    code, output = _dry_run(tmp_path, "--precision", "fp8", "--fp8_recipe", "delayed", "--input_layout", "unpadded")
+    assert code == 0, output
+    assert [int(n) for n in re.findall(r"step \d+: .* (\d+) FP8 GEMM", output)] == [DELAYED_GEMMS_PER_STEP] * 3, output
+
+
 def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(tmp_path: Path) -> None:
     """Sequences of 128 to 512 tokens fall in several length groups: each group is ordered after
     q/k/v by an event and the layer waits for each group's event, and the groups are learnt

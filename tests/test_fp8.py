@@ -181,14 +181,26 @@ def test_fp8_step_loss_and_gradients_stay_within_tolerance_of_bf16(trained_run, 
 @pytest.mark.parametrize("recipe", [Fp8Recipe(), Fp8Recipe("delayed")], ids=Fp8Recipe.describe)
 def test_fp8_layers_compile_to_the_eager_step(trained_run, recipe: Fp8Recipe) -> None:
     """torch.compile traces torchao's FP8 tensor subclass and the delayed recipe's autograd function with
-    its amax buffers (dynamo + AOT autograd, `compiling.compile_model`): loss and gradients equal the eager
-    FP8 step's. aot_eager: the trace without Inductor's code generation, which takes minutes on the CPU."""
+    its amax buffers (dynamo + AOT autograd, `compiling.compile_model`): the loss equals the eager FP8 step's,
+    and so do torchao's gradients. The delayed recipe's forward is the eager one to the bit (its amax
+    buffers are equal); its gradients differ by E5M2 roundings that flip where the traced backward's fp32
+    sums round differently (measured up to 0.034 relative on a weight, against FP8's own 0.058-0.088 from
+    bf16), so they are held to 0.05. aot_eager: the trace without Inductor's code generation, which takes
+    minutes on the CPU."""
     eager = convert_to_fp8(copy.deepcopy(trained_run.eval.model), CPU, recipe).eval()  # no dropout
     compiled = compile_model(copy.deepcopy(eager), "default", backend="aot_eager")
     batch = trained_run.eval.data.batches()[0]
     loss_eager, grads_eager = _gradients(eager, batch, "fp8")
     loss_compiled, grads_compiled = _gradients(compiled, batch, "fp8")
     assert loss_compiled == pytest.approx(loss_eager, rel=1e-6)
+    if recipe.scaling == "delayed":
+        for name in fp8_layer_names(eager, recipe):
+            assert torch.equal(compiled.get_submodule(name).amax[0], eager.get_submodule(name).amax[0]), name
+        largest = max(float(g.norm()) for g in grads_eager.values())
+        for name, reference in grads_eager.items():
+            if float(reference.norm()) >= 1e-4 * largest:  # not the key bias's zero up to rounding
+                assert _relative(grads_compiled[name], reference) <= 0.05, name
+        return
     for name, reference in grads_eager.items():
         torch.testing.assert_close(grads_compiled[name], reference, rtol=1e-5, atol=1e-7, msg=name)
 
