@@ -158,20 +158,22 @@ def _gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if kind != "gelu" else "none")
 
 
-def fused_projection(linears: Sequence[nn.Linear], x: torch.Tensor) -> torch.Tensor:
-    """The outputs of `linears` on the same input, side by side: one GEMM over their stacked weights
-    (query, key and value: [T, H] x [H, 3H]), so the input is read (and under FP8 cast) once and its
+def fused_projection(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of `linears` on the same input: one GEMM over their stacked weights (query, key and
+    value: [T, H] x [H, 3H]), split into views, so the input is read (and under FP8 cast) once and its
     gradient comes from one GEMM, not three and two adds. The parameters stay the three layers' own
     (HuggingFace's names). Layers of another kind (torchao's Float8Linear) run one by one."""
     kinds = {type(linear) for linear in linears}
-    if kinds == {nn.Linear} or kinds == {DelayedFp8Linear}:
-        weight = torch.cat([linear.weight for linear in linears])
-        biases = [linear.bias for linear in linears]
-        bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
-        if kinds == {DelayedFp8Linear}:
-            return DelayedFp8Linear.stacked(linears[0], weight, bias, x)  # type: ignore[arg-type]
-        return F.linear(x, weight, bias)
-    return torch.cat([linear(x) for linear in linears], dim=-1)
+    if kinds != {nn.Linear} and kinds != {DelayedFp8Linear}:
+        return tuple(linear(x) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
+    if kinds == {DelayedFp8Linear}:
+        stacked = DelayedFp8Linear.stacked(linears[0], weight, bias, x)  # type: ignore[arg-type]
+    else:
+        stacked = F.linear(x, weight, bias)
+    return stacked.split([linear.out_features for linear in linears], dim=-1)
 
 
 class BertEmbeddings(nn.Module):
@@ -204,8 +206,8 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
         t = x.shape[0]
-        qkv = fused_projection((self.query, self.key, self.value), x)  # [T, 3H]: one GEMM where it can
-        q, k, v = (p.view(t, self.heads, self.head_dim) for p in qkv.split(x.shape[-1], dim=-1))
+        q, k, v = (p.view(t, self.heads, self.head_dim)
+                   for p in fused_projection((self.query, self.key, self.value), x))  # one GEMM where it can
         return self.attend(q, k, v, cu_seqlens, layout).reshape(t, -1)  # [T, H]
 
 

@@ -35,7 +35,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ALIGN = 16
 # A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way).
 _TINY = 1e-12
-INPUT, WEIGHT, GRAD = 0, 1, 2  # slots of the amax buffer
+INPUT, GRAD = 0, 1  # slots of the amax buffer: the last input and output-gradient amax
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -92,9 +92,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
         x8 = to_fp8(x, x_scale, E4M3)
         amax[INPUT].copy_(amax_of(x))
-        w_amax = amax_of(weight)
-        amax[WEIGHT].copy_(w_amax)
-        w_scale = scale_of(w_amax, E4M3)
+        w_scale = scale_of(amax_of(weight), E4M3)
         w8 = to_fp8(weight, w_scale, E4M3)
         out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype,
                         None if bias is None else bias.to(out_dtype))
@@ -124,8 +122,8 @@ class DelayedFp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device)
-        # [input, weight, output gradient]: the last amax of each; not saved (a resumed run calibrates again).
-        self.register_buffer("amax", torch.zeros(3, device=device), persistent=False)
+        # [input, output gradient]: the last amax of each; not saved (a resumed run calibrates again).
+        self.register_buffer("amax", torch.zeros(2, device=device), persistent=False)
         self.calibrated = False  # a forward has set amax[INPUT]
         self.grad_calibrated = False  # a training forward ran, so its backward has set amax[GRAD]
 
@@ -135,7 +133,7 @@ class DelayedFp8Linear(nn.Linear):
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device=torch.device("meta"))
         new.weight = linear.weight
         new.bias = linear.bias
-        new.amax = torch.zeros(3, device=linear.weight.device)
+        new.amax = torch.zeros(2, device=linear.weight.device)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
