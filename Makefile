@@ -2,7 +2,7 @@
 #   make demo   creates .venv, installs, makes the demo data and trains the CPU demo to its target
 #   make test   creates .venv, installs, runs the whole test suite (the mypy check is one of its tests)
 #   make gpu-check  on a GPU machine: the fake-CUDA dry run of every shipped config, run for real
-#   make mutants    plants each bug of tools/mutant_list.py and runs its tests (docs/TESTING.md)
+#   make mutants    plants each bug of the mutant list (tools/mlperf_tools/testing/mutant_list.py) and runs its tests (docs/TESTING.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from compare import RunLog, read_run, resolve_input
-from forecast import eval_seconds, schedule_samples
+from mlperf_tools.results.compare import RunLog, read_run, resolve_input
+from mlperf_tools.planning.forecast import eval_seconds, schedule_samples
 
 from mlperf_bert.hooks.forecast import TARGET_ACCURACY, Observed, Row, fit, predict
 

@@ -1,7 +1,7 @@
 """Input pipelines side by side: PyTorch's DevicePrefetcher against DALI's (DaliPrefetcher).
 
-    PYTHONPATH=pytorch python benchmarks/input_pipeline.py --device cuda --batches 200 --json input.json
-    PYTHONPATH=pytorch python benchmarks/input_pipeline.py --config tiny --device cpu --batches 4    # seconds
+    PYTHONPATH=pytorch:tools python benchmarks/input_pipeline.py --device cuda --batches 200 --json input.json
+    PYTHONPATH=pytorch:tools python benchmarks/input_pipeline.py --config tiny --device cpu --batches 4    # seconds
 
 Batches are the packed rows of throughput.py's synthetic data (config large: 48 rows of 512
 tokens, K = 3 sequences per row, lengths from the Wikipedia phase-2 histogram) as static

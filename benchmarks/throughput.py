@@ -1,10 +1,10 @@
 """Side-by-side training throughput of BERT phase 2, every input layout and HuggingFace, one process.
 
-    PYTHONPATH=pytorch python benchmarks/throughput.py --config large --json throughput.json
-    PYTHONPATH=pytorch python benchmarks/throughput.py --config large --precision bf16,fp8
-    PYTHONPATH=pytorch python benchmarks/throughput.py --config tiny --device cpu    # seconds, for CI
-    PYTHONPATH=pytorch python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh  # a config's set-up
-    PYTHONPATH=pytorch python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh \
+    PYTHONPATH=pytorch:tools python benchmarks/throughput.py --config large --json throughput.json
+    PYTHONPATH=pytorch:tools python benchmarks/throughput.py --config large --precision bf16,fp8
+    PYTHONPATH=pytorch:tools python benchmarks/throughput.py --config tiny --device cpu    # seconds, for CI
+    PYTHONPATH=pytorch:tools python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh  # a config's set-up
+    PYTHONPATH=pytorch:tools python benchmarks/throughput.py --from_config config_DGXH200_1x8.sh \
         --config_var PRECISION=bf16 --config_var COMPILE_MODE=none       # the same step, bf16 and eager
 
 Every set-up (a layout at a precision) trains a freshly initialised model (same seed) with
@@ -73,9 +73,8 @@ import numpy as np
 import torch
 
 from clip_study import RUN_AND_TIME, launch_env, trainer_flags
-from data_prep import packing
 from mlperf_bert.model import flops
-from mlperf_bert.data.lengths import load_length_histogram
+from mlperf_tools.bring_up.workload import SEQS_PER_ROW, length_histogram, row_strategies, synthetic_sample
 from mlperf_bert.model.compiling import compile_model
 from mlperf_bert.config.settings import ATTENTION_BACKENDS, COMPILE_MODES, DEFAULT_GROUP_BOUNDS, parse_group_bounds
 from mlperf_bert.optim.capturable import capturable, device_lr
@@ -96,9 +95,6 @@ from mlperf_bert.config.settings import ConfigError, TrainConfig
 LAYOUTS = ("padded", "unpadded", "packed", "hf_padded")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 REFERENCE = "hf_padded"  # the layout every speed-up is measured against, round by round
-CLS, SEP, MASK, FIRST_TOKEN = 1, 2, 3, 4  # synthetic vocabulary: three special ids, then words
-MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in A and in B
-SEQS_PER_ROW = 3  # K of the packed shards
 
 
 @dataclass(frozen=True)
@@ -123,36 +119,6 @@ CONFIGS = {
 
 
 # ---------------------------------------------------------------- synthetic data
-
-
-def length_histogram(max_seq_length: int) -> np.ndarray:
-    """The Wikipedia histogram, lengths rescaled to max_seq_length (l -> round(l * max / 512))."""
-    counts = load_length_histogram()
-    if max_seq_length == counts.shape[0]:
-        return counts
-    scaled = np.floor(np.arange(1, counts.shape[0] + 1) * max_seq_length / counts.shape[0] + 0.5).astype(np.int64)
-    scaled = np.clip(scaled, MIN_LENGTH, max_seq_length)
-    return np.bincount(scaled - 1, weights=counts, minlength=max_seq_length).astype(np.int64)
-
-
-def row_strategies(max_seq_length: int) -> tuple[tuple[packing.Strategy, ...], np.ndarray]:
-    """Row contents of an NNLSHP plan of the histogram and the probability of each."""
-    plan = packing.pack_histogram(length_histogram(max_seq_length), "nnlshp", max_seq_length, SEQS_PER_ROW)
-    return plan.strategies, plan.repeats / plan.repeats.sum()
-
-
-def synthetic_sample(rng: np.random.Generator, n: int, vocab_size: int, max_predictions: int) -> Sample:
-    """[CLS] A [SEP] B [SEP] of n random tokens, masked as the MLPerf data is."""
-    len_a = int(rng.integers(1, n - 3))  # A and B at least one token each
-    ids = rng.integers(FIRST_TOKEN, vocab_size, n)
-    ids[[0, len_a + 1, n - 1]] = (CLS, SEP, SEP)
-    candidates = np.concatenate([np.arange(1, len_a + 1), np.arange(len_a + 2, n - 1)])
-    k = int(flops.masked_count(np.array([n]), max_predictions)[0])
-    positions = np.sort(rng.choice(candidates, size=k, replace=False))
-    labels = ids[positions].copy()
-    ids[positions] = MASK
-    segments = (np.arange(n) > len_a + 1).astype(np.int64)
-    return Sample(ids, segments, positions, labels, int(rng.integers(0, 2)))
 
 
 def synthetic_steps(cfg: BenchConfig, seed: int) -> list[list[Item]]:

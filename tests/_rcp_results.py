@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scoring import quiet_logging
+from mlperf_tools.results.scoring import quiet_logging
 
 
 def mllog_line(key: str, value: Any, time_ms: int, **metadata: Any) -> str:

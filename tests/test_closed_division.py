@@ -215,7 +215,7 @@ def closed_run_inputs(demo_data: Path, tmp_path: Path) -> list[str]:
 
 
 def test_a_closed_run_keeping_the_rules_logs_them_and_its_log_passes_the_same_table(demo_data, tmp_path):
-    from package_results import closed_rule_problems
+    from mlperf_tools.results.package_results import closed_rule_problems
 
     done = run_cli([sys.executable, str(TRAINER), *closed_run_inputs(demo_data, tmp_path)])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -270,7 +270,7 @@ def _closed_log(tmp_path: Path, **changed: object) -> Path:
 
 
 def test_package_results_applies_the_rules_to_a_closed_log(tmp_path):
-    from package_results import closed_rule_problems
+    from mlperf_tools.results.package_results import closed_rule_problems
 
     assert closed_rule_problems(_closed_log(tmp_path)) == ([], [])
     broken, _ = closed_rule_problems(_closed_log(tmp_path, eval_samples=200))
@@ -291,7 +291,7 @@ LOG_BREAKS = {"opt_name": "adam", "opt_gradient_clip_norm": 2.0, "opt_gradient_c
 
 @pytest.mark.parametrize("key", sorted(LOG_BREAKS))
 def test_each_rule_is_checked_on_a_log_one_broken_value_at_a_time(tmp_path, key):
-    from package_results import closed_rule_problems
+    from mlperf_tools.results.package_results import closed_rule_problems
 
     broken, missing = closed_rule_problems(_closed_log(tmp_path, **{key: LOG_BREAKS[key]}))
     assert len(broken) == 1 and f"): {key} must be " in broken[0] and not missing, broken
@@ -300,7 +300,7 @@ def test_each_rule_is_checked_on_a_log_one_broken_value_at_a_time(tmp_path, key)
 
 def test_a_log_without_a_ruled_key_is_noted_not_failed(tmp_path):
     """Vendor logs (NVIDIA v2.0) carry no opt_name or eval interval keys: those rules are not checked."""
-    from package_results import closed_rule_problems
+    from mlperf_tools.results.package_results import closed_rule_problems
 
     log = _closed_log(tmp_path)
     log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
@@ -309,7 +309,7 @@ def test_a_log_without_a_ruled_key_is_noted_not_failed(tmp_path):
 
 
 def test_package_results_fails_a_package_with_a_log_that_breaks_a_rule(tmp_path):
-    import package_results
+    from mlperf_tools.results import package_results
 
     package = tmp_path / "Org"
     results = package / "results" / "SYS" / "bert"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import compare
+from mlperf_tools.results import compare
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "tests" / "data" / "mlperf_logs"

@@ -21,7 +21,7 @@ from mlperf_bert.dryrun.record import Recorder
 from mlperf_bert.dryrun.run import cuda_calls
 from mlperf_bert.dryrun.shipped import exports
 
-import plan
+from mlperf_tools.planning import plan
 
 CUDA_BUILD = REPO / "tests" / "fakes" / "cuda_build"
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-import forecast as forecast_cli
+from mlperf_tools.planning import forecast as forecast_cli
 import forecast_backtest
 from _rcp_results import official_verdict, synthetic_result
 from mlperf_bert.hooks.events import EvalEnd, RunEnd, RunStart
 from mlperf_bert.hooks.forecast import ROWS, SCHEDULE_RANGE, Forecast, fit, predict
 from mlperf_bert.hooks.live import LiveView
 from mlperf_bert.hooks.report import RunReport
-from scoring import rcp_window
+from mlperf_tools.results.scoring import rcp_window
 
 REPO = Path(__file__).resolve().parents[1]
 NVIDIA_448 = REPO / "tests/data/mlperf_logs/v2.0/NVIDIA/results/dgxa100_ngc22.04_pytorch/bert/result_0.txt"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, load_script, run_cli
+from mlperf_tools.bring_up import gpu_perf_report
 
 H200 = REPO / "config_DGXH200_1x8.sh"
 SCRIPT = REPO / "tools" / "gpu_perf.sh"
@@ -24,7 +25,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def report():
-    return load_script(REPO / "tools" / "gpu_perf_report.py", "gpu_perf_report")
+    return gpu_perf_report
 
 
 @pytest.fixture(scope="module")

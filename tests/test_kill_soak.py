@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kill_soak
+from mlperf_tools.testing import kill_soak
 from conftest import DEMO_CONFIG_TEST_SIZES, REPO
 
 MOMENTS = {"launch", "init", "step", "checkpoint write", "eval"}

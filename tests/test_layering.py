@@ -1,13 +1,17 @@
-"""The package's folder tree is its architecture: imports flow one way, and a wheel ships it all.
+"""The folder tree is the architecture: imports flow one way, and a wheel ships it all.
 
 `tools/check_layering.py` reads every module's imports (lazy ones too) with `ast`; these tests
-run it on the real package, and on copies with a wrong-way import, an import of the spine
-and a circle added, to show that it names both files and the rule.
+run it on the real package and the whole repository (the tools' package, their entry points and
+the benchmarks included), and on copies with a wrong-way import, an import of the spine, a
+circle and an entry point that reaches past its package added, to show that it names both files
+and the rule.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import check_layering
+from mlperf_tools.testing import check_layering
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pytorch" / "mlperf_bert"
@@ -24,6 +28,75 @@ PACKAGE = ROOT / "pytorch" / "mlperf_bert"
 
 def test_the_package_imports_flow_one_way():
     assert check_layering.problems(PACKAGE) == []
+
+
+def test_the_repository_imports_flow_one_way():
+    """The three packages by their own rules, and the parts between them (PARTS): every file of
+    tools/ and benchmarks/ is read."""
+    found, files = check_layering.repository_problems(ROOT)
+    assert found == []
+    assert files >= len(list(ROOT.glob("tools/**/*.py"))) + len(list(ROOT.glob("benchmarks/*.py")))
+
+
+def test_the_parts_rules_form_layers():
+    """PARTS itself has no circle: the trainer imports nothing of the others, and nothing imports the
+    entry points."""
+    graph = {name: set(part.may_import) - {name} for name, part in check_layering.PARTS.items()}
+    assert check_layering._cycles(graph) == []
+    assert check_layering.PARTS["mlperf_bert"].may_import == frozenset()
+    assert check_layering.PARTS["tools"].may_import == {"mlperf_tools"}  # entry points stay thin
+    assert not any("tools" in part.may_import for part in check_layering.PARTS.values())
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_imports_between_parts_are_named_with_the_rule(tmp_path):
+    """A repository in miniature: each wrong import between parts is one line with the file and the rule."""
+    repo = _tree(tmp_path, {
+        "pytorch/mlperf_bert/__init__.py": "",
+        "pytorch/mlperf_bert/trainer.py": "def f():\n    from mlperf_tools.results import scoring  # lazy\n",
+        "data_prep/__init__.py": "import mlperf_bert\n",
+        "tools/mlperf_tools/__init__.py": "import data_prep\n",
+        "tools/plan.py": "import mlperf_bert.config\nfrom mlperf_tools.planning import plan\n",
+        "tools/compare.py": "from mlperf_tools.results.compare import main\n",
+        "benchmarks/a.py": "import b\nimport numpy\n",
+        "benchmarks/b.py": "from a import x\nimport compare\n",
+        "pytorch/run_pretraining.py": "from mlperf_bert.trainer import f\n",
+    })
+    rule = "(PARTS in tools/mlperf_tools/testing/check_layering.py)"
+    assert check_layering.part_problems(repo) == [
+        f"benchmarks/b.py imports tools/compare.py: rule: benchmarks may import benchmarks, data_prep, "
+        f"mlperf_bert, mlperf_tools, not tools {rule}",
+        f"pytorch/mlperf_bert/trainer.py imports tools/mlperf_tools/: rule: mlperf_bert may import nothing else, "
+        f"not mlperf_tools {rule}",
+        f"tools/plan.py imports pytorch/mlperf_bert/: rule: tools may import mlperf_tools, not mlperf_bert {rule}",
+        "import circle between files: benchmarks/a.py -> benchmarks/b.py "
+        "(rule: no module imports itself through others)",
+    ]
+
+
+def test_tools_readme_lists_every_tool_by_kind():
+    """tools/README.md's table names each file of tools/ once, under a kind; a new tool without a row fails."""
+    rows = [line.split("|")[1:4] for line in (ROOT / "tools" / "README.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| kind")]
+    listed = [command.strip().strip("`").rstrip("/") for _, command, _ in rows]
+    present = sorted(p.name for p in (ROOT / "tools").iterdir()
+                     if p.name not in ("README.md", "mlperf_tools", "__pycache__"))
+    assert sorted(listed) == present
+    assert {kind.strip() for kind, _, _ in rows} == {"results", "planning", "bring-up", "launch", "test system"}
+
+
+def test_an_entry_point_without_the_project_installed_says_so():
+    """`python tools/plan.py` with no site-packages (a fresh machine's python): one line naming the fix."""
+    done = subprocess.run([sys.executable, "-S", str(ROOT / "tools" / "plan.py"), "--help"], capture_output=True,
+                          text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "plan.py: " in done.stderr and "install the project first" in done.stderr
 
 
 def test_the_tree_has_subpackages_and_a_small_spine():
@@ -104,12 +177,42 @@ def test_a_wheel_ships_every_subpackage(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     shutil.copytree(ROOT / "pytorch", source / "pytorch", ignore=ignore)
     shutil.copytree(ROOT / "data_prep", source / "data_prep", ignore=ignore)
+    shutil.copytree(ROOT / "tools" / "mlperf_tools", source / "tools" / "mlperf_tools", ignore=ignore)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     wheel, = (tmp_path / "dist").glob("mlperf_bert-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     expected = {str(p.relative_to(ROOT / "pytorch")) for p in PACKAGE.rglob("*.py")}
     expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "data_prep").rglob("*.py")}
+    expected |= {str(p.relative_to(ROOT / "tools")) for p in (ROOT / "tools" / "mlperf_tools").rglob("*.py")}
     expected |= {"mlperf_bert/data/wikipedia_phase2_seqlen_histogram.json", "mlperf_bert/dryrun/fake_cuda.cpp"}
     assert not expected - shipped, sorted(expected - shipped)
     assert "mlperf_bert/dryrun/run.py" in shipped and "mlperf_bert/train/step.py" in shipped
+
+
+ENTRY_POINTS = sorted((ROOT / "tools").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS, ids=lambda p: p.name)
+def test_each_entry_point_reaches_its_main(script: Path, monkeypatch, capsys):
+    """`python tools/<name>.py --help` as a user types it (run in this process: seconds for all of them)."""
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(script), run_name="__main__")
+    assert stopped.value.code in (0, None)
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_every_tool_the_documents_name_is_there():
+    """Each `tools/<name>.py` or `.sh` that README.md and docs/ name exists at that path."""
+    named = {match for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "Makefile"]
+             for match in re.findall(r"\btools/[\w/]+\.(?:py|sh)\b", doc.read_text())}
+    assert len(named) >= 12
+    assert sorted(name for name in named if not (ROOT / name).is_file()) == []
+
+
+def test_a_folder_that_is_no_package_is_refused(tmp_path):
+    """A mistyped path once passed as '0 modules: imports layered': a check that read nothing is no pass."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_layering.py"), str(tmp_path / "mlperf_bertt")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "is not a package folder (no __init__.py)" in done.stderr, done.stderr

@@ -191,9 +191,9 @@ def test_curves_for_runs_of_any_size(tmp_path, largest):
 
 def test_replay_of_a_shipped_demo_run_writes_its_summary_and_curves(tmp_path):
     """The MLPerf log of a demo run in results/ and progress lines in the trainer's format."""
-    from replay_run import main as replay_main
+    from mlperf_tools.results.replay_run import main as replay_main
 
-    from compare import read_run
+    from mlperf_tools.results.compare import read_run
 
     log = Path(__file__).resolve().parents[1] / "results" / "CPU_1x2" / "261121070848_1001.log"
     run = read_run(log)
@@ -214,7 +214,7 @@ def test_replay_of_a_shipped_demo_run_writes_its_summary_and_curves(tmp_path):
 
 
 def test_replay_without_progress_lines_names_the_file(tmp_path):
-    from replay_run import main as replay_main
+    from mlperf_tools.results.replay_run import main as replay_main
 
     log = Path(__file__).resolve().parents[1] / "results" / "CPU_1x2" / "261121070848_1001.log"
     (tmp_path / "empty.txt").write_text("nothing here\n")

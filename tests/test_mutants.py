@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import mutants
-from mutant_list import MUTANTS, Mutant
+from mlperf_tools.testing import mutants
+from mlperf_tools.testing.mutant_list import MUTANTS, Mutant
 
 
 def test_every_mutant_of_the_list_fits_the_current_source():

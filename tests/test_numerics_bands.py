@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-import numerics_check as nc
+from mlperf_tools.bring_up import numerics_check as nc
 import pytest
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-import numerics_check as nc
+from mlperf_tools.bring_up import numerics_check as nc
 import pytest
 import torch
 import torch.nn.functional as F

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import fake_trainer
-import package_results
-import scoring
+from mlperf_tools.results import package_results
+from mlperf_tools.results import scoring
 
 REPO = Path(__file__).resolve().parents[1]
 NVIDIA_V20 = REPO / "tests" / "data" / "mlperf_logs" / "v2.0" / "NVIDIA"

@@ -1,4 +1,4 @@
-"""tools/plan.py and tools/step_model.py: every shipped GPU config's traced memory fits its device, the
+"""tools/plan.py and tools/mlperf_tools/planning/step_model.py: every shipped GPU config's traced memory fits its device, the
 memory and step-time model behave as the trainer does, and the command line plans a config or refuses it
 in one line."""
 
@@ -20,9 +20,9 @@ from mlperf_bert.dryrun.shipped import BERT_LARGE, exports, trainer_argv
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward
 
-import plan
-import recipe
-import step_model
+from mlperf_tools.planning import plan
+from mlperf_tools.planning import recipe
+from mlperf_tools.planning import step_model
 
 CONFIGS = plan.shipped_gpu_configs()
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import recipe
+from mlperf_tools.planning import recipe
 from _rcp_results import official_verdict, synthetic_result
 from conftest import config_exports
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.closed_division import closed_division_problem
-from package_results import config_global_batch_size, read_config
-from scoring import ABOVE, BELOW, COVERED, INTERPOLATED
+from mlperf_tools.results.package_results import config_global_batch_size, read_config
+from mlperf_tools.results.scoring import ABOVE, BELOW, COVERED, INTERPOLATED
 
 REPO = Path(__file__).resolve().parents[1]
 RULESET = "5.0.0"

@@ -1,4 +1,4 @@
-"""tools/scoring.py and `package_results.py rcp`: the olympic score, the RCP window and the
+"""tools/mlperf_tools/results/scoring.py and `package_results.py rcp`: the olympic score, the RCP window and the
 choice of N consecutive runs, against the rules and the official mlperf_logging checkers."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import package_results
-import scoring
+from mlperf_tools.results import package_results
+from mlperf_tools.results import scoring
 from _rcp_results import synthetic_result as _synthetic_result
-from compare import RunLog
+from mlperf_tools.results.compare import RunLog
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(REPO.glob("config_*.sh"))

@@ -3,7 +3,6 @@ paper and agree with a sample-by-sample computation on a small case."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 from data_prep.packing import pack_histogram
 from mlperf_bert.data.lengths import load_length_histogram
+from mlperf_tools.planning import simulate_balance
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "simulate_balance.py"
@@ -39,11 +39,7 @@ def run_simulator(*flags: str) -> dict[str, dict[str, float]]:
 
 
 def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("simulate_balance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return simulate_balance
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Our step's model (tools/step_model.py `our_*`) and its calibration on measurements of this repository's step
-(tools/step_calibration.py, tools/measurements): each measured set-up within 15 %, the leave-one-out misses under
+"""Our step's model (tools/mlperf_tools/planning/step_model.py `our_*`) and its calibration on measurements of this repository's step
+(tools/mlperf_tools/planning/step_calibration.py, tools/measurements): each measured set-up within 15 %, the leave-one-out misses under
 a stated bound, the memory peak measured on the H200, and the plan's step, time to train and NVIDIA line."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
 from mlperf_bert.dryrun.shipped import exports
 
-import plan
-import step_calibration
-import step_model
-from step_calibration import Check, SetUp
+from mlperf_tools.planning import plan
+from mlperf_tools.planning import step_calibration
+from mlperf_tools.planning import step_model
+from mlperf_tools.planning.step_calibration import Check, SetUp
 
 H200 = step_model.DEVICES["H200"]
 SESSION = REPO / "tools" / "measurements" / "h200-2026-11-27"

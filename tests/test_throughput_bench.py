@@ -17,6 +17,7 @@ from mlperf_bert.model import flops
 from mlperf_bert.data.batch import flatten_items, pad_items
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.data.lengths import load_length_histogram
+from mlperf_tools.bring_up import workload
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 
@@ -120,20 +121,20 @@ def test_synthetic_rows_follow_the_packed_shard_limits_and_the_masking_rule(benc
     steps = bench.synthetic_steps(cfg, seed=3)
     assert len(steps) == cfg.warmup + cfg.steps and all(len(rows) == cfg.rows for rows in steps)
     for row in (row for rows in steps for row in rows):
-        assert 1 <= len(row) <= bench.SEQS_PER_ROW and sum(s.length for s in row) <= cfg.max_seq_length
+        assert 1 <= len(row) <= workload.SEQS_PER_ROW and sum(s.length for s in row) <= cfg.max_seq_length
         for s in row:
-            sep = np.flatnonzero(s.input_ids == bench.SEP)
-            assert s.input_ids[0] == bench.CLS and sep[-1] == s.length - 1
+            sep = np.flatnonzero(s.input_ids == workload.SEP)
+            assert s.input_ids[0] == workload.CLS and sep[-1] == s.length - 1
             assert s.masked_lm_positions.shape[0] == flops.masked_count(np.array([s.length]), cfg.max_predictions)[0]
             assert set(s.masked_lm_positions).isdisjoint({0, *sep})
-            assert (s.input_ids[s.masked_lm_positions] == bench.MASK).all()
-            assert (s.masked_lm_ids >= bench.FIRST_TOKEN).all()
+            assert (s.input_ids[s.masked_lm_positions] == workload.MASK).all()
+            assert (s.masked_lm_ids >= workload.FIRST_TOKEN).all()
 
 
 def test_synthetic_lengths_follow_the_rescaled_histogram(bench):
-    counts = bench.length_histogram(64)
+    counts = workload.length_histogram(64)
     assert counts.shape == (64,) and counts.sum() == load_length_histogram().sum()
-    strategies, probs = bench.row_strategies(64)
+    strategies, probs = workload.row_strategies(64)
     rng = np.random.default_rng(0)
     picks = rng.choice(len(strategies), size=20000, p=probs)
     lengths = np.concatenate([np.array(strategies[j]) for j in picks])
@@ -190,7 +191,7 @@ def lengths_and_masked(items: list) -> tuple[np.ndarray, np.ndarray]:
 
 def single_sequences(bench, seed: int, lengths: list[int]) -> list:
     rng = np.random.default_rng(seed)
-    return [(bench.synthetic_sample(rng, n, TINY_BERT.vocab_size, 10),) for n in lengths]
+    return [(workload.synthetic_sample(rng, n, TINY_BERT.vocab_size, 10),) for n in lengths]
 
 
 def test_formula_equals_torch_flop_counter_on_equal_lengths(bench):

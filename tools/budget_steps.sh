@@ -21,7 +21,7 @@ open_folder() {
     echo "$1: cannot write to the output folder $out; give one you can write (bash tools/$1 DIR)" >&2
     exit 2
   }
-  export PYTHONPATH="$here/pytorch:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  export PYTHONPATH="$here/pytorch:$here/tools:$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   failed=0
 }
 

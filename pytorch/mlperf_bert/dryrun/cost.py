@@ -103,7 +103,7 @@ def varlen_grid_flops(name: str, args: tuple) -> int:
     """FLOPs of the varlen attention ops (`varlen_flash_forward(q, k, v, cu_seqlens, max_seqlen, ...)`,
     `varlen_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, ...)`, q [T, heads, dim]) over
     the grid of every token against max_seqlen keys: the per-sequence work is at most this, and fake tensors
-    hold no lengths to count it exactly (tools/step_model.py scales the grid by the data's share)."""
+    hold no lengths to count it exactly (tools/mlperf_tools/planning/step_model.py scales the grid by the data's share)."""
     backward = name == "varlen_flash_backward"
     q, max_seqlen = (args[1], args[7]) if backward else (args[0], args[4])
     tokens, heads, dim = q.shape

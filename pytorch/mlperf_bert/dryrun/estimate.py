@@ -12,7 +12,7 @@ phase's ops for its traced batches, plus, under `--eval_cuda_graph`, the eval fo
 once per batch (each batch is one replay; the build captures the step first, the eval forward
 last), scaled by the share in the same way. `--compile_mode` is noted, not traced differently:
 the fake device runs each compiled layer's aten ops one by one ("aot_eager"), where a GPU runs
-Inductor's fused kernels (`tools/step_model.py` counts them).
+Inductor's fused kernels (`tools/mlperf_tools/planning/step_model.py` counts them).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from compare import MLLOG_TOKEN, RunLog, olympic_mean
+from mlperf_tools.results.compare import MLLOG_TOKEN, RunLog, olympic_mean
 
 BENCHMARK = "bert"
 

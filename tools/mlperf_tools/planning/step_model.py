@@ -5,7 +5,7 @@ collectives (kind, bytes), from `mlperf_bert.dryrun.estimate.StepWork`, and a de
 
 Two models of a step's compute share the communication model below:
 - Our step (`our_step_time`, constants `OURS`): the step of this repository's code, calibrated on
-  measurements of that step (tools/measurements, fitted by tools/step_calibration.py). Each kind
+  measurements of that step (tools/measurements, fitted by tools/mlperf_tools/planning/step_calibration.py). Each kind
   of work has its own measured rate: matrix products at `gemm_efficiency` of the device's peak for
   their dtype; attention at `attention_efficiency` of the bf16 peak over its traced FLOPs (a
   kernel over masked rows computes its whole grid), per-sequence (varlen) attention at
@@ -365,7 +365,7 @@ def eval_seconds(work: StepWork, device: Device, ranks: int, k: Mapping[str, flo
 
 REFERENCE_DEVICE = "H200"  # the device of the measurements; on others each term scales by the datasheet ratios
 
-# Fitted by `tools/plan.py --calibrate` (tools/step_calibration.py) to tools/measurements: the profile gives the
+# Fitted by `tools/plan.py --calibrate` (tools/mlperf_tools/planning/step_calibration.py) to tools/measurements: the profile gives the
 # first three, the step times of the measured set-ups the three bandwidths, by least squares with a pull towards
 # the prior that leaves a constant no measurement reaches at its prior (varlen_efficiency, for now).
 OURS: dict[str, Constant] = {

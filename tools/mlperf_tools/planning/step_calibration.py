@@ -33,10 +33,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-import step_model
-from step_model import DEVICES, Device, StepFeatures
+from mlperf_tools.planning import step_model
+from mlperf_tools.planning.step_model import DEVICES, Device, StepFeatures
 
-MEASUREMENTS = Path(__file__).resolve().parent / "measurements"
+MEASUREMENTS = Path(__file__).resolve().parents[2] / "measurements"  # tools/measurements
 PULL = 1e-8  # weight of each fitted constant's relative distance from its prior, against a step's relative error
 FP8_VARIABLES = ("FP8_RECIPE", "FP8_LAYERS")
 # Profiler kernel names -> the kind of work our step's model times (the rest is element-wise).
