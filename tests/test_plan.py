@@ -5,6 +5,7 @@ in one line."""
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from conftest import REPO
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
 from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, extrapolate, memory_from_dict
+from mlperf_bert.config.batch_size import config_batch
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.dryrun.shipped import BERT_LARGE, exports, trainer_argv
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
@@ -293,6 +295,47 @@ def test_a_batch_the_accumulation_does_not_divide_is_one_line_and_exit_2(tmp_pat
     assert plan.main([str(config)]) == 2
     err = capsys.readouterr().err
     assert "BATCHSIZE=56 is not divisible by GRADIENT_STEPS=3" in err and len(err.strip().splitlines()) == 1, err
+
+
+# Layouts the shipped configs do not have, each global batch worked out by hand (BATCHSIZE x GPUs per node x nodes
+# x 2 sequences a pack; GRADIENT_STEPS only splits BATCHSIZE): 3 nodes of 4 (a world no power of two), micro-batches
+# of one sequence (GRADIENT_STEPS = BATCHSIZE), 128 nodes without the sharded optimizer, layouts other than packed.
+HAND_BATCHES = [
+    # BATCHSIZE, GRADIENT_STEPS, DGXNGPU, DGXNNODES, INPUT_LAYOUT -> world, micro-batch, global batch
+    (("48", "4", "4", "3", "packed"), (12, 12, 48 * 4 * 3 * 2)),
+    (("12", "12", "4", "3", "packed"), (12, 1, 12 * 4 * 3 * 2)),
+    (("16", "1", "8", "128", "unpadded"), (1024, 16, 16 * 8 * 128)),
+    (("56", "", "8", "1", "padded"), (8, 56, 56 * 8)),  # GRADIENT_STEPS empty: the trainer's default of 1
+    (("7", "7", "1", "1", "packed"), (1, 1, 14)),
+]
+
+
+@pytest.mark.parametrize("exported, expected", HAND_BATCHES)
+def test_config_batch_counts_every_layout_by_hand(exported: tuple[str, ...], expected: tuple[int, int, int]) -> None:
+    names = ("BATCHSIZE", "GRADIENT_STEPS", "DGXNGPU", "DGXNNODES", "INPUT_LAYOUT")
+    batch = config_batch(dict(zip(names, exported)), "config_X.sh")
+    assert (batch.world_size, batch.micro_batch_size, batch.global_batch_size) == expected
+
+
+def test_trainer_and_plan_count_three_nodes_with_accumulation_alike(tmp_path: Path) -> None:
+    """GB200's config (packed, no sharded optimizer) on 3 nodes of 4 with 4 micro-batches of 12 packs: 1,152."""
+    env = {**exports(REPO / "config_GB200_2x4.sh"), "DGXNNODES": "3", "GRADIENT_STEPS": "4"}
+    assert plan.config_batch_shape(env, "config").global_batch_size == _trainer_gbs(env, tmp_path / "t") == 1152
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"GRADIENT_STEPS": "112"}, "BATCHSIZE=56 is not divisible by GRADIENT_STEPS=112"),  # more steps than items
+    ({"GRADIENT_STEPS": "0"}, "GRADIENT_STEPS=0 is not a positive whole number"),
+    ({"BATCHSIZE": "-8"}, "BATCHSIZE=-8 is not a positive whole number"),
+    ({"DGXNNODES": "1.5"}, "DGXNNODES=1.5 is not a positive whole number"),
+    ({"DGXNNODES": None}, "config_X.sh: no export of DGXNNODES"),
+    ({"BATCHSIZE": ""}, "config_X.sh: no export of BATCHSIZE"),
+])
+def test_config_batch_refuses_counts_the_trainer_refuses(changes: dict[str, str | None], says: str) -> None:
+    env = {"BATCHSIZE": "56", "GRADIENT_STEPS": "1", "DGXNGPU": "8", "DGXNNODES": "2"}
+    env = {k: v for k, v in {**env, **changes}.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(says)):
+        config_batch(env, "config_X.sh")
 
 
 @pytest.mark.parametrize("args, says", [
