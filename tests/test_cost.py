@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items
-from mlperf_bert.dryrun.cost import MATMUL, OTHER, CostTracer, OpCost
+from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, CostTracer, OpCost
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 from mlperf_bert.train.step import forward_backward
@@ -161,14 +161,19 @@ def test_live_bytes_views_frees_and_the_graph_pool_as_a_hand_count() -> None:
 
 def test_op_work_counts_flops_and_operand_bytes_in_each_dtype() -> None:
     """mm of [8, 16] x [16, 4]: 2 x 8 x 16 x 4 FLOPs, and its operands and result read or written once; an add
-    moves its two operands and its result; a view moves nothing. bf16 and int64 tensors count 2 and 8 bytes."""
+    moves its two operands and its result; a view moves nothing. bf16 and int64 tensors count 2 and 8 bytes, FP8
+    ones 1 (a _scaled_mm of [16, 32] x [32, 16] with two fp32 scales and a bf16 result is FP8 work)."""
     x, w = torch.ones(8, 16, dtype=torch.bfloat16), torch.ones(16, 4, dtype=torch.bfloat16)
     ids = torch.ones(100, dtype=torch.int64)
+    a, b = torch.ones(16, 32).to(torch.float8_e4m3fn), torch.ones(16, 32).to(torch.float8_e4m3fn).t()
+    one = torch.ones(())
     tracer = CostTracer(device_type="cpu")
     with tracer:
         x @ w
         ids + ids
         ids.view(10, 10)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     ops = tracer.phases["build"].ops
     assert ops == {OpCost("mm", MATMUL, 2 * 8 * 16 * 4, 2 * (8 * 16 + 16 * 4 + 8 * 4)): 1,
-                   OpCost("add", OTHER, 0, 8 * 3 * 100): 1}
+                   OpCost("add", OTHER, 0, 8 * 3 * 100): 1,
+                   OpCost("_scaled_mm", FP8, 2 * 16 * 32 * 16, 16 * 32 + 32 * 16 + 4 + 4 + 2 * 16 * 16): 1}

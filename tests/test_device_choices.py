@@ -127,7 +127,8 @@ THRESHOLDS = [
 @pytest.mark.parametrize("flags, capability, refused", THRESHOLDS)
 def test_each_device_threshold_at_its_boundary_and_just_below(demo_data: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch, flags: list[str],
-                                                               capability: tuple[int, int], refused: str | None) -> None:
+                                                               capability: tuple[int, int],
+                                                               refused: str | None) -> None:
     describe_gpus(monkeypatch, 1, capability, "NVIDIA X")
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)  # torch's kernel, as a CUDA build has

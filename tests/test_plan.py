@@ -111,7 +111,8 @@ def _fake_cuda_run() -> tuple[list[torch.Tensor], torch.optim.Optimizer, list[Si
     weight, bias = (torch.nn.Parameter(torch.zeros(shape, device="cuda")) for shape in ((300, 200), (200,)))
     optimizer = torch.optim.AdamW([weight, bias], lr=1e-3)
     for p in (weight, bias):  # the state a first step makes
-        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
     batches = [SimpleNamespace(ids=torch.zeros(1000, dtype=torch.int64, device="cuda"),
                                lengths=torch.zeros(1000, dtype=torch.int32, device="cuda"), rows=3) for _ in range(2)]
     return [weight, bias, weight], optimizer, batches  # a weight listed twice holds its bytes once
@@ -126,7 +127,8 @@ def test_estimate_counts_bytes_and_work_as_a_hand_count(graphed: bool) -> None:
     tracer.pool_reserved, tracer.captures = 777, 2  # the step's capture, then the eval forward's
     tracer.phases = {"build": PhaseCost(1000, 0), "capture": PhaseCost(7500, 1000, Counter({mm: 3})),
                      "capture 2": PhaseCost(7600, 7500, Counter({mm: 2, add: 1})),
-                     "step 1": PhaseCost(5000, 900, Counter({mm: 4})), "step 3": PhaseCost(6000, 1100, Counter({mm: 5})),
+                     "step 1": PhaseCost(5000, 900, Counter({mm: 4})),
+                     "step 3": PhaseCost(6000, 1100, Counter({mm: 5})),
                      "eval": PhaseCost(9000, 1200, Counter({cat: 1}), Counter({("allreduce_", 24): 1}))}
     with FakeTensorMode():
         weights, optimizer, batches = _fake_cuda_run()

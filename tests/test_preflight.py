@@ -94,7 +94,7 @@ def test_rank_0_names_the_ranks_that_did_not_join() -> None:
 
 
 def test_settings_name_a_bad_variable() -> None:
-    with pytest.raises(ValueError, match="NCCL_TEST_MIN_BUSBW_GBPS='fast' must be a number >= 0"):
+    with pytest.raises(ValueError, match="NCCL_TEST_MIN_BUSBW_GBPS='fast' must be a finite number >= 0"):
         Settings.from_environ({"NCCL_TEST_MIN_BUSBW_GBPS": "fast"}, on_gpu=False)
 
 
@@ -130,11 +130,13 @@ def test_each_rank_times_only_its_timed_all_reduces(monkeypatch: pytest.MonkeyPa
     ({}, "nbytes", 4 * MIB), ({"NCCL_TEST_BYTES": ""}, "nbytes", 4 * MIB), ({"NCCL_TEST_BYTES": "4"}, "nbytes", 4),
     ({"NCCL_TEST_ITERS": "1"}, "iters", 1), ({"NCCL_TEST_WARMUP": "0"}, "warmup", 0),
     ({"NCCL_TEST_MIN_BUSBW_GBPS": "0"}, "min_busbw_gbps", 0.0),
-    ({"NCCL_TEST_BYTES": "3"}, "", "NCCL_TEST_BYTES='3' must be a number >= 4"),
-    ({"NCCL_TEST_ITERS": "0"}, "", "NCCL_TEST_ITERS='0' must be a number >= 1"),
-    ({"NCCL_TEST_WARMUP": "-1"}, "", "NCCL_TEST_WARMUP='-1' must be a number >= 0"),
-    ({"NCCL_TEST_JOIN_S": "0"}, "", "NCCL_TEST_JOIN_S='0' must be a number >= 0.001"),
-    ({"NCCL_TEST_ITERS": "2.5"}, "", "NCCL_TEST_ITERS='2.5' must be a number >= 1"),
+    ({"NCCL_TEST_BYTES": "3"}, "", "NCCL_TEST_BYTES='3' must be a finite number >= 4"),
+    ({"NCCL_TEST_ITERS": "0"}, "", "NCCL_TEST_ITERS='0' must be a finite number >= 1"),
+    ({"NCCL_TEST_WARMUP": "-1"}, "", "NCCL_TEST_WARMUP='-1' must be a finite number >= 0"),
+    ({"NCCL_TEST_JOIN_S": "0"}, "", "NCCL_TEST_JOIN_S='0' must be a finite number >= 0.001"),
+    ({"NCCL_TEST_ITERS": "2.5"}, "", "NCCL_TEST_ITERS='2.5' must be a finite number >= 1"),
+    ({"NCCL_TEST_JOIN_S": "inf"}, "", "NCCL_TEST_JOIN_S='inf' must be a finite number >= 0.001"),
+    ({"NCCL_TEST_MIN_BUSBW_GBPS": "nan"}, "", "NCCL_TEST_MIN_BUSBW_GBPS='nan' must be a finite number >= 0"),
 ])
 def test_settings_at_their_lowest_values(env: dict[str, str], field: str, value: object) -> None:
     if not field:
@@ -152,7 +154,7 @@ def test_one_rank_passes_skipped_without_a_store_and_a_bad_variable_still_exits_
     assert preflight.main(one) == 0
     assert capsys.readouterr().out.startswith("NCCL_TEST: skipped: one rank, no link to measure")
     assert preflight.main({**one, "NCCL_TEST_ITERS": "0"}) == 2
-    assert capsys.readouterr().err == "NCCL_TEST: NCCL_TEST_ITERS='0' must be a number >= 1; fix it in the config or " \
+    assert capsys.readouterr().err == "NCCL_TEST: NCCL_TEST_ITERS='0' must be a finite number >= 1; fix it in the config or " \
                                       "the environment\n"
 
 
