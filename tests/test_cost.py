@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items
-from mlperf_bert.dryrun.cost import MATMUL, OTHER, CostTracer
+from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, CostTracer, OpCost
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 from mlperf_bert.train.step import forward_backward
@@ -134,3 +134,46 @@ def test_varlen_attention_ops_are_counted_over_their_grid() -> None:
     assert (counted["varlen_flash_forward"].kind, counted["varlen_flash_forward"].flops) == (MATMUL, forward)
     assert (counted["varlen_flash_backward"].kind, counted["varlen_flash_backward"].flops) == (MATMUL, forward * 5 // 2)
     assert counted["varlen_flash_forward"].bytes >= 4 * tokens * heads * dim * 4  # q, k, v and the output, fp32
+
+
+def test_live_bytes_views_frees_and_the_graph_pool_as_a_hand_count() -> None:
+    """Each storage once (a view adds nothing), freed bytes leave, bytes made while capturing stay in the pool at its
+    high-water mark; every number worked out by hand from the tensors' sizes, in three dtypes."""
+    capturing = [False]
+    tracer = CostTracer(phase=lambda: "step", capturing=lambda: capturing[0], device_type="cpu")
+    with tracer:
+        a = torch.ones(1000, dtype=torch.bfloat16)  # 2,000 bytes
+        b = (a * 2).view(10, 100)  # 2,000 more; the view none
+        c = torch.ones(250, dtype=torch.int64)  # 2,000 more
+        del a
+        assert (tracer.outside, tracer.device_bytes) == (4000, 4000)
+        capturing[0] = True
+        d = b.float() + 1  # two fp32 [10, 100] in the pool: 8,000 live at once, 4,000 left after the temporary goes
+        capturing[0] = False
+        del d
+        e = c + 1  # 2,000 outside the pool
+    assert tracer.pool_reserved == 8000 and tracer.phases["capture"].peak_bytes == 4000 + 8000
+    assert tracer.phases["step"].peak_bytes == 6000 + 8000  # b, c and e outside, and the pool held since
+    assert (tracer.outside, tracer.pool_live, tracer.device_bytes) == (6000, 0, 6000 + 8000)
+    del b, c, e
+    assert tracer.outside == 0
+
+
+def test_op_work_counts_flops_and_operand_bytes_in_each_dtype() -> None:
+    """mm of [8, 16] x [16, 4]: 2 x 8 x 16 x 4 FLOPs, and its operands and result read or written once; an add
+    moves its two operands and its result; a view moves nothing. bf16 and int64 tensors count 2 and 8 bytes, FP8
+    ones 1 (a _scaled_mm of [16, 32] x [32, 16] with two fp32 scales and a bf16 result is FP8 work)."""
+    x, w = torch.ones(8, 16, dtype=torch.bfloat16), torch.ones(16, 4, dtype=torch.bfloat16)
+    ids = torch.ones(100, dtype=torch.int64)
+    a, b = torch.ones(16, 32).to(torch.float8_e4m3fn), torch.ones(16, 32).to(torch.float8_e4m3fn).t()
+    one = torch.ones(())
+    tracer = CostTracer(device_type="cpu")
+    with tracer:
+        x @ w
+        ids + ids
+        ids.view(10, 10)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    ops = tracer.phases["build"].ops
+    assert ops == {OpCost("mm", MATMUL, 2 * 8 * 16 * 4, 2 * (8 * 16 + 16 * 4 + 8 * 4)): 1,
+                   OpCost("add", OTHER, 0, 8 * 3 * 100): 1,
+                   OpCost("_scaled_mm", FP8, 2 * 16 * 32 * 16, 16 * 32 + 32 * 16 + 4 + 4 + 2 * 16 * 16): 1}

@@ -18,6 +18,8 @@ from test_optional_dependencies import BREAKAGES, write_package
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.hooks.events import Hook, StepEnd
 from mlperf_bert.main import main
+from mlperf_bert.model import attention
+from mlperf_bert.model.attention import resolve_backend
 from mlperf_bert.model.bert import BertConfig
 from mlperf_bert.model.compiling import TRITON_INSTALL, compile_problem
 from mlperf_bert.config.settings import PRECISIONS
@@ -101,6 +103,42 @@ def test_start_up_walks_every_choice_against_the_device(demo_data: Path, tmp_pat
     bert = BertConfig.from_json(demo_data / "bert_config.json")
     problems = [p for p in device_problems(cfg, bert, device) if p is not None]
     assert (problems[0] if problems else None) == refused or problems[0].startswith(refused), problems
+
+
+# Each threshold at the compute capability it names and just below it: varlen and bf16 from 8.0 (A100), fp8 from
+# 8.9 (L4), in every precision they take (flags, capability, what start-up refuses or None).
+THRESHOLDS = [
+    (["--precision", "bf16", "--attention_backend", "varlen"], (8, 0), None),
+    (["--precision", "fp16", "--attention_backend", "varlen"], (8, 0), None),
+    (["--precision", "fp16", "--attention_backend", "varlen"], (7, 9), "--attention_backend varlen needs a GPU of "
+                                                                       "compute capability >= 8.0 (Ampere or newer), "
+                                                                       "but NVIDIA X is 7.9"),
+    (["--precision", "bf16"], (8, 0), None),
+    (["--precision", "bf16"], (7, 9), "--precision bf16 needs bf16 tensor cores (compute capability >= 8.0"),
+    (["--precision", "fp8", "--fp8_recipe", "delayed", "--attention_backend", "varlen"], (8, 9), None),
+    (["--precision", "fp8"], (8, 9), None),
+    (["--precision", "fp8", "--fp8_recipe", "delayed"], (8, 8), "--precision fp8 needs FP8 tensor cores (compute "
+                                                                "capability >= 8.9: Ada, Hopper, Blackwell), but "
+                                                                "NVIDIA X is 8.8"),
+    (["--precision", "fp8"], (8, 8), "--precision fp8 needs FP8 tensor cores"),
+]
+
+
+@pytest.mark.parametrize("flags, capability, refused", THRESHOLDS)
+def test_each_device_threshold_at_its_boundary_and_just_below(demo_data: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, flags: list[str],
+                                                               capability: tuple[int, int],
+                                                               refused: str | None) -> None:
+    describe_gpus(monkeypatch, 1, capability, "NVIDIA X")
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
+    monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)  # torch's kernel, as a CUDA build has
+    cfg = _cfg(demo_data, tmp_path, *flags)
+    bert = BertConfig.from_json(demo_data / "bert_config.json")
+    problems = [p for p in device_problems(cfg, bert, torch.device("cuda", 0)) if p is not None]
+    assert problems == [] if refused is None else problems[0].startswith(refused), problems
+    if "varlen" in flags and refused is None:  # auto takes the varlen kernels from the threshold on
+        assert resolve_backend("auto", torch.device("cuda", 0), 0.1, 64, precision=flags[1], head_dim=bert.head_dim) \
+            == "varlen"
 
 
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])

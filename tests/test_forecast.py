@@ -20,7 +20,8 @@ from mlperf_tools.planning import forecast as forecast_cli
 import forecast_backtest
 from _rcp_results import official_verdict, synthetic_result
 from mlperf_bert.hooks.events import EvalEnd, RunEnd, RunStart
-from mlperf_bert.hooks.forecast import ROWS, SCHEDULE_RANGE, Forecast, fit, predict
+from mlperf_bert.hooks.forecast import (ROWS, SCHEDULE_RANGE, Forecast, fit, outside_reason, predict, progress_logit,
+                                        row_for)
 from mlperf_bert.hooks.live import LiveView
 from mlperf_bert.hooks.report import RunReport
 from mlperf_tools.results.scoring import rcp_window
@@ -113,6 +114,50 @@ def test_a_schedule_far_outside_the_published_runs_gets_no_numbers():
     result = predict(_evals([0.4, 0.5]), 64_000)  # the CPU demo's 1,000 steps of 64
     assert result.outside and math.isnan(result.samples)
     assert result.line().startswith("none (the LR schedule spans 64,000 samples")
+
+
+def test_a_run_at_the_target_at_its_first_eval_reached_it_there():
+    """The first eval (index 0) at 0.720 exactly, after an eval before training (10 s) that the forecast leaves out:
+    reached at 150,000 samples, 90 s after run_start, whatever the later evals read."""
+    result = predict([(0.0, 0.34), *_evals([0.720, 0.70])], SCHEDULE_448, [10.0, 90.0, 150.0])
+    assert (result.reached, result.samples, result.low, result.high) == (True, 150_000, 150_000, 150_000)
+    assert result.seconds == (90.0, 90.0, 90.0)
+    alone = predict(_evals([0.7201]), SCHEDULE_448)
+    assert (alone.reached, alone.evals, alone.samples) == (True, 1, 150_000)
+
+
+def test_the_forecast_is_the_rows_formula_worked_out_by_hand():
+    """Two evals, the second half way from 0.34 to 0.720 (logit 0): row 2's intercept + its schedule slope x
+    ln(3,001,600), its residual quantiles -0.1206993 and +0.09447066 around it; typed here from the formula."""
+    result = predict([(150_000, 0.40), (300_000, 0.53)], SCHEDULE_448)
+    centre = 8.793835 + 0.392252 * math.log(3_001_600)
+    assert (result.evals, result.reached) == (2, False)
+    assert result.samples == pytest.approx(math.exp(centre), rel=1e-6)  # 2.29M
+    assert (result.low, result.high) == pytest.approx((math.exp(centre - 0.1206993), math.exp(centre + 0.09447066)),
+                                                      rel=1e-6)
+    # One eval: row 1, progress 0.06 / 0.38 (logit ln 0.1875); the pace from run_start, 90 s for 150,000 samples.
+    one = predict([(150_000, 0.40)], SCHEDULE_448, [90.0])
+    samples = math.exp(8.342933 + 0.3931198 * math.log(3_001_600) - 0.2377062 * math.log(0.1875))  # 2.20M
+    assert one.samples == pytest.approx(samples, rel=1e-6)
+    assert one.seconds is not None and one.seconds[0] == pytest.approx(90.0 + (samples - 150_000) * 90.0 / 150_000)
+
+
+def test_one_eval_just_short_of_the_target_ends_no_sooner_than_the_next_eval():
+    """At 300,000 samples and 0.7195 (progress clipped to 0.995) the fit says 420,000 samples, before the next eval
+    at 600,000 (one eval: the next is as far on as the first): the forecast and its interval are that eval."""
+    result = predict([(300_000, 0.7195)], SCHEDULE_448)
+    assert not result.reached and (result.samples, result.low, result.high) == (600_000, 600_000, 600_000)
+
+
+def test_rows_and_schedule_range_at_their_edges():
+    """Row k for k evals up to the last row, the last row after it; a schedule exactly a quarter past either end of
+    the fitted range is still forecast, a sample further is not."""
+    assert [row_for(k, ROWS).evals for k in (1, 11, 12, 13, 40)] == [1, 11, 12, 12, 12]
+    low, high = SCHEDULE_RANGE
+    assert outside_reason(low / 1.25) == outside_reason(high * 1.25) == ""
+    assert outside_reason(low / 1.25 - 1) and outside_reason(high * 1.25 + 1)
+    assert progress_logit(0.30) == progress_logit(0.34) == pytest.approx(math.log(0.005 / 0.995))
+    assert progress_logit(0.75) == progress_logit(0.720) == pytest.approx(math.log(0.995 / 0.005))
 
 
 @pytest.mark.parametrize("evals,seconds,message", [([], None, "at least one eval"),

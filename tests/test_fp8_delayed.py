@@ -16,7 +16,7 @@ from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8, fp8_layer_names, fp8_unavailable
-from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear
+from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear, _pad_rows
 
 CPU = torch.device("cpu")
 TINY = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
@@ -111,3 +111,47 @@ def test_fp8_recipe_flags_reach_the_settings_and_are_refused_without_fp8(tmp_pat
         parse_config([*base, "--precision", "bf16", "--fp8_recipe", "delayed"], 1)
     run_and_time = (REPO / "run_and_time.sh").read_text()
     assert '"FP8_RECIPE --fp8_recipe"' in run_and_time and '"FP8_LAYERS --fp8_layers"' in run_and_time
+
+
+def test_a_zero_input_scales_the_next_forward_by_one():
+    """An all-zero input has amax 0: its output is the bias, and the next forward scales by 1 (amax 448, E4M3's
+    largest value), not by 448 / 1e-12."""
+    fp8 = layer(4)
+    assert torch.equal(fp8(torch.zeros(16, 32)), fp8.bias.detach().expand(16, 48))
+    x = torch.randn(16, 32)
+    w = quantised(fp8.weight.detach(), float(fp8.weight.detach().abs().max()), E4M3)
+    expected = quantised(x, torch.finfo(E4M3).max, E4M3) @ w.t() + fp8.bias.detach().double()
+    torch.testing.assert_close(fp8(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_eval_forward_before_the_first_training_step_leaves_the_backward_to_calibrate():
+    """A forward without gradients (the eval before training) sets no gradient amax: the first backward scales by
+    its own amax, as in a run without that eval."""
+    fp8 = layer(5)
+    with torch.no_grad():
+        fp8(torch.randn(16, 32))
+    x = torch.randn(16, 32, requires_grad=True)
+    grad = torch.randn(16, 48) * 1e-3
+    fp8(x).backward(grad)
+    w = quantised(fp8.weight.detach(), float(fp8.weight.detach().abs().max()), E4M3)
+    torch.testing.assert_close(x.grad.double(), quantised(grad, float(grad.abs().max()), E5M2) @ w, rtol=1e-5,
+                               atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype, autocast", [(torch.float16, True), (torch.bfloat16, False)])
+def test_half_precision_outputs_and_input_gradients_keep_their_dtypes(dtype, autocast):
+    """Under fp16 autocast the output is fp16 and an fp32 input's gradient fp32; a bf16 input outside autocast gives
+    a bf16 output and gradient; the weight and bias gradients are fp32, as the parameters."""
+    fp8 = layer(6)
+    x = torch.randn(16, 32, dtype=torch.float32 if autocast else dtype, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        out = fp8(x)
+    out.backward(torch.randn_like(out))
+    assert (out.dtype, x.grad.dtype) == (dtype, x.dtype)
+    assert fp8.weight.grad.dtype == fp8.bias.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("tokens, padded", [(1, 16), (15, 16), (16, 16), (17, 32), (512, 512)])
+def test_token_counts_are_padded_with_zero_rows_to_a_multiple_of_16(tokens, padded):
+    rows = _pad_rows(torch.ones(tokens, 4))
+    assert rows.shape == (padded, 4) and rows[:tokens].eq(1).all() and rows[tokens:].eq(0).all()

@@ -5,16 +5,20 @@ in one line."""
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import REPO
-from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
-from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, extrapolate, memory_from_dict
+from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, CostTracer, OpCost, PhaseCost
+from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, estimate, extrapolate, memory_from_dict
+from mlperf_bert.config.batch_size import config_batch
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.dryrun.shipped import BERT_LARGE, exports, trainer_argv
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
@@ -99,6 +103,57 @@ def test_extrapolation_from_one_and_two_layers_is_linear() -> None:
     assert memory == traced(24)[0]
     assert work.step.ops == traced(24)[1].step.ops and work.step.collectives == traced(24)[1].step.collectives
     assert (work.step.peak_bytes, work.eval_scale, work.captured) == (120, 2.0, True)
+
+
+def _fake_cuda_run() -> tuple[list[torch.Tensor], torch.optim.Optimizer, list[SimpleNamespace]]:
+    """Weights of 300 x 200 + 200 fp32 (240,800 bytes), AdamW's two moments (481,600 bytes; its step counts are
+    on the host), and two eval batches of 1,000 int64 and 1,000 int32 values (24,000 bytes)."""
+    weight, bias = (torch.nn.Parameter(torch.zeros(shape, device="cuda")) for shape in ((300, 200), (200,)))
+    optimizer = torch.optim.AdamW([weight, bias], lr=1e-3)
+    for p in (weight, bias):  # the state a first step makes
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
+    batches = [SimpleNamespace(ids=torch.zeros(1000, dtype=torch.int64, device="cuda"),
+                               lengths=torch.zeros(1000, dtype=torch.int32, device="cuda"), rows=3) for _ in range(2)]
+    return [weight, bias, weight], optimizer, batches  # a weight listed twice holds its bytes once
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_estimate_counts_bytes_and_work_as_a_hand_count(graphed: bool) -> None:
+    """A dry run's tracer written out by hand; every number of the estimate worked out from it. 16 sequences traced
+    of a rank's ceil(10,000 / 3) = 3,334: 24,000 / 16 = 1,500 bytes a sequence, 5,001,000 for the share."""
+    mm, add, cat = OpCost("mm", MATMUL, 100, 10), OpCost("add", OTHER, 0, 8), OpCost("cat", OTHER, 0, 4)
+    tracer = CostTracer()
+    tracer.pool_reserved, tracer.captures = 777, 2  # the step's capture, then the eval forward's
+    tracer.phases = {"build": PhaseCost(1000, 0), "capture": PhaseCost(7500, 1000, Counter({mm: 3})),
+                     "capture 2": PhaseCost(7600, 7500, Counter({mm: 2, add: 1})),
+                     "step 1": PhaseCost(5000, 900, Counter({mm: 4})),
+                     "step 3": PhaseCost(6000, 1100, Counter({mm: 5})),
+                     "eval": PhaseCost(9000, 1200, Counter({cat: 1}), Counter({("allreduce_", 24): 1}))}
+    with FakeTensorMode():
+        weights, optimizer, batches = _fake_cuda_run()
+        memory, work = estimate(tracer, 3, weights, optimizer, batches, 16, math.ceil(10_000 / 3), graphed, graphed)
+    assert (memory.weights, memory.optimizer_state) == (240_800, 2 * 240_800)
+    assert (memory.persistent, memory.graph_pool, memory.train_peak) == (1200, 777, 7600)  # the eval's peak is apart
+    assert memory.eval_set == 1500 * 3334 and memory.eval_peak == 9000 - 24_000 + 1500 * 3334
+    assert (memory.step_transient, memory.peak) == (7600 - 1200, memory.eval_peak)
+    assert work.eval_scale == pytest.approx(3334 / 16) and (work.captured, work.eval_captured) == (graphed, graphed)
+    assert work.step.ops == (Counter({mm: 3}) if graphed else Counter({mm: 5}))  # the capture, or the last step
+    # Graphed, each eval batch is one replay of the eval forward's capture.
+    assert work.eval.ops == (Counter({cat: 1, mm: 2 * 2, add: 2}) if graphed else Counter({cat: 1}))
+    assert work.eval.collectives == Counter({("allreduce_", 24): 1})
+    assert StepWork.from_dict(work.to_dict()) == work
+
+
+def test_estimate_counts_weights_in_one_flat_buffer_once() -> None:
+    """The sharded optimizer's layout: every weight a view of one flat buffer, padded to whole shards (240,800 values
+    over 3 ranks: 240,801): the buffer's 963,204 bytes, not a buffer per weight."""
+    flat = torch.zeros(240_801)
+    weights = [flat[:60_000].view(300, 200), flat[60_000:60_200]]
+    tracer = CostTracer()
+    tracer.phases = {"build": PhaseCost(10, 0), "eval": PhaseCost(10, 10)}
+    memory, _ = estimate(tracer, 1, weights, torch.optim.SGD(weights, lr=0.1), [], 0, 0)
+    assert (memory.weights, memory.optimizer_state, memory.eval_set) == (4 * 240_801, 0, 0)
 
 
 def _work(collective_bytes: int = 0, ops: int = 1000) -> StepWork:
@@ -293,6 +348,47 @@ def test_a_batch_the_accumulation_does_not_divide_is_one_line_and_exit_2(tmp_pat
     assert plan.main([str(config)]) == 2
     err = capsys.readouterr().err
     assert "BATCHSIZE=56 is not divisible by GRADIENT_STEPS=3" in err and len(err.strip().splitlines()) == 1, err
+
+
+# Layouts the shipped configs do not have, each global batch worked out by hand (BATCHSIZE x GPUs per node x nodes
+# x 2 sequences a pack; GRADIENT_STEPS only splits BATCHSIZE): 3 nodes of 4 (a world no power of two), micro-batches
+# of one sequence (GRADIENT_STEPS = BATCHSIZE), 128 nodes without the sharded optimizer, layouts other than packed.
+HAND_BATCHES = [
+    # BATCHSIZE, GRADIENT_STEPS, DGXNGPU, DGXNNODES, INPUT_LAYOUT -> world, micro-batch, global batch
+    (("48", "4", "4", "3", "packed"), (12, 12, 48 * 4 * 3 * 2)),
+    (("12", "12", "4", "3", "packed"), (12, 1, 12 * 4 * 3 * 2)),
+    (("16", "1", "8", "128", "unpadded"), (1024, 16, 16 * 8 * 128)),
+    (("56", "", "8", "1", "padded"), (8, 56, 56 * 8)),  # GRADIENT_STEPS empty: the trainer's default of 1
+    (("7", "7", "1", "1", "packed"), (1, 1, 14)),
+]
+
+
+@pytest.mark.parametrize("exported, expected", HAND_BATCHES)
+def test_config_batch_counts_every_layout_by_hand(exported: tuple[str, ...], expected: tuple[int, int, int]) -> None:
+    names = ("BATCHSIZE", "GRADIENT_STEPS", "DGXNGPU", "DGXNNODES", "INPUT_LAYOUT")
+    batch = config_batch(dict(zip(names, exported)), "config_X.sh")
+    assert (batch.world_size, batch.micro_batch_size, batch.global_batch_size) == expected
+
+
+def test_trainer_and_plan_count_three_nodes_with_accumulation_alike(tmp_path: Path) -> None:
+    """GB200's config (packed, no sharded optimizer) on 3 nodes of 4 with 4 micro-batches of 12 packs: 1,152."""
+    env = {**exports(REPO / "config_GB200_2x4.sh"), "DGXNNODES": "3", "GRADIENT_STEPS": "4"}
+    assert plan.config_batch_shape(env, "config").global_batch_size == _trainer_gbs(env, tmp_path / "t") == 1152
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"GRADIENT_STEPS": "112"}, "BATCHSIZE=56 is not divisible by GRADIENT_STEPS=112"),  # more steps than items
+    ({"GRADIENT_STEPS": "0"}, "GRADIENT_STEPS=0 is not a positive whole number"),
+    ({"BATCHSIZE": "-8"}, "BATCHSIZE=-8 is not a positive whole number"),
+    ({"DGXNNODES": "1.5"}, "DGXNNODES=1.5 is not a positive whole number"),
+    ({"DGXNNODES": None}, "config_X.sh: no export of DGXNNODES"),
+    ({"BATCHSIZE": ""}, "config_X.sh: no export of BATCHSIZE"),
+])
+def test_config_batch_refuses_counts_the_trainer_refuses(changes: dict[str, str | None], says: str) -> None:
+    env = {"BATCHSIZE": "56", "GRADIENT_STEPS": "1", "DGXNGPU": "8", "DGXNNODES": "2"}
+    env = {k: v for k, v in {**env, **changes}.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(says)):
+        config_batch(env, "config_X.sh")
 
 
 @pytest.mark.parametrize("args, says", [

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import datetime
+import re
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from conftest import REPO
+from mlperf_bert.runtime import preflight
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.runtime.preflight import RankTimes, Settings, bus_bandwidth_gbps, verdict, wait_for_ranks
 
@@ -90,8 +94,68 @@ def test_rank_0_names_the_ranks_that_did_not_join() -> None:
 
 
 def test_settings_name_a_bad_variable() -> None:
-    with pytest.raises(ValueError, match="NCCL_TEST_MIN_BUSBW_GBPS='fast' must be a number >= 0"):
+    with pytest.raises(ValueError, match="NCCL_TEST_MIN_BUSBW_GBPS='fast' must be a finite number >= 0"):
         Settings.from_environ({"NCCL_TEST_MIN_BUSBW_GBPS": "fast"}, on_gpu=False)
+
+
+def test_the_rank_waited_for_is_named_from_under_half_the_median_and_the_bandwidth_is_the_slowest_ranks() -> None:
+    """Exactly half the median (4 ms against 2 ms) is waiting alike, a little under it names the rank; 3 ranks (an
+    odd count: the median is the middle one). The bus bandwidth is that of the slowest rank's time, by hand:
+    256 MiB / 52 ms x 2 (3 - 1) / 3 = 6.88 GB/s."""
+    nbytes = 256 * MIB
+    passed, line = verdict(_times(4e-3, 4e-3, 2e-3, 4e-3), nbytes, 1e3)
+    assert not passed and "every rank waited alike (slowest: rank 0 on node0)" in line
+    passed, line = verdict(_times(4e-3, 4e-3, 1.9e-3, 4e-3), nbytes, 1e3)
+    assert not passed and "rank 2 on node1 is slow: the other ranks waited 2.1 ms per all-reduce" in line
+    passed, line = verdict(_times(50e-3, 2e-3, 52e-3), nbytes, 1e3)
+    assert not passed and "rank 1 on node0 is slow: the other ranks waited 48.0 ms" in line
+    assert f"over 3 ranks: bus bandwidth {268_435_456 / 0.052 * 4 / 3 / 1e9:.3g} GB/s" in line and "6.88" in line
+
+
+def test_each_rank_times_only_its_timed_all_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 warm-up all-reduces of 100 s, then timed ones of 1, 2 and 3 s on a clock the fake all-reduce advances: a
+    mean of 2 s, the warm-ups left out and the sum divided by the 3 timed ones."""
+    now, durations = [0.0], iter([100.0, 100.0, 1.0, 2.0, 3.0])
+
+    def all_reduce(buffer: torch.Tensor) -> None:
+        now[0] += next(durations)
+
+    monkeypatch.setattr(preflight, "dist", SimpleNamespace(all_reduce=all_reduce))
+    monkeypatch.setattr(preflight, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    settings = Settings.from_environ({"NCCL_TEST_ITERS": "3", "NCCL_TEST_WARMUP": "2"}, on_gpu=False)
+    assert preflight.time_allreduce(torch.zeros(4), settings) == 2.0
+
+
+@pytest.mark.parametrize("env, field, value", [
+    ({}, "nbytes", 4 * MIB), ({"NCCL_TEST_BYTES": ""}, "nbytes", 4 * MIB), ({"NCCL_TEST_BYTES": "4"}, "nbytes", 4),
+    ({"NCCL_TEST_ITERS": "1"}, "iters", 1), ({"NCCL_TEST_WARMUP": "0"}, "warmup", 0),
+    ({"NCCL_TEST_MIN_BUSBW_GBPS": "0"}, "min_busbw_gbps", 0.0),
+    ({"NCCL_TEST_BYTES": "3"}, "", "NCCL_TEST_BYTES='3' must be a finite number >= 4"),
+    ({"NCCL_TEST_ITERS": "0"}, "", "NCCL_TEST_ITERS='0' must be a finite number >= 1"),
+    ({"NCCL_TEST_WARMUP": "-1"}, "", "NCCL_TEST_WARMUP='-1' must be a finite number >= 0"),
+    ({"NCCL_TEST_JOIN_S": "0"}, "", "NCCL_TEST_JOIN_S='0' must be a finite number >= 0.001"),
+    ({"NCCL_TEST_ITERS": "2.5"}, "", "NCCL_TEST_ITERS='2.5' must be a finite number >= 1"),
+    ({"NCCL_TEST_JOIN_S": "inf"}, "", "NCCL_TEST_JOIN_S='inf' must be a finite number >= 0.001"),
+    ({"NCCL_TEST_MIN_BUSBW_GBPS": "nan"}, "", "NCCL_TEST_MIN_BUSBW_GBPS='nan' must be a finite number >= 0"),
+])
+def test_settings_at_their_lowest_values(env: dict[str, str], field: str, value: object) -> None:
+    if not field:
+        with pytest.raises(ValueError, match=re.escape(str(value))):
+            Settings.from_environ(env, on_gpu=False)
+        return
+    assert getattr(Settings.from_environ(env, on_gpu=False), field) == value
+    assert Settings.from_environ({}, on_gpu=True).nbytes == 256 * MIB  # a GPU's default
+
+
+def test_one_rank_passes_skipped_without_a_store_and_a_bad_variable_still_exits_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(preflight.dist, "TCPStore", lambda *a, **k: pytest.fail("one rank joined a store"))
+    one = {"RANK": "0", "WORLD_SIZE": "1", "DEVICE": "cpu", "NCCL_TEST_MIN_BUSBW_GBPS": "225"}
+    assert preflight.main(one) == 0
+    assert capsys.readouterr().out.startswith("NCCL_TEST: skipped: one rank, no link to measure")
+    assert preflight.main({**one, "NCCL_TEST_ITERS": "0"}) == 2
+    assert capsys.readouterr().err == "NCCL_TEST: NCCL_TEST_ITERS='0' must be a finite number >= 1; fix it in the config or " \
+                                      "the environment\n"
 
 
 @pytest.mark.parametrize("script", ["run.sub", "run_with_docker.sh"])

@@ -379,3 +379,74 @@ def test_parameters_of_another_dtype_are_refused(other):
     net.weight0.data = net.weight0.data.to(other)
     with pytest.raises(ValueError, match="must share one dtype and device"):
         build_sharded_optimizer(parameter_groups(net, WEIGHT_DECAY), "lamb", LR, BETAS, EPS, WEIGHT_DECAY, None)
+
+
+class Subgroups:
+    """torch.distributed's subgroup calls of `shard_groups`, recorded: each returns what it was asked for."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.calls = world, []
+
+    def get_world_size(self) -> int:
+        return self.world
+
+    def new_subgroups(self, size: int) -> tuple[Any, None]:
+        self.calls.append(("consecutive", size))
+        return ("consecutive", size), None
+
+    def new_subgroups_by_enumeration(self, ranks: list[list[int]]) -> tuple[Any, None]:
+        self.calls.append(("enumerated", ranks))
+        return ("enumerated", ranks), None
+
+
+@pytest.mark.parametrize("world, size, replicas", [
+    (16, 8, [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]),  # 2 nodes of 8
+    (12, 4, [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]),  # 3 nodes of 4
+    (6, 3, [[0, 3], [1, 4], [2, 5]]),
+    (4, 1, [[0, 1, 2, 3]]),  # every rank its own whole state, all four all-reduced
+])
+def test_shard_groups_are_consecutive_ranks_and_replicas_the_same_place_in_each(world, size, replicas, monkeypatch):
+    fake = Subgroups(world)
+    monkeypatch.setattr(sharded, "dist", fake)
+    assert sharded.shard_groups(size) == (("consecutive", size), ("enumerated", replicas))
+    assert fake.calls == [("consecutive", size), ("enumerated", replicas)]  # in this order on every rank
+
+
+def test_shard_groups_of_1024_ranks_in_nodes_of_8(monkeypatch):
+    fake = Subgroups(1024)
+    monkeypatch.setattr(sharded, "dist", fake)
+    _, (_, replicas) = sharded.shard_groups(8)
+    assert len(replicas) == 8 and all(group == list(range(i, 1024, 8)) for i, group in enumerate(replicas))
+    assert sorted(r for group in replicas for r in group) == list(range(1024)) and len(replicas[0]) == 128
+
+
+@pytest.mark.parametrize("world, size", [(8, 0), (8, 8), (1, 1), (1024, 1024)])
+def test_a_group_of_every_rank_is_no_subgroup(world, size, monkeypatch):
+    fake = Subgroups(world)
+    monkeypatch.setattr(sharded, "dist", fake)
+    assert sharded.shard_groups(size) == (None, None) and fake.calls == []
+
+
+@pytest.mark.parametrize("world, size", [(12, 8), (8, 3), (8, 16), (24, 16), (8, -2)])
+def test_a_group_size_that_does_not_divide_the_ranks_is_refused_before_any_subgroup(world, size, monkeypatch):
+    fake = Subgroups(world)
+    monkeypatch.setattr(sharded, "dist", fake)
+    with pytest.raises(ValueError, match=f"--dist_optimizer_group_size {size} must divide the {world} ranks"):
+        sharded.shard_groups(size)
+    assert fake.calls == []
+
+
+def test_blocks_by_hand_padded_to_whole_shards():
+    """Parameters of 5, 3, 4 and 7 elements in blocks of at most 9 over 3 ranks: [5, 3] (8, padded to 9), [4]
+    (padded to 6), [7] (padded to 9); rank r's shard holds 3 + 2 + 3 elements of them. 5 + 4 fill one block
+    exactly. A parameter larger than a block is a block alone; the last one of 1 element over 4 ranks takes one
+    element of each shard."""
+    blocks, offsets = sharded.plan_blocks([5, 3, 4, 7], 3, 9)
+    assert [(b.first, b.stop, b.start, b.size, b.shard_start, b.chunk) for b in blocks] == [
+        (0, 2, 0, 9, 0, 3), (2, 3, 9, 6, 3, 2), (3, 4, 15, 9, 5, 3)]
+    assert offsets == [0, 5, 9, 15]
+    blocks, _ = sharded.plan_blocks([5, 4], 3, 9)  # exactly a block's worth: one block
+    assert [(b.first, b.stop, b.size) for b in blocks] == [(0, 2, 9)]
+    blocks, offsets = sharded.plan_blocks([20, 1], 4, 9)
+    assert [(b.first, b.stop, b.start, b.size, b.shard_start) for b in blocks] == [(0, 1, 0, 20, 0), (1, 2, 20, 4, 5)]
+    assert offsets == [0, 20]

@@ -10,6 +10,7 @@ session's demo data, changed as the case needs).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,9 @@ from conftest import TRAINER, run_cli, trainer_args, verify_folder
 from data_prep.verify_dataset import mark_refused
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.data.dataset import DataError, DataLimits
 from mlperf_bert.data.record import RECORD_NAME
-from mlperf_bert.input.data_check import UNVERIFIED_CHECK_KEY, check_after_clock
+from mlperf_bert.input.data_check import UNVERIFIED_CHECK_KEY, check_after_clock, check_data_before_clock
 from mlperf_bert.runtime.distributed import dist_env_from
 from test_clock import _copy, _mllog, _refused_before_the_clock
 
@@ -161,3 +163,87 @@ def test_the_closed_division_refuses_the_flag(demo_data, tmp_path):
     with pytest.raises(ConfigError, match="closed division: a timed run trains verified data only.*"
                                           "--submission_division open"):
         parse_config(args, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the verdicts before run_start, in the process: records present and wrong, not only absent
+
+
+def _edit_record(folder: Path, **fields: object) -> None:
+    path = folder / RECORD_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _check(demo_data: Path, tmp_path: Path, train: Path, evals: Path, *extra: str) -> None:
+    args = trainer_args(demo_data, tmp_path / "out", "--do_train", *extra)
+    args[args.index("--input_dir") + 1], args[args.index("--eval_dir") + 1] = str(train), str(evals)
+    check_data_before_clock(parse_config(args, 1), DataLimits(64, 10, 128), "point --eval_dir at the full set")
+
+
+@pytest.fixture()
+def folders(demo_data: Path, tmp_path: Path) -> tuple[Path, Path]:
+    return _copy(demo_data / "train", tmp_path / "train"), _copy(demo_data / "eval", tmp_path / "eval")
+
+
+@pytest.mark.parametrize("link", ["another eval set", "the eval set replaced"])
+def test_a_training_record_checked_against_another_eval_set_is_refused_or_checked_after_run_start(
+        demo_data, tmp_path, folders, capsys, link):
+    """Both records current, the training one naming an eval set: not this one (its digest, or this eval folder's
+    samples replaced and verified again since). Refused; with the flag, noted and checked after run_start."""
+    train, evals = folders
+    digest = json.loads((evals / RECORD_NAME).read_text())["samples_digest"]
+    if link == "another eval set":
+        _edit_record(train, eval_digests=["0" * 64])
+    else:
+        _edit_record(evals, samples_digest="0" * 64)
+    with pytest.raises(DataError, match=f"{train} was not checked for samples of the eval set {evals}"):
+        _check(demo_data, tmp_path, train, evals)
+    _check(demo_data, tmp_path, train, evals, FLAG)
+    assert f"note: {FLAG}: {train} was not checked for samples of the eval set" in capsys.readouterr().err
+    _edit_record(train, eval_digests=["0" * 64, digest])  # checked against two sets, this one among them
+    _edit_record(evals, samples_digest=digest)
+    _check(demo_data, tmp_path, train, evals)
+    assert "note:" not in capsys.readouterr().err
+
+
+def _marker_beside_a_record(train: Path, evals: Path) -> str:
+    mark_refused(train, [f"{train}/part_00001_of_00003.hdf5: row 3: input_ids outside [0, 128)"])
+    return "data_prep's verification refused this folder (" + f"{train}/part_00001_of_00003.hdf5: row 3"
+
+
+def _manifest_naming_a_missing_shard(train: Path, evals: Path) -> str:
+    (train / RECORD_NAME).unlink()
+    files = {p.name: {"bytes": p.stat().st_size} for p in train.glob("*.hdf5")}
+    (train / "MANIFEST.json").write_text(json.dumps({"kind": "reshard", "params": {},
+                                                     "files": {**files, "part_00003_of_00004.hdf5": {}}}))
+    return f"{train / 'part_00003_of_00004.hdf5'}: listed in MANIFEST.json but missing"
+
+
+def _record_of_one_shard_more(train: Path, evals: Path) -> str:
+    """The record of the folder it sits in, plus an entry for a shard the folder no longer holds."""
+    raw = json.loads((train / RECORD_NAME).read_text())
+    gone = {**raw["files"]["part_00000_of_00003.hdf5"], "sha256": "f" * 64}
+    _edit_record(train, files={**raw["files"], "part_00003_of_00004.hdf5": gone})
+    return f"{train / 'part_00003_of_00004.hdf5'}: listed in {RECORD_NAME} but missing"
+
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("case", [_marker_beside_a_record, _manifest_naming_a_missing_shard, _record_of_one_shard_more])
+def test_what_the_listing_decides_is_refused_whatever_the_flag(demo_data, tmp_path, folders, case, flag):
+    train, evals = folders
+    says = case(train, evals)
+    with pytest.raises(DataError, match=re.escape(says)):
+        _check(demo_data, tmp_path, train, evals, *([FLAG] if flag else []))
+
+
+@pytest.mark.parametrize("requested, recorded", [(201, 200), (200, 200), (10_000, 9_216), (10_000, 10_000)])
+def test_the_eval_record_holds_the_samples_requested_at_the_boundary(demo_data, tmp_path, folders, requested,
+                                                                     recorded):
+    train, evals = folders
+    _edit_record(evals, sequences=recorded)
+    check = lambda: _check(demo_data, tmp_path, train, evals, "--num_eval_examples", str(requested))  # noqa: E731
+    if recorded >= requested:
+        check()
+        return
+    with pytest.raises(DataError, match=f"{recorded} eval samples, fewer than the {requested} requested"):
+        check()

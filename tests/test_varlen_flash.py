@@ -11,6 +11,8 @@ the masked one; torch.compile keeps the op in one graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,40 @@ def test_compile_keeps_the_op_in_one_graph():
     torch.testing.assert_close(got, masked_attention(q, k, v, cu), rtol=1e-5, atol=1e-6)
     got.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_max_seqlen_exactly_the_longest_sequence_in_each_precision(dtype: torch.dtype, tolerance: float):
+    """max_seqlen at its least (the longest sequence, 5 tokens; an empty one in the middle): output and gradients
+    in the inputs' dtype, equal to the loop over sequences in fp32 to the dtype's rounding."""
+    cu = torch.tensor([0, 3, 8, 8, 12], dtype=torch.int32)
+    q, k, v = qkv(12, 9, dtype)
+    got = varlen_flash(q, k, v, cu, 5, 0.0)
+    grad = torch.randn(12, HEADS, DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = torch.autograd.grad(got, (q, k, v), grad)
+    assert got.dtype == dtype and all(g.dtype == dtype for g in grads)
+    exact = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+    expected = autograd_attention(*exact, cu, None)
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    for g, e in zip(grads, torch.autograd.grad(expected, exact, grad.float())):
+        torch.testing.assert_close(g.float(), e, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_outputs_have_the_real_ops_shapes_and_dtypes(dtype: torch.dtype):
+    """The dry run counts the op's bytes from its fake outputs: they must be the real op's, forward and backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+
+    def outputs(mode) -> list[tuple[torch.Size, torch.dtype]]:
+        with mode:
+            q, k, v = (torch.ones(7, HEADS, DIM, dtype=dtype) for _ in range(3))
+            forward = torch.ops.mlperf_bert.varlen_flash_forward(q, k, v, cu, 4, 0.0)
+            backward = torch.ops.mlperf_bert.varlen_flash_backward(forward[0], q, k, v, forward[0], forward[1], cu,
+                                                                   4, 0.0, forward[2], forward[3])
+        return [(t.shape, t.dtype) for t in (*forward, *backward)]
+
+    real = outputs(contextlib.nullcontext())
+    assert real[:2] == [((7, HEADS, DIM), dtype), ((HEADS, 7), torch.float32)]  # out like q, logsumexp [heads, T]
+    assert outputs(FakeTensorMode(allow_non_fake_inputs=True)) == real

@@ -27,6 +27,7 @@ writes nothing, so it runs before a run's log begins.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import statistics
@@ -70,7 +71,8 @@ N = TypeVar("N", int, float)
 
 
 def _number(env: Mapping[str, str], name: str, default: N, kind: Callable[[str], N], low: float = 0) -> N:
-    """NAME's value as `kind`, `default` when unset or empty; ValueError naming it when not a number >= low."""
+    """NAME's value as `kind`, `default` when unset or empty; ValueError naming it when not a finite number >= low
+    (an infinite NCCL_TEST_JOIN_S would overflow the store's timeout)."""
     text = env.get(name, "")
     if text == "":
         return default
@@ -78,8 +80,8 @@ def _number(env: Mapping[str, str], name: str, default: N, kind: Callable[[str],
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not value >= low:
-        raise ValueError(f"{name}={text!r} must be a number >= {low}; fix it in the config or the environment")
+    if value is None or not low <= value < math.inf:
+        raise ValueError(f"{name}={text!r} must be a finite number >= {low}; fix it in the config or the environment")
     return value
 
 
