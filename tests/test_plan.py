@@ -447,3 +447,11 @@ def test_a_measured_setup_naming_a_config_that_is_not_there_is_refused() -> None
     """The measurement's link to its config, present but wrong: one line naming it and the fix."""
     with pytest.raises(plan.PlanError, match=r"tools/measurements: no config_DGXH200_1x9\.sh in the repository"):
         plan.setup_env(step_calibration.SetUp("H200", "config_DGXH200_1x9.sh", ()))
+
+
+def test_the_recipes_device_memory_is_the_planners() -> None:
+    """The recipe's device memory (GB) and the planner's datasheet bytes name the same devices the same."""
+    shared = set(recipe.DEVICE_MEMORY_GB) & set(step_model.DEVICES)
+    assert shared == {"A100", "H100", "H200", "B200", "GB200"}
+    assert {name: recipe.DEVICE_MEMORY_GB[name] * 1e9 for name in shared} == {
+        name: step_model.DEVICES[name].memory_bytes for name in shared}
