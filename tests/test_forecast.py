@@ -18,7 +18,7 @@ import pytest
 
 from mlperf_tools.planning import forecast as forecast_cli
 import forecast_backtest
-from _rcp_results import official_verdict, synthetic_result
+from _rcp_results import mllog_line, official_verdict, synthetic_result
 from mlperf_bert.hooks.events import EvalEnd, RunEnd, RunStart
 from mlperf_bert.hooks.forecast import (ROWS, SCHEDULE_RANGE, Forecast, fit, outside_reason, predict, progress_logit,
                                         row_for)
@@ -233,6 +233,71 @@ def test_the_rcp_outlook_agrees_with_the_official_checker(tmp_path):
     # a result whose runs all land at the interval's low end (inside) or high end (below)
     assert official_verdict(synthetic_result(tmp_path / "inside" / "bert", bound))[0] is True
     assert official_verdict(synthetic_result(tmp_path / "below" / "bert", bound - 1))[0] is False
+
+
+def test_the_rcp_outlook_at_exactly_the_bound():
+    """The interval's low end exactly at the minimum acceptable olympic mean passes (the checker's `>=`); its high end
+    exactly there is uncertain, one step under it below; a window above every RCP, or a schedule the published runs
+    do not cover, has no outlook."""
+    window = rcp_window(768, "5.0.0")
+    bound = window.min_mean or 0.0
+    assert bound % 1 != 0  # a float bound: `ceil` or `round` in the comparison would show
+    status = {name: forecast_cli.rcp_outlook(forecast, window).status for name, forecast in {
+        "low at it": _forecast(bound, bound + 300_000), "high at it": _forecast(bound - 300_000, bound),
+        "high under it": _forecast(bound - 300_000, math.nextafter(bound, 0.0))}.items()}
+    assert status == {"low at it": forecast_cli.INSIDE, "high at it": forecast_cli.UNCERTAIN,
+                      "high under it": forecast_cli.BELOW}
+    above = rcp_window(32768, "5.0.0")
+    assert forecast_cli.rcp_outlook(_forecast(bound, bound), above).status == forecast_cli.NO_WINDOW
+    outside = Forecast(2, math.nan, math.nan, math.nan, False, None, "the LR schedule spans 64,000 samples")
+    assert forecast_cli.rcp_outlook(outside, window).status == forecast_cli.NO_WINDOW
+
+
+def _log(path: Path, accuracies: list[float], gbs: object = 448, steps: object = 6700) -> Path:
+    """A run log: run_start at 0 s, an eval every 150,000 samples a minute apart from 90 s, no run_stop."""
+    lines = [mllog_line("submission_benchmark", "bert", 0), mllog_line("global_batch_size", gbs, 0),
+             mllog_line("opt_learning_rate_training_steps", steps, 0), mllog_line("run_start", None, 0)]
+    lines += [mllog_line("eval_accuracy", accuracy, 90_000 + 60_000 * i, epoch_num=150_000 * (i + 1))
+              for i, accuracy in enumerate(accuracies)]
+    path.write_text("".join(lines))
+    return path
+
+
+def test_the_first_eval_exactly_at_0720_is_where_the_cli_says_the_run_converged(tmp_path, capsys):
+    """Evals 0.40, 0.65, exactly 0.720, 0.7195 and 0.7230: converged at the third (450,000 samples), as the log
+    replayed from its first 3 (all the evals the forecast reads) and from all 5 says."""
+    log = _log(tmp_path / "result_0.txt", [0.40, 0.65, 0.720, 0.7195, 0.7230])
+    run = forecast_cli.read_log(log)
+    for count in (3, 5, None):
+        forecast = forecast_cli.forecast_run(run, count)
+        assert (forecast.reached, forecast.evals, forecast.samples, forecast.seconds) == (
+            True, 3, 450_000, (210.0, 210.0, 210.0)), count
+    assert forecast_cli.main([str(log), "--evals", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{log}: forecast: 0.720 reached at 450,000 samples" and len(out) == 2  # no real end: all evals
+    assert forecast_cli.main([str(log), "--evals", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == "real end: status still running after 750,000 samples"
+
+
+def test_the_cli_forecasts_from_the_first_k_evals_and_their_times(tmp_path):
+    """--evals 2 of 4: the model on the first two evals and their seconds after run_start (90 and 150 s), the LR
+    schedule 4,000 steps x 768 samples."""
+    run = forecast_cli.read_log(_log(tmp_path / "result_0.txt", [0.375, 0.40, 0.48, 0.63], 768, 4000))
+    assert forecast_cli.schedule_samples(run) == 3_072_000
+    assert forecast_cli.forecast_run(run, 2) == predict(_evals([0.375, 0.40]), 3_072_000, [90.0, 150.0])
+    with pytest.raises(forecast_cli.ForecastError, match="--evals 5: .* has only 4 evals"):
+        forecast_cli.forecast_run(run, 5)
+
+
+@pytest.mark.parametrize("gbs,steps,message", [(True, 6700, "no positive global_batch_size in the log (found True)"),
+                                               (448, 0, "no positive opt_learning_rate_training_steps in the log "
+                                                        "(found 0)"),
+                                               ("448", 6700, "no positive global_batch_size in the log (found '448')")])
+def test_a_schedule_the_log_gives_in_the_wrong_form_is_refused(tmp_path, capsys, gbs, steps, message):
+    log = _log(tmp_path / "result_0.txt", [0.40, 0.45], gbs, steps)
+    assert forecast_cli.main([str(log)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("text,message", [

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from data_prep.make_demo_data import bert_config, parse_args as demo_args
+from mlperf_bert.model.bert import BertConfig
 
 CPU = torch.device("cpu")
 
@@ -123,6 +124,102 @@ def test_make_demo_model_passes_in_bf16(tmp_path, capsys):
     assert lines[-1].startswith("PASS bf16 on cpu"), "\n".join(lines)
     nsp = next(line for line in lines if "cls.seq_relationship.weight" in line)
     assert float(nsp.split()[-2]) > 10, nsp  # its condition factor: the band widened where the sum cancels
+
+
+def test_kappa_of_the_pooler_gemm_by_hand(demo):
+    """The pooler's row, Y = X W^T + b over each sequence's first token: kappa = sqrt(sum over elements and terms of
+    (x_i w_oi)^2 + b_o^2) / ||Y||, the terms written out from the reference's own last layer."""
+    setup, reference = demo
+    dense = setup.reference.bert.pooler.dense
+    w, b = dense.weight.detach(), dense.bias.detach()
+    last = f"layer{setup.bert.num_hidden_layers - 1}.output_ln"
+    for check_batch, captured, conditions in zip(setup.batches, reference.captures, reference.conditions):
+        first = check_batch.reference_batch.cu_seqlens[:-1].long()
+        x = captured[last][first]
+        y = x @ w.T + b
+        assert torch.allclose(torch.tanh(y), captured["pooler"])
+        squares = float((torch.einsum("si,oi->soi", x, w) ** 2).sum() + x.shape[0] * (b**2).sum())
+        assert conditions["pooler"] == pytest.approx(math.sqrt(squares) / float(torch.linalg.vector_norm(y)), rel=1e-9)
+
+
+# ---------------------------------------------------------------- the bands by hand
+
+# One encoder layer of hidden 128 (2 heads of 64), FFN 512, 128 positions: the rows' bands written out from the
+# formats' unit roundoff (module docstring): e(a, b, K, out)^2 = (u_a^2 + u_b^2 + K 2^-48 + u_out^2) / 3.
+ONE_LAYER = BertConfig(vocab_size=512, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=512, max_position_embeddings=128)
+FP32_VARIANCE = 2.0**-48 / 3  # a LayerNorm, softmax or loss stage in fp32
+# --precision -> (u of the GEMMs' format, u of the encoder GEMMs' operands forward, u of their output gradients)
+ROUNDOFF = {"fp32": (2.0**-24, 2.0**-24, 2.0**-24), "bf16": (2.0**-8, 2.0**-8, 2.0**-8),
+            "fp16": (2.0**-11, 2.0**-11, 2.0**-11), "fp8": (2.0**-8, 2.0**-4, 2.0**-3)}
+
+
+def _bands(precision: str, shares: nc.Shares | None = None) -> dict[str, float]:
+    return {spec.key: spec.band for spec in nc.plan_rows(ONE_LAYER, precision, 128, 256, shares)}
+
+
+def test_unit_roundoff_is_half_each_formats_epsilon():
+    dtypes = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    assert nc.UNIT_ROUNDOFF == {name: torch.finfo(dtype).eps / 2 for name, dtype in dtypes.items()}
+
+
+@pytest.mark.parametrize("precision", list(ROUNDOFF))
+def test_forward_bands_by_hand(precision):
+    """8 x the rms of the errors along the path: the embeddings' LayerNorm; in the attention branch the QKV GEMM
+    (K = 128, FP8 operands under fp8) and the attention (two GEMMs of K = max(64, 128) in the autocast format, then
+    softmax); the FFN row adds to the stream the FFN GEMM and GELU's rounding (u^2 / 3)."""
+    u, forward, _ = ROUNDOFF[precision]
+    qkv = (2 * forward**2 + 128 * 2.0**-48 + u**2) / 3
+    attention = 2 * (3 * u**2 + 128 * 2.0**-48) / 3 + FP32_VARIANCE
+    output = (2 * forward**2 + 128 * 2.0**-48 + u**2) / 3 + FP32_VARIANCE  # the output projection and its LayerNorm
+    bands = _bands(precision)
+    assert bands["embeddings"] == pytest.approx(8 * math.sqrt(FP32_VARIANCE), rel=1e-12)
+    assert bands["layer0.attention"] == pytest.approx(8 * math.sqrt(FP32_VARIANCE + qkv + attention), rel=1e-12)
+    stream = FP32_VARIANCE + qkv + attention + output + FP32_VARIANCE  # share 1 without measured shares
+    assert bands["layer0.attention_ln"] == pytest.approx(8 * math.sqrt(stream), rel=1e-12)
+    ffn = (2 * forward**2 + 128 * 2.0**-48 + u**2) / 3 + u**2 / 3
+    assert bands["layer0.ffn"] == pytest.approx(8 * math.sqrt(stream + ffn), rel=1e-12)
+
+
+def test_a_branchs_share_scales_its_variance_into_the_stream_by_hand():
+    """bf16, attention branch at share 0.5 of its LayerNorm's input: the stream takes 0.25 of the branch's variance
+    (QKV, attention, output projection and LayerNorm) plus the LayerNorm's own fp32 rounding. Gradients carry the
+    whole forward without that credit: their bands do not move with the shares."""
+    u = 2.0**-8
+    branch = (3 * u**2 + 128 * 2.0**-48) / 3 + 2 * (3 * u**2 + 128 * 2.0**-48) / 3 + FP32_VARIANCE \
+        + (3 * u**2 + 128 * 2.0**-48) / 3 + FP32_VARIANCE
+    shared = _bands("bf16", [{"attention": 0.5, "ffn": 0.25}])
+    plain = _bands("bf16")
+    stream = FP32_VARIANCE + 0.25 * branch + FP32_VARIANCE
+    assert shared["layer0.attention_ln"] == pytest.approx(8 * math.sqrt(stream), rel=1e-12)
+    assert shared["layer0.output_ln"] < plain["layer0.output_ln"]
+    grads = [key for key in plain if key.startswith("grad:")]
+    assert len(grads) == 16 and {key: shared[key] for key in grads} == {key: plain[key] for key in grads}
+
+
+@pytest.mark.parametrize("precision", list(ROUNDOFF))
+def test_gradient_bands_by_hand(precision):
+    """Backward reaches the FFN's first weight one data-gradient GEMM after the FFN's second weight (K = 128: its
+    output gradients in the backward format against forward-format operands), and each weight's own gradient GEMM
+    (K = 256 tokens) is alike for both: the squared bands differ by that one GEMM's variance, x 8^2."""
+    u, forward, backward = ROUNDOFF[precision]
+    bands = _bands(precision)
+    step = bands["grad:bert.encoder.layer.0.intermediate.dense.weight"] ** 2 \
+        - bands["grad:bert.encoder.layer.0.output.dense.weight"] ** 2
+    assert step == pytest.approx(64 * (backward**2 + forward**2 + 128 * 2.0**-48 + u**2) / 3, rel=1e-9)
+    first = bands["grad:cls.predictions.transform.LayerNorm.weight"]
+    assert first > bands["loss.total"]  # a gradient carries the whole forward and more
+
+
+def test_an_error_exactly_at_its_band_passes_and_kappa_under_one_keeps_the_band():
+    """The pass bound is error <= band; a sum whose terms share a sign (kappa 0.5) leaves the band as it is."""
+    spec = nc.RowSpec("grad heads", "w", "grad:w", 0.25)
+    ref = {"grad:w": torch.ones(4, dtype=torch.float64)}
+    reference = nc.Reference([ref], [], [{"grad:w": 0.5}])
+    (row,) = nc.compare([spec], reference, [{"grad:w": torch.ones(4, dtype=torch.float64) * 1.25}])
+    assert (row.error, row.band, row.condition, row.ratio) == (0.25, 0.25, 1.0, 1.0) and row.inside
+    assert not nc.RowResult("grad heads", "w", math.nextafter(0.25, 1.0), 0.25).inside
 
 
 # ---------------------------------------------------------------- the property

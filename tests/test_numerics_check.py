@@ -58,8 +58,8 @@ def model_for(setup: nc.Setup, precision: str) -> BertForPreTraining:
 
 
 @pytest.mark.parametrize("precision,layout", [("fp32", "unpadded"), ("fp32", "packed"), ("fp32", "padded"),
-                                              ("bf16", "unpadded"), ("bf16", "packed"), ("fp8", "unpadded"),
-                                              ("fp8", "packed")])
+                                              ("bf16", "unpadded"), ("bf16", "packed"), ("fp16", "unpadded"),
+                                              ("fp8", "unpadded"), ("fp8", "packed")])
 def test_unmodified_model_passes(setup, reference, precision, layout):
     results = run(setup, reference, model_for(setup, precision), precision, layout)
     assert nc.first_outside(results) is None, nc.format_table(results)

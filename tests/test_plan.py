@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from types import SimpleNamespace
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,9 +24,11 @@ from mlperf_bert.config.cli import parse_config
 from mlperf_bert.dryrun.shipped import BERT_LARGE, exports, trainer_argv
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward
+from mlperf_bert.train.evaluation_interval import EvalSchedule
 
 from mlperf_tools.planning import plan
 from mlperf_tools.planning import recipe
+from mlperf_tools.planning import step_calibration
 from mlperf_tools.planning import step_model
 
 CONFIGS = plan.shipped_gpu_configs()
@@ -408,3 +411,143 @@ def test_bad_flags_are_one_line_and_exit_2(args: list[str], capsys: pytest.Captu
         plan.main(args)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("plan.py: ") and len(err.strip().splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundaries and hand computations: memory at the device's capacity, the eval's peak, the time to train's range,
+# world size and links across nodes
+
+GIB = 1 << 30
+# BERT-Large with the vocabulary padded to 30,528, counted by hand: embeddings (word 30,528 x 1,024, position
+# 512 x 1,024, token type 2 x 1,024, LayerNorm 2 x 1,024), 24 layers of QKV 3 x (1,024^2 + 1,024), output projection
+# 1,024^2 + 1,024, FFN 1,024 x 4,096 + 4,096 and 4,096 x 1,024 + 1,024, two LayerNorms 2 x 2 x 1,024; the pooler
+# 1,024^2 + 1,024, the MLM transform 1,024^2 + 1,024 with its LayerNorm 2 x 1,024 and decoder bias 30,528 (its
+# weight tied to the word table), NSP 2 x 1,024 + 2.
+BERT_LARGE_PARAMETERS = (31_260_672 + 524_288 + 2_048 + 2_048
+                         + 24 * (3_148_800 + 1_049_600 + 4_198_400 + 4_195_328 + 2 * 2_048)
+                         + 1_049_600 + 1_049_600 + 2_048 + 30_528 + 2_050)
+# World size and ranks per node of each shipped config, by hand from its DGXNNODES x DGXNGPU.
+HAND_WORLD = {"config_DGXA100_1x8.sh": (8, 8), "config_DGXA100_128x8.sh": (1024, 8), "config_DGXB200_1x8.sh": (8, 8),
+              "config_DGXH100_1x8.sh": (8, 8), "config_DGXH200_1x8.sh": (8, 8), "config_GB200_2x4.sh": (8, 4),
+              "config_SamsungA100_128x8.sh": (1024, 8)}
+
+
+def test_memory_fit_at_exactly_the_devices_capacity_by_hand() -> None:
+    """A peak of 10 GiB needs 10 x 1.10 + 3 GiB = 14 GiB (the allocator's 10 % and the CUDA context's 3 GiB): a device
+    of exactly 14 GiB holds it with no headroom, one byte less does not; the peak is the eval's when it is larger."""
+    assert BERT_LARGE_PARAMETERS == 336_232_258
+    device = step_model.DEVICES["H100"]
+    for train, evaluation in ((10 * GIB, 9 * GIB), (1 * GIB, 10 * GIB)):
+        memory = MemoryEstimate(1, 1, 1, 0, train, 0, evaluation)
+        at_capacity = step_model.memory_fit(memory, replace(device, memory_bytes=14 * GIB))
+        assert at_capacity.needed_bytes == 14 * GIB and at_capacity.headroom_bytes == 0 and at_capacity.fits
+        assert not step_model.memory_fit(memory, replace(device, memory_bytes=14 * GIB - 1)).fits
+
+
+def test_an_out_of_memory_at_eval_time_is_not_hidden(traced: dict[str, dict[str, Any]]) -> None:
+    """The H200 config with an eval peak of 130 GB (its training peak 35 GB): 130 x 1.1 GB + 3 GiB = 146.2 GB of 141:
+    the plan says it does not fit, whatever the training step needs."""
+    name = "config_DGXH200_1x8.sh"
+    big_eval = {**traced[name], "memory": {**traced[name]["memory"], "eval_peak": 130 * 10**9}}
+    p = plan.predict(name, exports(REPO / name), step_model.DEVICES["H200"], big_eval)
+    assert p.memory.train_peak < 40 * 10**9
+    assert p.fit.needed_bytes == pytest.approx(130e9 * 1.1 + 3 * GIB, rel=1e-9) and not p.fit.fits
+    assert "DOES NOT FIT (5.2 GB short)" in plan.report(p)
+
+
+def test_shipped_memory_is_bert_large_state_and_the_margins_by_hand(predictions: dict[str, plan.Prediction],
+                                                                   traced: dict[str, dict[str, Any]]) -> None:
+    """fp32 weights: 4 bytes a parameter; unsharded LAMB: two fp32 moments, 8 bytes a parameter; sharded in groups of
+    8: the flat gradient (4 bytes) and 1/8 of the moments and the reduced gradient's shard (12 / 8 bytes), up to the
+    padding to whole shards. Each config's need is its larger peak x 1.10 + 3 GiB."""
+    n = BERT_LARGE_PARAMETERS
+    for name, p in predictions.items():
+        world = traced[name]["world_size"]
+        m = p.memory
+        assert 4 * n <= m.weights <= 4 * (n + world), name
+        if p.overlap.sharded:
+            assert m.optimizer_state == pytest.approx(4 * n + 12 * n / 8, abs=16 * world), name
+        else:
+            assert m.optimizer_state == pytest.approx(8 * n, abs=1024), name
+        assert p.fit.needed_bytes == pytest.approx(max(m.train_peak, m.eval_peak) * 1.10 + 3 * GIB, rel=1e-12), name
+
+
+def test_evals_and_the_stop_at_exact_eval_points(predictions: dict[str, plan.Prediction]) -> None:
+    """Samples exactly at an eval point converge at that eval, one sample more at the next; a stop on a whole step
+    stays where it is. Evals every 153,600 samples (200 steps of 768) from 153,600."""
+    p = replace(predictions["config_DGXH200_1x8.sh"], schedule=EvalSchedule(153_600, 153_600))
+    assert (p.evals(0), p.evals(153_599), p.evals(153_600), p.evals(153_601)) == (1, 1, 1, 2)
+    assert (p.evals(17 * 153_600), p.evals(17 * 153_600 + 1)) == (17, 18)
+    assert p.stop_samples(3 * 153_600) == 460_800 and p.stop_samples(3 * 153_600 + 1) == 614_400
+    off_step = replace(p, schedule=EvalSchedule(150_000, 150_000))  # 150,000 = 195.3 steps: up to 196 steps
+    assert off_step.stop_samples(150_000) == 196 * 768
+
+
+def test_time_to_train_range_by_hand(predictions: dict[str, plan.Prediction]) -> None:
+    """Low: the fewest samples the RCP bound accepts (RCP mean / maximum speed-up) and the step shorter by the
+    leave-one-out spread, e^0.421; high: the RCP mean plus one standard deviation and the step longer by it. Evals
+    every 150,000 samples, steps of 768 rounded up to the eval that sees the samples, 5 s fixed."""
+    p = predictions["config_DGXH200_1x8.sh"]
+    record = p.window.record
+    assert record is not None
+    low_samples = float(record["RCP Mean"]) / float(record["Max Speedup"])
+    high_samples = float(record["RCP Mean"]) + float(record["RCP Stdev"])
+    assert p.samples_range == pytest.approx((low_samples, high_samples), rel=1e-12)
+    spread = math.exp(0.421)
+    assert p.step_range == pytest.approx((p.step.seconds / spread, p.step.seconds * spread), rel=1e-9)
+
+    def by_hand(samples: float, step_s: float) -> float:
+        evals = math.ceil(samples / 150_000)
+        return (5.0 + math.ceil(evals * 150_000 / 768) * step_s + evals * p.eval_s) / 60
+
+    ttt, low, high = p.ttt
+    assert ttt == pytest.approx(by_hand(p.samples, p.step.seconds), rel=1e-9)
+    assert low == pytest.approx(by_hand(low_samples, p.step.seconds / spread), rel=1e-9)
+    assert high == pytest.approx(by_hand(high_samples, p.step.seconds * spread), rel=1e-9)
+
+
+def test_world_size_and_ranks_per_node_are_the_configs(predictions: dict[str, plan.Prediction]) -> None:
+    assert {name: (p.gpus, p.per_node) for name, p in predictions.items()} == HAND_WORLD
+    assert {name: p.throughput for name, p in predictions.items()} == pytest.approx(
+        {name: HAND_GBS[name] / p.step.seconds for name, p in predictions.items()}, rel=1e-12)
+
+
+def test_two_nodes_without_the_sharded_optimizer_cross_infiniband_by_hand(traced: dict[str, dict[str, Any]]) -> None:
+    """The H200 recipe on 2 nodes of 8 (no DIST_OPTIMIZER, clip mode before_allreduce): each traced all-reduce rings
+    16 ranks over the node's 8 NICs (8 x 50 GB/s, under NVLink's 450), 20 us + 2 x 15/16 x bytes / (400 GB/s x 0.8),
+    all of it exposed after the backward."""
+    name = "config_DGXH200_1x8.sh"
+    env = plan.config_env(REPO / name, 16, "H200")
+    p = plan.predict(name, env, step_model.DEVICES["H200"], traced[name])
+    assert (p.gpus, p.per_node, p.gbs, p.overlap) == (16, 8, 1536, step_model.Exchange(False, False, 0))
+    assert p.step.link == step_model.Link(16, 400e9, "InfiniBand")
+    work = StepWork.from_dict(traced[name]["work"])
+    assert {op for op, _ in work.step.collectives} == {"allreduce_"}
+    comm = sum(n * (20e-6 + 2 * 15 / 16 * size / (400e9 * 0.8)) for (_, size), n in work.step.collectives.items())
+    assert p.step.comm_s == pytest.approx(comm, rel=1e-9) and p.step.exposed_comm_s == pytest.approx(comm, rel=1e-9)
+    assert p.step.seconds == pytest.approx(p.step.compute_s + comm, rel=1e-9)
+
+
+@pytest.mark.parametrize("gpus, link", [(72, step_model.Link(72, 900e9, "NVLink")),
+                                        (76, step_model.Link(76, 200e9, "InfiniBand"))])
+def test_gb200_trays_share_nvlink_up_to_the_racks_72(traced: dict[str, dict[str, Any]], gpus: int,
+                                                       link: step_model.Link) -> None:
+    """72 GB200s (18 trays of 4) are one NVLink domain; 76 (19 trays) ring over InfiniBand, 4 NICs a tray:
+    4 x 50 GB/s."""
+    name = "config_GB200_2x4.sh"
+    p = plan.predict(name, plan.config_env(REPO / name, gpus, "GB200"), step_model.DEVICES["GB200"], traced[name])
+    assert (p.gpus, p.per_node, p.gbs, p.step.link) == (gpus, 4, 96 * gpus, link)
+
+
+def test_a_measured_setup_naming_a_config_that_is_not_there_is_refused() -> None:
+    """The measurement's link to its config, present but wrong: one line naming it and the fix."""
+    with pytest.raises(plan.PlanError, match=r"tools/measurements: no config_DGXH200_1x9\.sh in the repository"):
+        plan.setup_env(step_calibration.SetUp("H200", "config_DGXH200_1x9.sh", ()))
+
+
+def test_the_recipes_device_memory_is_the_planners() -> None:
+    """The recipe's device memory (GB) and the planner's datasheet bytes name the same devices the same."""
+    shared = set(recipe.DEVICE_MEMORY_GB) & set(step_model.DEVICES)
+    assert shared == {"A100", "H100", "H200", "B200", "GB200"}
+    assert {name: recipe.DEVICE_MEMORY_GB[name] * 1e9 for name in shared} == {
+        name: step_model.DEVICES[name].memory_bytes for name in shared}

@@ -4,6 +4,7 @@ the trainer's closed-division rules)."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -154,3 +155,66 @@ def test_the_script_runs_from_the_command_line():
     done = subprocess.run([sys.executable, str(REPO / "tools" / "recipe.py"), "--gpus", "8", "--device", "H100"],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "choice: GBS 448 = 56 sequences" in done.stdout, done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundaries and hand computations
+
+
+@pytest.mark.parametrize("memory_gb, micro", [(80.0, 146), (141.0, 271), (40.0, 64), (24.0, 32), (23.0, 30),
+                                              (9.8, 3), (8.8, 0)])
+def test_micro_batch_that_fits_by_hand(memory_gb, micro):
+    """floor((0.9 M - 7.5) / 0.44): 80 GB -> 64.5 / 0.44 = 146.6; exactly at the limit, 23 GB holds 30 (0.9 x 23 =
+    20.7 GB = 7.5 + 30 x 0.44) and 9.8 GB holds 3 (8.82 GB); 8.8 GB (7.92 usable) not one (7.94)."""
+    assert recipe.max_micro_batch(memory_gb) == micro
+
+
+@pytest.mark.parametrize("per_device, limit, steps", [(32, 32, 1), (64, 32, 2), (75, 32, 3), (61, 32, 61),
+                                                      (448, 146, 4), (56, 14, 4)])
+def test_fewest_accumulation_steps_by_hand(per_device, limit, steps):
+    """75 sequences in micro-batches of at most 32: 3 of 25 (75 / 2 is not whole); 61 (prime) only 61 of 1; a
+    per-device batch exactly at the limit needs no accumulation."""
+    assert recipe.accumulation_steps(per_device, limit) == steps
+
+
+def test_candidate_sizes_on_device_counts_that_do_not_divide_the_rcp_points():
+    """6 devices: every size a multiple of 6, on both sides of each table point (444 and 450 around 448, the
+    latter also the first past the largest point) and the smallest with 4 sequences a device (24); 7 devices: 448 is
+    a multiple (64 x 7), 16,387 is past 16,384."""
+    assert recipe.candidate_sizes(6, [448], 4) == [24, 444, 450]
+    sizes = recipe.candidate_sizes(7, [256, 448, 16384], 4)
+    assert sizes == [28, 252, 259, 448, 16380, 16387] and all(size % 7 == 0 for size in sizes)
+    for devices in (6, 7, 12, 100):
+        found = recipe.candidate_sizes(devices, [256, 448, 1536, 3072, 4096, 4608, 16384], 4)
+        assert all(size % devices == 0 for size in found), devices
+
+
+def test_a_device_batch_exactly_at_the_minimum_is_allowed(sets):
+    """112 devices at GBS 448 (the fastest RCP point): exactly 4 sequences each, which --min_device_batch 4 allows;
+    with 5 it is ruled out."""
+    found = recipe.candidates(112, 80.0, RULESET, sets)
+    chosen = recipe.choose(found, 4)
+    assert chosen is not None and (chosen.global_batch_size, chosen.per_device) == (448, 4)
+    stricter = recipe.choose(found, 5)
+    assert stricter is not None and stricter.per_device >= 5 and stricter.global_batch_size != 448
+
+
+def test_a_written_config_over_nodes_of_four_holds_its_own_arithmetic(tmp_path, capsys):
+    """12 devices of 24 GB, 4 a node: 3 nodes, GBS 456 (448, the fastest point, is no multiple of 12): 38 a device
+    in 2 micro-batches of 19 (at most 32 fit). The header's arithmetic, memory line and limit agree with the
+    variables, by hand (micro x accumulation x 12 = GBS, 7.5 + 0.44 x micro GB, ceil(1.85 x RCP mean / 100,000)
+    hundred thousand samples)."""
+    path, exports = _write(tmp_path, "--gpus", "12", "--memory_gb", "24", "--gpus_per_node", "4")
+    gbs, _ = config_global_batch_size(read_config(path), path)
+    per_device, steps = int(exports["BATCHSIZE"]), int(exports["GRADIENT_STEPS"])
+    micro = per_device // steps
+    assert (exports["DGXNNODES"], exports["DGXNGPU"], gbs, per_device, steps) == ("3", "4", 456, 38, 2)
+    text = path.read_text()
+    assert f"# Batch arithmetic: {micro} sequences/GPU x {steps} accumulation step(s) x 12 GPUs = {gbs} global " \
+           f"batch (BATCHSIZE {per_device} per GPU and optimizer step)." in text
+    assert "# Memory estimate per GPU: 15.9 GB of 24 GB" in text  # 7.5 + 0.44 x 19
+    from mlperf_tools.results.scoring import rcp_window
+
+    window = rcp_window(gbs, RULESET)
+    assert window.rcp_mean is not None
+    assert int(exports["MAX_SAMPLES_TERMINATION"]) == math.ceil(1.85 * window.rcp_mean / 100_000) * 100_000

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,83 @@ def test_a_run_that_never_reached_run_start_is_ordered_by_its_first_logged_time(
     log.write_text('noise\n:::MLLOG {"time_ms": 4242, "key": "init_start", "event_type": "INTERVAL_START"}\n')
     crashed = RunLog(log, {}, None, None, None, (), False, None)
     assert scoring.launch_ms(crashed) == 4242
+
+
+def test_olympic_mean_by_hand_on_uneven_times():
+    """30, 10, 11, 12, 20 minutes: without 10 and 30, (11 + 12 + 20) / 3 = 14.33 (the plain mean is 16.6); three
+    runs keep the middle one; the RCP verdict's olympic samples drop the same two."""
+    runs = [_run(f"r{i}", i, m) for i, m in enumerate([30.0, 10.0, 11.0, 12.0, 20.0])]
+    assert scoring.olympic_minutes(runs) == pytest.approx(43 / 3, rel=1e-12)
+    assert scoring.olympic_minutes(runs[2:]) == pytest.approx(12.0)  # 11, 12, 20
+    verdict = scoring.RcpVerdict(None, (100.0, 1.0, 10.0, 2.0, 3.0), False, "", 1.0)
+    assert verdict.olympic_samples == pytest.approx(5.0)  # (2 + 3 + 10) / 3
+
+
+def test_select_with_exactly_as_many_runs_as_the_window_and_with_four_windows():
+    """10 runs for windows of 10: the one window, nothing dropped; 3 is the smallest window. 13 runs: four windows
+    (W0 r0..r9 = 11..18 with r0 failed, W1 r1..r10, W2 r2..r11, W3 r3..r12 = 8, 9, 12..17 without 5 and 18) score
+    14.5, 13.5, 13.375 and 13.0 by hand; of the two middle ones (13.375, 13.5) the slower, W1."""
+    runs = [_run(f"r{i}", i, m) for i, m in enumerate([*TWELVE, 8])]
+    ten = scoring.select_consecutive(runs[:10], 10)
+    assert (ten.scores, ten.chosen, ten.kept, ten.dropped) == ((14.5,), 0, tuple(runs[:10]), ())
+    assert scoring.select_consecutive(runs[1:4], 3).kept == tuple(runs[1:4])
+    with pytest.raises(scoring.ScoringError, match="--select 2: an olympic score needs at least 3 runs"):
+        scoring.select_consecutive(runs[1:4], 2)
+    thirteen = scoring.select_consecutive(runs, 10)
+    assert thirteen.scores == pytest.approx((14.5, 13.5, 13.375, (8 + 9 + 12 + 13 + 14 + 15 + 16 + 17) / 8))
+    assert thirteen.chosen == 1 and thirteen.dropped == (runs[0], runs[11], runs[12])
+
+
+def _rcp_table() -> dict[int, list[float]]:
+    """rcps_bert.json of training 5.0.0 as published: samples to converge of each reference run, by batch size."""
+    path = Path(scoring.rcp_checker("5.0.0")._construct_json_filename("training", "5.0.0", "bert"))
+    return {int(record["BS"]): list(record["Epochs to converge"]) for record in json.loads(path.read_text()).values()}
+
+
+def _bound_by_hand(mean: float, stdev: float, reference_runs: int) -> float:
+    """The smallest olympic mean of 10 runs (8 kept) a one-sided t-test at 5 % does not call faster than the RCP:
+    mean + t_0.05(df) x stdev x sqrt(1/n + 1/8), the pooled deviation the RCP's own."""
+    from scipy import stats
+
+    df = reference_runs + 8 - 2
+    return mean + stats.t.ppf(0.05, df) * stdev * math.sqrt(1 / reference_runs + 1 / 8)
+
+
+def test_rcp_window_by_hand_from_the_tables_neighbours():
+    """GBS 448 has its own RCP: the olympic mean of its 23 runs (21 kept), their population deviation, the bound
+    with 21 reference runs. GBS 768 lies between the pruned neighbours 448 and 4,608 (1,536 and 3,072 lie above
+    that line): mean and deviation interpolated linearly at (768 - 448) / (4,608 - 448) = 1/13, the bound with the
+    checker's 20 reference runs for an interpolation. GBS 64 is checked against 448."""
+    table = _rcp_table()
+    olympic = {bs: statistics.fmean(sorted(samples)[1:-1]) for bs, samples in table.items()}
+    stdev = {bs: statistics.pstdev(samples) for bs, samples in table.items()}
+    own = scoring.rcp_window(448, "5.0.0")
+    assert (own.rcp_mean, float(own.record["RCP Stdev"])) == pytest.approx((olympic[448], stdev[448]), rel=1e-12)
+    assert own.min_mean == pytest.approx(_bound_by_hand(olympic[448], stdev[448], 21), rel=1e-7)
+    share = (768 - 448) / (4608 - 448)
+    assert share == pytest.approx(1 / 13)
+    mean = olympic[448] + share * (olympic[4608] - olympic[448])
+    deviation = stdev[448] + share * (stdev[4608] - stdev[448])
+    window = scoring.rcp_window(768, "5.0.0")
+    assert (window.rcp_mean, float(window.record["RCP Stdev"])) == pytest.approx((mean, deviation), rel=1e-12)
+    assert window.min_mean == pytest.approx(_bound_by_hand(mean, deviation, 20), rel=1e-7)
+    assert window.max_speedup == pytest.approx(mean / _bound_by_hand(mean, deviation, 20), rel=1e-7)
+    below = scoring.rcp_window(64, "5.0.0")
+    assert below.rcp_mean == pytest.approx(olympic[448], rel=1e-12)
+
+
+def test_an_rcp_bound_exactly_met_passes_with_its_normalization():
+    """Ten runs whose olympic mean is exactly the minimum acceptable one pass, normalized by RCP mean / bound (the
+    maximum speed-up); one step under it fails, unnormalized. The margin calls the bound itself above it."""
+    window = scoring.rcp_window(768, "5.0.0")
+    assert window.record is not None and window.min_mean is not None
+    bound = window.min_mean
+    checker = scoring.rcp_checker("5.0.0")
+    assert scoring._judge(checker, window.record, [bound] * 10) == pytest.approx((True, window.max_speedup))
+    assert scoring._judge(checker, window.record, [math.nextafter(bound, 0.0)] * 10) == (False, 1.0)
+    verdict = scoring.RcpVerdict(window, (bound,) * 10, True, "RCP Interpolation", window.max_speedup)
+    assert verdict.margin() == f"olympic mean {bound:,.0f} samples to converge, 0 (0.00%) above the minimum " \
+                               f"acceptable {bound:,.0f}"
 
 
 # ---------------------------------------------------------------------------------------------

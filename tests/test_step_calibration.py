@@ -22,6 +22,7 @@ from mlperf_tools.planning import plan
 from mlperf_tools.planning import step_calibration
 from mlperf_tools.planning import step_model
 from mlperf_tools.planning.step_calibration import Check, SetUp
+from mlperf_tools.planning.step_model import StepFeatures
 
 H200 = step_model.DEVICES["H200"]
 SESSION = REPO / "tools" / "measurements" / "h200-2026-11-27"
@@ -136,27 +137,103 @@ def test_our_terms_by_hand() -> None:
     assert b200["optimizer"] == pytest.approx(terms["optimizer"] * hbm / 8.0e12)
 
 
+TRUTH = step_model.ours() | {"compiled_bandwidth": 0.9, "cast_bandwidth": 2.5, "eager_bandwidth": 0.5}
+BF16_PHASE = _phase(10**11, gemm=4 * 10**13, attention=4 * 10**12)
+FP8_PHASE = _phase(9 * 10**11, fp8=4 * 10**13)
+
+
+def _observed(n: int, phase: PhaseCost, compiled: bool, twin: PhaseCost | None = None, scale: float = 1.0
+              ) -> step_calibration.Observation:
+    """Set-up N's step as the model times it with the constants TRUTH (times `scale`)."""
+    session = step_calibration.Session(SESSION, "2026-11-27", "H200", "8b184cd")
+    traced = step_calibration.Traced(step_model.features(phase, compiled, twin), True, compiled)
+    timed = step_calibration.Timed(SetUp.of("H200", "config_X.sh", {"N": str(n)}), 1.0, session, "", "")
+    ms = step_calibration.Observation(timed, traced).predict(TRUTH)
+    return step_calibration.Observation(replace(timed, ms_per_step=ms * scale), traced)
+
+
 def test_the_fit_recovers_what_the_steps_measure_and_keeps_priors_elsewhere() -> None:
     """Steps made from known constants: the fit finds them; a constant no step exercises (varlen) keeps its prior
     and is not reported as measured."""
-    truth = step_model.ours() | {"compiled_bandwidth": 0.9, "cast_bandwidth": 2.5, "eager_bandwidth": 0.5}
-    session = step_calibration.Session(SESSION, "2026-11-27", "H200", "8b184cd")
-
-    def observed(n: int, phase: PhaseCost, compiled: bool, twin: PhaseCost | None = None
-                 ) -> step_calibration.Observation:
-        traced = step_calibration.Traced(step_model.features(phase, compiled, twin), True, compiled)
-        timed = step_calibration.Timed(SetUp.of("H200", "config_X.sh", {"N": str(n)}), 1.0, session, "", "")
-        ms = step_calibration.Observation(timed, traced).predict(truth)
-        return step_calibration.Observation(replace(timed, ms_per_step=ms), traced)
-
-    bf16 = _phase(10**11, gemm=4 * 10**13, attention=4 * 10**12)
-    observations = [observed(0, bf16, True), observed(1, _phase(9 * 10**11, fp8=4 * 10**13), True, bf16),
-                    observed(2, bf16, False)]
+    truth = TRUTH
+    observations = [_observed(0, BF16_PHASE, True), _observed(1, FP8_PHASE, True, BF16_PHASE),
+                    _observed(2, BF16_PHASE, False)]
     result = step_calibration.fit(observations, {})
     for name in ("compiled_bandwidth", "cast_bandwidth", "eager_bandwidth"):
         assert result.constants[name] == pytest.approx(truth[name], rel=1e-3), name
     assert "varlen_efficiency" not in result.measured
     assert result.constants["varlen_efficiency"] == pytest.approx(step_model.priors(truth)["varlen_efficiency"])
+
+
+def test_leave_one_out_by_hand() -> None:
+    """Four set-ups made from TRUTH: two compiled bf16 steps (compiled_bandwidth), a compiled FP8 step (its casts:
+    cast_bandwidth) and an eager step (eager_bandwidth) measured twice, 10 % apart. Left out, the FP8 step's casts
+    fall back to their prior, memory_efficiency / fused_traffic_share = 0.80 / 0.20, the eager step's bandwidth to
+    0.80; either compiled bf16 step is predicted exactly by the other. The eager step's measurement is the mean of
+    its two, m x 1.05, and the fit of its two relative errors lands at m (1 + 1/1.1) / (1 + 1/1.21)."""
+    compiled_2 = _phase(3 * 10**11, gemm=10**13)
+    observations = [_observed(0, BF16_PHASE, True), _observed(1, FP8_PHASE, True, BF16_PHASE),
+                    _observed(2, BF16_PHASE, False), _observed(2, BF16_PHASE, False, scale=1.1),
+                    _observed(3, compiled_2, True)]
+    exact = {o.timed.setup: o.timed.ms_per_step for o in observations[:3] + observations[4:]}
+    found = {c.setup: c for c in step_calibration.checks(observations, {})}
+    fp8, eager = observations[1], observations[2]
+    assert set(found) == set(exact)
+    for setup in (observations[0].timed.setup, observations[4].timed.setup):
+        c = found[setup]
+        assert (c.measured_ms, c.fitted_ms, c.left_out_ms) == pytest.approx((exact[setup],) * 3, rel=1e-3)
+    c = found[fp8.timed.setup]
+    assert (c.measured_ms, c.fitted_ms) == pytest.approx((exact[c.setup],) * 2, rel=1e-3)
+    assert c.left_out_ms == pytest.approx(fp8.predict(TRUTH | {"cast_bandwidth": 4.0}), rel=1e-6)
+    assert c.left_out_ms < 0.9 * c.measured_ms  # the prior is far from what this step measures
+    m = exact[eager.timed.setup]
+    c = found[eager.timed.setup]
+    assert c.measured_ms == pytest.approx(1.05 * m, rel=1e-12)
+    assert c.fitted_ms == pytest.approx(m * (1 + 1 / 1.1) / (1 + 1 / 1.21), rel=1e-4)
+    assert c.left_out_ms == pytest.approx(eager.predict(TRUTH | {"eager_bandwidth": 0.80}), rel=1e-6)
+    misses = [math.log(fp8.predict(TRUTH | {"cast_bandwidth": 4.0}) / exact[fp8.timed.setup]),
+              math.log(eager.predict(TRUTH | {"eager_bandwidth": 0.80}) / (1.05 * m))]
+    assert all(miss < -0.1 for miss in misses)  # both too fast: the spread is their size, not their sign
+    assert step_calibration.spread(found.values()) == pytest.approx(max(abs(miss) for miss in misses), rel=1e-6)
+
+
+def test_profile_constants_by_hand() -> None:
+    """Each kind's rate is its ideal time at the H200's peaks (989 TFLOP/s bf16, 1,979 FP8, 4.8 TB/s) over the
+    profiled time, the mean over profiles: GEMMs 10 ms of ideal work (half bf16, half FP8) in 20 and in 12.5 ms,
+    0.5 and 0.8; attention whose masked-row and per-sequence FLOPs are equal counts as masked rows, 1 ms in 5 ms;
+    per-sequence attention alone 2 ms in 4 ms; the optimizer's 4.8 GB in 4 ms."""
+    def traced(attention: float, varlen: float) -> step_calibration.Traced:
+        features = StepFeatures(gemm_flops=989e12 * 0.005, fp8_flops=1979e12 * 0.005, attention_flops=attention,
+                                varlen_flops=varlen, optimizer_bytes=4.8e9)
+        return step_calibration.Traced(features, True, True)
+
+    def profiled(gemm_ms: float, attention_ms: float) -> step_calibration.Profiled:
+        session = step_calibration.Session(SESSION, "2026-11-27", "H200", "8b184cd")
+        return step_calibration.Profiled(FP8_STEP, {"GEMMs": gemm_ms, "attention": attention_ms, "optimizer": 4.0},
+                                         session, "")
+
+    found = step_calibration.profile_constants([(profiled(20.0, 5.0), traced(989e12 * 0.001, 989e12 * 0.001)),
+                                                (profiled(12.5, 4.0), traced(0.0, 989e12 * 0.002))])
+    assert found == pytest.approx({"gemm_efficiency": 0.65, "attention_efficiency": 0.2, "varlen_efficiency": 0.5,
+                                   "optimizer_bandwidth": 0.25}, rel=1e-9)
+
+
+def test_an_index_naming_a_file_that_is_not_there_is_one_error_naming_it(tmp_path: Path) -> None:
+    """The index's link to its files, present but wrong: a benchmark file that is missing, a profile that is no
+    profiler table."""
+    session = tmp_path / "h200-2027-01-02"
+    session.mkdir()
+    index = {"date": "2027-01-02", "device": "H200", "commit": "abc1234",
+             "benchmarks": [{"file": "tp_missing.json", "config": "config_DGXH200_1x8.sh", "command": "x"}]}
+    (session / "index.json").write_text(json.dumps(index))
+    with pytest.raises(step_calibration.MeasurementError, match=r"h200-2027-01-02/tp_missing\.json: .*No such file"):
+        step_calibration.load(tmp_path)
+    (session / "profile.txt").write_text("Name    Self CPU    CPU total\n-----\naten::mm    1.0ms    2.0ms\n")
+    index = {**index, "benchmarks": [], "profiles": [{"file": "profile.txt", "config": "config_DGXH200_1x8.sh",
+                                                      "steps": 1}]}
+    (session / "index.json").write_text(json.dumps(index))
+    with pytest.raises(step_calibration.MeasurementError, match=r"profile\.txt: no 'Self CUDA' column"):
+        step_calibration.load(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
