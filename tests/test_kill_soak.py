@@ -1,4 +1,4 @@
-"""tools/kill_soak.py: a run killed 5 times at random moments and resumed ends bitwise like the
+"""tools/kill_soak.py: a run killed 4 times at random moments and resumed ends bitwise like the
 uninterrupted one (the 50-kill figures are in docs/FAULTS.md); its comparison and its reading of
 the moment a kill hit."""
 
@@ -19,22 +19,23 @@ MOMENTS = {"launch", "init", "step", "checkpoint write", "eval"}
 
 
 @pytest.mark.slow
-def test_five_kills_and_resumes_end_bitwise_like_the_uninterrupted_run(demo_data, tmp_path):
+def test_four_kills_and_resumes_end_bitwise_like_the_uninterrupted_run(demo_data, tmp_path):
+    """One round of the plan: each target (start-up, step, checkpoint, eval) once, SIGTERM once."""
     sizes = [f"--set={name}={value}" for name, value in DEMO_CONFIG_TEST_SIZES.items()]
     run = ["--set=TARGET_MLM_ACCURACY=0.999", "--set=MAX_STEPS=40", "--set=WARMUP_STEPS=5",
            "--set=EVAL_ITER_START_SAMPLES=160", "--set=EVAL_ITER_SAMPLES=160"]
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "kill_soak.py"), "--kills", "5", "--seed", "3",
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "kill_soak.py"), "--kills", "4", "--seed", "3",
                            "--data", str(demo_data), "--work", str(tmp_path / "soak"), "--report", str(report),
                            *sizes, *run], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(report.read_text())
-    assert figures["equal"] and figures["kills"] == 5 and figures["eval_points"] == 4, figures
-    assert sum(figures["signals"].values()) == 5 and figures["signals"]["SIGTERM"] >= 1
-    assert set(figures["moments"]) <= MOMENTS and sum(figures["moments"].values()) == 5
-    assert set(figures["planned"]) == {"startup", "step", "checkpoint", "eval"}
+    assert figures["equal"] and figures["kills"] == 4 and figures["eval_points"] == 4, figures
+    assert sum(figures["signals"].values()) == 4 and figures["signals"]["SIGTERM"] == 1
+    assert set(figures["moments"]) <= MOMENTS and sum(figures["moments"].values()) == 4
+    assert figures["planned"] == {"startup": 1, "step": 1, "checkpoint": 1, "eval": 1}
     assert set(figures["targets"]) <= {"startup", "step", "checkpoint", "eval"}
-    assert figures["attempts"] == 6 and "bitwise equal" in done.stdout
+    assert figures["attempts"] == 5 and "bitwise equal" in done.stdout
 
 
 def _checkpoint(folder: Path, samples: int, weight: float) -> None:

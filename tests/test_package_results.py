@@ -490,3 +490,20 @@ def test_check_fails_a_package_whose_run_initialized_too_long(tmp_path):
     done = _tool("check", str(package), "--ruleset", "2.0.0")
     assert done.returncode == 1 and done.stdout.splitlines()[-1].startswith("FAIL"), done.stdout + done.stderr
     assert re.search(r"result_5\.txt: initialization took 3\d\.\d minutes, more than the 30 minutes", done.stdout)
+
+
+@pytest.mark.parametrize("value", ["0", "-8", "1.5", "448 "])
+def test_a_global_batch_size_that_is_not_a_positive_whole_number_is_refused(value):
+    """GLOBAL_BATCH_SIZE, read as it is (the trainer's own count is config_batch's): 0 included, at the bound."""
+    with pytest.raises(package_results.PackageError,
+                       match=re.escape(f"config_X.sh: GLOBAL_BATCH_SIZE={value} is not a positive whole number")):
+        package_results.config_global_batch_size({"GLOBAL_BATCH_SIZE": value}, Path("config_X.sh"))
+    assert package_results.config_global_batch_size({"GLOBAL_BATCH_SIZE": "1"}, Path("config_X.sh"))[0] == 1
+
+
+def test_only_an_open_config_gets_the_open_division_note():
+    """A closed config, and a batch size with no config (`rcp --gbs`) or no DIVISION, are checked against the RCPs."""
+    closed = package_results.rcp_comment(768, "5.0.0", "closed")
+    assert "open division" not in closed and closed.startswith("# RCP (training 5.0.0, bert): GBS 768 ")
+    assert package_results.rcp_comment(768, "5.0.0") == closed
+    assert package_results.rcp_comment(768, "5.0.0", "open") == closed + "; open division: no RCP check"

@@ -551,3 +551,16 @@ def test_the_recipes_device_memory_is_the_planners() -> None:
     assert shared == {"A100", "H100", "H200", "B200", "GB200"}
     assert {name: recipe.DEVICE_MEMORY_GB[name] * 1e9 for name in shared} == {
         name: step_model.DEVICES[name].memory_bytes for name in shared}
+
+
+def test_our_eval_time_follows_the_evals_own_capture(traced: dict[str, dict[str, Any]]) -> None:
+    """The eval is graphed or not by --eval_cuda_graph, apart from the training step: flipping the step's
+    capture leaves the eval's time alone, and an eager eval of the same work pays its launches."""
+    work = StepWork.from_dict(traced["config_DGXH200_1x8.sh"]["work"])
+    h200 = step_model.DEVICES["H200"]
+    assert work.captured and work.eval_captured  # the shipped H200 config graphs both
+    graphed = step_model.our_eval_seconds(work, h200, 8)
+    assert step_model.our_eval_seconds(replace(work, captured=False), h200, 8) == graphed
+    eager = step_model.our_eval_seconds(replace(work, eval_captured=False), h200, 8)
+    assert eager > graphed
+    assert step_model.our_eval_seconds(replace(work, captured=False, eval_captured=False), h200, 8) == eager

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import REPO
+from mlperf_bert.config.settings import RunSettings
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
 from mlperf_bert.dryrun.shipped import exports
@@ -327,3 +328,16 @@ def test_bf16_twin_only_for_compiled_fp8_steps() -> None:
     fp8 = {**env, "PRECISION": "fp8", "FP8_RECIPE": "delayed"}
     assert step_calibration.bf16_twin(fp8) == {**env, "PRECISION": "bf16"}
     assert step_calibration.bf16_twin({**fp8, "COMPILE_MODE": "none"}) is None
+
+
+def test_an_fp8_set_up_without_compile_mode_is_eager_as_the_trainer_runs_it() -> None:
+    """Only a compiled FP8 step gets a bf16 twin; a config that sets no COMPILE_MODE runs the trainer's default,
+    eager (`--compile_mode none`), so none is traced for it."""
+    default = next(f.default for f in fields(RunSettings) if f.name == "compile_mode")
+    assert default == "none"
+    assert step_calibration.bf16_twin({"PRECISION": "fp8"}) is None
+    assert step_calibration.bf16_twin({"PRECISION": "fp8", "COMPILE_MODE": "none"}) is None
+    assert step_calibration.bf16_twin({"PRECISION": "bf16", "COMPILE_MODE": "default"}) is None
+    twin = step_calibration.bf16_twin({"PRECISION": "fp8", "COMPILE_MODE": "default", "FP8_RECIPE": "delayed",
+                                       "FP8_LAYERS": "ffn", "BATCHSIZE": "48"})
+    assert twin == {"PRECISION": "bf16", "COMPILE_MODE": "default", "BATCHSIZE": "48"}
