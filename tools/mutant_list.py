@@ -68,6 +68,30 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                                      "or without_torchao"),
     LAUNCH: ("tests/test_launch.py", "-k", "clean_stop or signalled or wait_for_codes or job_exit or exit_folder "
                                            "or stop_signals or held_records or launch_value or values_in_range"),
+    # round 2
+    BATCH: ("tests/test_plan.py", "tests/test_config_property.py", "tests/test_flag_variables.py", "tests/test_recipe.py",
+            "tests/test_package_results.py::test_pack_refuses_a_run_of_another_global_batch_size_naming_it",
+            "tests/test_package_results.py::test_logs_of_another_config_are_rejected"),
+    ESTIMATE: ("tests/test_plan.py", "tests/test_cost.py", "tests/test_step_calibration.py"),
+    COST: ("tests/test_cost.py", "tests/test_step_calibration.py", "tests/test_plan.py"),
+    FORECAST: ("tests/test_forecast.py", "tests/test_live_report.py"),
+    EVAL_INPUT: ("tests/test_eval_graph.py",),
+    EVAL_STEP: ("tests/test_eval_graph.py", "tests/test_fp8.py::test_eval_under_fp8_scores_the_weights_as_bf16_does"),
+    DATA_CHECK: ("tests/test_unverified_data.py", "tests/test_clock.py", "-k", "not demo_config and not bad_row "
+                                                                              "and not initialization"),
+    VARLEN: ("tests/test_varlen_flash.py", "tests/test_cost.py"),
+    FP8_DELAYED: ("tests/test_fp8_delayed.py", "tests/test_fp8.py",
+                  "tests/test_dryrun.py::test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16",
+                  "-k", "delayed"),
+    PREFLIGHT: ("tests/test_preflight.py",),
+    NCCL_PREFLIGHT: ("tests/test_preflight.py",),
+    STARTUP: ("tests/test_device_choices.py", "tests/test_bert_config.py", "tests/test_config_property.py",
+              "tests/test_fp8.py::test_gpu_without_fp8_tensor_cores_stops_at_start_up",
+              "tests/test_fp8.py::test_fp8_without_torchao_is_refused_on_every_device",
+              "tests/test_fp8.py::test_fp8_needs_compute_capability_8_9_or_later_at_every_capability"),
+    PRECISION: ("tests/test_device_choices.py", "tests/test_fast_path.py"),
+    ATTENTION: ("tests/test_device_choices.py", "tests/test_fast_path.py", "tests/test_optional_dependencies.py",
+                "tests/test_grouped_attention.py", "-k", "not trainer"),
 }
 
 
