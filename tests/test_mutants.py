@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mlperf_tools.testing import mutants
-from mlperf_tools.testing.mutant_list import MUTANTS, Mutant
+from mlperf_tools.testing.mutant_list import Mutant
+from mlperf_tools.testing.mutants import MUTANTS
 
 
 def test_every_mutant_of_the_list_fits_the_current_source():
@@ -73,3 +74,23 @@ def test_the_score_counts_only_valid_mutants():
                 (mutants.KILLED, mutants.KILLED, mutants.KILLED, mutants.SURVIVED, mutants.INVALID)]
     assert mutants.score(outcomes) == 0.75
     assert "score: 75.0% of the valid mutants killed" in mutants.report(outcomes)
+
+
+def test_each_round_gets_its_own_score_line():
+    first, second = MUTANTS[0], Mutant("toy-2", MUTANTS[0].module, "x", "y", "a toy bug", round=2)
+    outcomes = [mutants.Outcome(first, mutants.KILLED, 1.0), mutants.Outcome(second, mutants.KILLED, 1.0),
+                mutants.Outcome(second, mutants.SURVIVED, 1.0), mutants.Outcome(second, mutants.INVALID, 1.0)]
+    text = mutants.report(outcomes)
+    assert "round 1: 100.0% of 1 valid mutants killed (1 killed, 0 survived, 0 invalid)" in text
+    assert "round 2: 50.0% of 2 valid mutants killed (1 killed, 1 survived, 1 invalid)" in text
+
+
+def test_round_selects_the_mutants_of_that_round_only_and_an_unknown_round_is_refused(capsys):
+    rounds = {m.round for m in MUTANTS}
+    assert {1, 2} <= rounds
+    for n in rounds:
+        chosen = mutants.select(None, None, n)
+        assert chosen and {m.round for m in chosen} == {n}
+    assert mutants.select("closed_division", None, 2) == []
+    assert mutants.main(["--round", "99", "--list"]) == 2
+    assert "--round 99: no mutant of that round; the list has rounds 1, 2" in capsys.readouterr().err

@@ -5,6 +5,12 @@ could make (a rule's allowed set widened, a field left out of a hash or a record
 unsorted array, a layer index parsed wrongly, a signal left out of a list, a comparison weakened,
 an off-by-one). `tests` are the pytest arguments that should catch it (empty: the module's
 `MODULE_TESTS`); slow files are narrowed with `-k` to the tests that exercise the code.
+
+`round` groups the mutants by the study that wrote them (`mutants.py --round N` runs one). Round 2's
+were written from each module's source alone, before its tests were read, and aim at what tests built
+on tiny examples miss: a boundary value itself, sizes that do not divide evenly, a configuration path
+(several nodes, accumulation, shard groups), a precision's own branch, a factor off by 10-50 %, a link
+between two records, an index or dimension off by one.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ class Mutant:
     replace: str
     bug: str  # the realistic bug it stands for, in one line
     tests: tuple[str, ...] = ()  # pytest arguments; () = MODULE_TESTS[module]
+    round: int = 1  # the study that wrote it (`mutants.py --round N`; docs/TESTING.md)
 
 
 CLOSED = "pytorch/mlperf_bert/config/closed_division.py"
@@ -31,6 +38,21 @@ VERIFY = "data_prep/verify_dataset.py"
 SLOTS = "pytorch/mlperf_bert/input/slots.py"
 LAUNCH = "pytorch/mlperf_bert/runtime/launch.py"
 RECORD = "pytorch/mlperf_bert/data/record.py"  # written by verify_dataset, read before the clock
+# round 2
+BATCH = "pytorch/mlperf_bert/config/batch_size.py"
+ESTIMATE = "pytorch/mlperf_bert/dryrun/estimate.py"
+COST = "pytorch/mlperf_bert/dryrun/cost.py"
+FORECAST = "pytorch/mlperf_bert/hooks/forecast.py"
+EVAL_INPUT = "pytorch/mlperf_bert/input/eval_input.py"
+EVAL_STEP = "pytorch/mlperf_bert/train/eval_step.py"
+DATA_CHECK = "pytorch/mlperf_bert/input/data_check.py"
+VARLEN = "pytorch/mlperf_bert/model/varlen_flash.py"
+FP8_DELAYED = "pytorch/mlperf_bert/model/fp8_delayed.py"
+PREFLIGHT = "pytorch/mlperf_bert/runtime/preflight.py"
+NCCL_PREFLIGHT = "pytorch/nccl_preflight.py"
+STARTUP = "pytorch/mlperf_bert/startup.py"
+PRECISION = "pytorch/mlperf_bert/model/precision.py"  # the capability thresholds startup.device_problems asks
+ATTENTION = "pytorch/mlperf_bert/model/attention.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     CLOSED: ("tests/test_closed_division.py", "-k",
@@ -46,11 +68,39 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                                      "or without_torchao"),
     LAUNCH: ("tests/test_launch.py", "-k", "clean_stop or signalled or wait_for_codes or job_exit or exit_folder "
                                            "or stop_signals or held_records or launch_value or values_in_range"),
+    # round 2
+    BATCH: ("tests/test_plan.py", "tests/test_config_property.py", "tests/test_flag_variables.py", "tests/test_recipe.py",
+            "tests/test_package_results.py::test_pack_refuses_a_run_of_another_global_batch_size_naming_it",
+            "tests/test_package_results.py::test_logs_of_another_config_are_rejected"),
+    ESTIMATE: ("tests/test_plan.py", "tests/test_cost.py", "tests/test_step_calibration.py"),
+    COST: ("tests/test_cost.py", "tests/test_step_calibration.py", "tests/test_plan.py"),
+    FORECAST: ("tests/test_forecast.py", "tests/test_live_report.py"),
+    EVAL_INPUT: ("tests/test_eval_graph.py",),
+    EVAL_STEP: ("tests/test_eval_graph.py", "tests/test_fp8.py::test_eval_under_fp8_scores_the_weights_as_bf16_does"),
+    DATA_CHECK: ("tests/test_unverified_data.py", "tests/test_clock.py", "-k", "not demo_config and not bad_row "
+                                                                              "and not initialization"),
+    VARLEN: ("tests/test_varlen_flash.py", "tests/test_cost.py"),
+    FP8_DELAYED: ("tests/test_fp8_delayed.py", "tests/test_fp8.py",
+                  "tests/test_dryrun.py::test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16",
+                  "-k", "delayed"),
+    PREFLIGHT: ("tests/test_preflight.py",),
+    NCCL_PREFLIGHT: ("tests/test_preflight.py",),
+    STARTUP: ("tests/test_device_choices.py", "tests/test_bert_config.py", "tests/test_config_property.py",
+              "tests/test_fp8.py::test_gpu_without_fp8_tensor_cores_stops_at_start_up",
+              "tests/test_fp8.py::test_fp8_without_torchao_is_refused_on_every_device",
+              "tests/test_fp8.py::test_fp8_needs_compute_capability_8_9_or_later_at_every_capability"),
+    PRECISION: ("tests/test_device_choices.py", "tests/test_fast_path.py"),
+    ATTENTION: ("tests/test_device_choices.py", "tests/test_fast_path.py", "tests/test_optional_dependencies.py",
+                "tests/test_grouped_attention.py", "-k", "not trainer"),
 }
 
 
 def _m(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> Mutant:
     return Mutant(id, module, find, replace, bug, tuple(tests))
+
+
+def _m2(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> Mutant:
+    return Mutant(id, module, find, replace, bug, tuple(tests), round=2)
 
 
 MUTANTS: list[Mutant] = [
@@ -392,4 +442,184 @@ MUTANTS: list[Mutant] = [
        "an IPv6 endpoint without a port read as the port '1]'"),
     _m("launch-17", LAUNCH, "    if args.standalone:  # torchrun picks the endpoint itself\n        return None\n", "",
        "--standalone's own endpoint checked as if given (a --master_port it ignores refused)"),
+    # ================================================================ round 2 (see the docstring)
+    # ------------------------------------------------------------ config/batch_size.py
+    _m2("batch-01", BATCH, 'count("DGXNGPU") * count("DGXNNODES")', 'count("DGXNGPU")',
+        "the world size counts one node's GPUs (DGXNNODES ignored: multi-node global batch too small)"),
+    _m2("batch-02", BATCH, "return self.train_batch_size * self.world_size * (",
+        "return self.train_batch_size * self.accumulation_steps * self.world_size * (",
+        "accumulation counted twice: the global batch multiplied by GRADIENT_STEPS"),
+    _m2("batch-03", BATCH, " * (SEQUENCES_PER_PACK if self.packed else 1)", "",
+        "a packed row counted as one sequence in the global batch"),
+    _m2("batch-04", BATCH, "if batch.train_batch_size % batch.accumulation_steps:",
+        "if batch.train_batch_size < batch.accumulation_steps:",
+        "a BATCHSIZE the accumulation steps do not divide accepted (the micro-batch floored)"),
+    _m2("batch-05", BATCH, "int(value) <= 0", "int(value) < 0",
+        "a count of 0 accepted (DGXNNODES=0, GRADIENT_STEPS=0)"),
+    _m2("batch-06", BATCH, "return self.train_batch_size // self.accumulation_steps",
+        "return self.train_batch_size", "the micro-batch taken as BATCHSIZE (accumulation inside it ignored)"),
+    # ------------------------------------------------------------ dryrun/estimate.py
+    _m2("estimate-01", ESTIMATE, "eval_peak=eval_phase.peak_bytes + eval_set - traced_set)",
+        "eval_peak=eval_phase.peak_bytes + eval_set)",
+        "the traced eval items counted twice in the eval peak (once traced, once in the share)"),
+    _m2("estimate-02", ESTIMATE, "scale = eval_share / max(eval_items, 1)", "scale = eval_share // max(eval_items, 1)",
+        "the eval scale floored: a share the traced items do not divide loses its remainder"),
+    _m2("estimate-03", ESTIMATE, "return one + (layers - 1) * (two - one)", "return one + layers * (two - one)",
+        "the extrapolation off by one layer"),
+    _m2("estimate-04", ESTIMATE, "work.ops[op] += n * batches", "work.ops[op] += n",
+        "the eval graph's ops counted once, not once per replayed batch"),
+    _m2("estimate-05", ESTIMATE,
+        "train_peak = max(cost.peak_bytes for name, cost in phases.items() if name != EVAL_PHASE)",
+        "train_peak = max(cost.peak_bytes for cost in phases.values())",
+        "the eval's peak taken into the training peak"),
+    _m2("estimate-06", ESTIMATE, 'return CAPTURE_PHASE if graphed_step else f"step {steps}"',
+        'return CAPTURE_PHASE if graphed_step else "step 1"',
+        "the step's work read off the first eager step (which also builds the optimizer state)"),
+    # ------------------------------------------------------------ dryrun/cost.py
+    _m2("cost-01", COST, "return sum(p.numel() * p.element_size() for p in _plain(t))",
+        "return sum(p.numel() * 4 for p in _plain(t))",
+        "bytes counted as fp32 whatever the dtype (bf16 traffic x2, FP8 x4)"),
+    _m2("cost-02", COST, "p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)", "p.dtype in (torch.float8_e4m3fn,)",
+        "an E5M2 (gradient) operand not counted as FP8: the backward's FP8 GEMMs called matmul"),
+    _m2("cost-03", COST, "if capturing and not self._in_capture:", "if capturing:",
+        "every op inside a capture counted as a new capture (the graphs' ops under later phases)"),
+    _m2("cost-04", COST, "self.pool_reserved = max(self.pool_reserved, self.pool_live)",
+        "self.pool_reserved = self.pool_live", "the CUDA graph pool counted as giving memory back"),
+    _m2("cost-05", COST, "        if key in self._live:\n            return\n", "",
+        "an output sharing a live storage (a view, an in-place op) counted again"),
+    _m2("cost-06", COST, "(1, heads, tokens, dim), (1, heads, max_seqlen, dim)",
+        "(1, heads, tokens, dim), (1, heads, tokens, dim)",
+        "varlen FLOPs over every token against every token of the batch, not max_seqlen keys"),
+    # ------------------------------------------------------------ hooks/forecast.py
+    _m2("forecast-01", FORECAST, "if accuracy >= target), None)", "if accuracy > target), None)",
+        "an eval at exactly the target not taken as reached"),
+    _m2("forecast-02", FORECAST,
+        "reached = next((i for i, (_, accuracy) in enumerate(evals) if accuracy >= target), None)",
+        "reached = max((i for i, (_, accuracy) in enumerate(evals) if accuracy >= target), default=None)",
+        "the last eval at the target taken as the end, not the first"),
+    _m2("forecast-03", FORECAST, "return Forecast(reached + 1, at, at, at, True, now)",
+        "return Forecast(len(evals), at, at, at, True, now)",
+        "a reached forecast counts the evals after the first at the target"),
+    _m2("forecast-04", FORECAST, "if samples > 0]", "if samples >= 0]",
+        "an eval before the first step (0 samples) used for the progress and the pace"),
+    _m2("forecast-05", FORECAST, "return rows[min(evals, len(rows)) - 1]", "return rows[min(evals, len(rows) - 1)]",
+        "the row of one more eval used (index off by one)"),
+    _m2("forecast-06", FORECAST,
+        "next_eval = last_samples + (last_samples - evals[-2][0] if len(evals) >= 2 else last_samples)",
+        "next_eval = last_samples", "the forecast may fall before the next eval (the end can only be at an eval)"),
+    # ------------------------------------------------------------ input/eval_input.py
+    _m2("evalin-01", EVAL_INPUT, "for i in range(0, len(items), batch_size)]",
+        "for i in range(0, len(items) - batch_size + 1, batch_size)]",
+        "the last, short eval batch dropped (items not a multiple of the batch size)"),
+    _m2("evalin-02", EVAL_INPUT, "for i in range(0, len(rows), shape.rows)]",
+        "for i in range(0, len(rows) - shape.rows + 1, shape.rows)]",
+        "packed: the last, partly filled static batch dropped"),
+    _m2("evalin-03", EVAL_INPUT, "eval_batches(self._load(), self.batch_size, self.shape))",
+        "eval_batches(self._load(), self.batch_size))",
+        "the background read drops the static shape (--eval_cuda_graph gets unpacked batches)"),
+    _m2("evalin-04", EVAL_INPUT, "return self._pending is not None or self._on_device is not None",
+        "return self._pending is not None", "a start after the first eval reads the eval set again"),
+    # ------------------------------------------------------------ train/eval_step.py
+    _m2("evalstep-01", EVAL_STEP, "StaticShape(math.ceil(eval_batch_size / 2), max_seq_length",
+        "StaticShape(eval_batch_size // 2, max_seq_length",
+        "static eval rows floored: an odd eval batch size gets one row fewer"),
+    _m2("evalstep-02", EVAL_STEP, "max_predictions_per_seq + EVAL_SEQS_PER_ROW - 1)", "max_predictions_per_seq)",
+        "a packed eval row's predictions bounded by one sequence's maximum"),
+    _m2("evalstep-03", EVAL_STEP, 'reduction="sum", ignore_index=IGNORE_INDEX)',
+        'reduction="mean", ignore_index=IGNORE_INDEX)', "the eval loss averaged per batch, then added as a sum"),
+    _m2("evalstep-04", EVAL_STEP, "        self._sums.zero_()\n        with scoring(self.model):  # what a GPU",
+        "        with scoring(self.model):  # what a GPU",
+        "a graphed eval's sums carry over from the previous eval"),
+    _m2("evalstep-05", EVAL_STEP, "model.train(training)", "model.train()",
+        "scoring leaves a model that was in eval mode in training mode"),
+    # ------------------------------------------------------------ input/data_check.py
+    _m2("datacheck-01", DATA_CHECK, "if evals.samples_digest in train.eval_digests:", "if train.eval_digests:",
+        "the eval set's digest not compared: a training folder checked against any eval set vouched for"),
+    _m2("datacheck-02", DATA_CHECK, "problems = folder_problems(folder)",
+        "problems = folder_problems(folder) if record is None else []",
+        "manifest, refusal marker and temporary files read only without a record (a stale one hides them)"),
+    _m2("datacheck-03", DATA_CHECK, "if seen > limit:", "if seen >= limit:",
+        "a record whose longest sequence is exactly --max_seq_length refused"),
+    _m2("datacheck-04", DATA_CHECK, "if record.sequences < wanted:", "if record.sequences <= wanted:",
+        "an eval set of exactly --num_eval_examples refused"),
+    _m2("datacheck-05", DATA_CHECK, "if why is None or cfg.data.unverified_data:", "if why is None:",
+        "--unverified_data does not train a folder not checked against this eval set"),
+    _m2("datacheck-06", DATA_CHECK, "return Path(path) if not Path(path).is_file() else Path(path).parent",
+        "return Path(path)", "a single eval file taken as its folder: its record is not found"),
+    # ------------------------------------------------------------ model/varlen_flash.py
+    _m2("varlen-01", VARLEN, "    if p.keep is not None:\n        dp = dp * p.keep\n", "",
+        "the reference backward leaves the dropout mask out of dP"),
+    _m2("varlen-02", VARLEN, "dv = p.dropped.transpose(-1, -2) @ dout", "dv = p.probs.transpose(-1, -2) @ dout",
+        "dV from the probabilities before dropout"),
+    _m2("varlen-03", VARLEN, "scores.masked_fill(~grid.valid[:, None, None, :],",
+        "scores.masked_fill(~grid.valid[:, None, :, None],",
+        "the padding mask over the queries instead of the keys (padding keys attended)"),
+    _m2("varlen-04", VARLEN, ">= dropout_p).float() / (1.0 - dropout_p)", ">= dropout_p).float()",
+        "kept probabilities not rescaled by 1 / (1 - p)"),
+    _m2("varlen-05", VARLEN, "return int(rng_state[0].to(torch.int64))", "return int(rng_state[1].to(torch.int64))",
+        "the backward's seed read from the offset slot: its dropout mask is not the forward's"),
+    _m2("varlen-06", VARLEN, "lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)",
+        "lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)",
+        "the fake logsumexp is [T, heads], the kernel's [heads, T] (the dry run and compile disagree)"),
+    # ------------------------------------------------------------ model/fp8_delayed.py
+    _m2("fp8d-01", FP8_DELAYED, "g8 = to_fp8(grad_out, g_scale, E5M2)", "g8 = to_fp8(grad_out, g_scale, E4M3)",
+        "the output gradient cast to E4M3 (saturating at 448) instead of E5M2"),
+    _m2("fp8d-02", FP8_DELAYED, "x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)",
+        "x_scale = scale_of(amax_of(x), E4M3)", "the input scaled by its current amax: the delayed history ignored"),
+    _m2("fp8d-03", FP8_DELAYED, "if torch.is_grad_enabled() and weight.requires_grad:", "if weight.requires_grad:",
+        "an eval forward (no grad) marks the gradient history set: the first backward scales by amax 0"),
+    _m2("fp8d-04", FP8_DELAYED, "grad_b = grad_out.float().sum(0)", "grad_b = grad_out.sum(0)",
+        "the bias gradient summed over the tokens in bf16"),
+    _m2("fp8d-05", FP8_DELAYED, "g_inverse, w_scale.reciprocal(), grad_out.dtype)",
+        "g_inverse, x_scale.reciprocal(), grad_out.dtype)", "dX dequantised with the input's scale, not the weight's"),
+    _m2("fp8d-06", FP8_DELAYED, "extra = -x.shape[0] % ALIGN", "extra = x.shape[0] % ALIGN",
+        "dW's token padding miscounted (17 rows padded to 18, not 32)"),
+    # ------------------------------------------------------------ runtime/preflight.py, nccl_preflight.py
+    _m2("preflight-01", PREFLIGHT, "    if world < 2:\n", "    if world < 1:\n",
+        "a job of one rank measured (bus bandwidth 0 fails any threshold)"),
+    _m2("preflight-02", PREFLIGHT, "* 2 * (world - 1) / world / 1e9", "* 2 * (world - 1) / world / 2**30",
+        "the bus bandwidth in GiB/s against a GB/s threshold (7 % low)"),
+    _m2("preflight-03", PREFLIGHT, "slowest = max(times, key=lambda t: t.in_allreduce)", "slowest = times[0]",
+        "rank 0's time taken for the job's, not the slowest rank's"),
+    _m2("preflight-04", PREFLIGHT, "if busbw >= threshold_gbps:", "if busbw > threshold_gbps:",
+        "a bandwidth exactly at the threshold fails"),
+    _m2("preflight-05", PREFLIGHT, "if value is None or not low <= value < math.inf:",
+        "if value is None or value < low or value == math.inf:",
+        "a NaN setting accepted (NaN < low is false)"),
+    _m2("preflight-06", PREFLIGHT, "if line is not None and (denv.is_main or code == EXIT_LOST_RANK):",
+        "if line is not None and denv.is_main:", "a rank that cannot reach rank 0's store exits without a line"),
+    _m2("ncclpre-01", NCCL_PREFLIGHT, "    sys.exit(main())", "    main()",
+        "the pre-flight's exit code dropped (a failed check exits 0)"),
+    # ------------------------------------------------------------ startup.py and its capability thresholds
+    _m2("startup-01", STARTUP, 'fp8_unavailable(device, cfg.run.fp8_recipe or "tensorwise")',
+        'fp8_unavailable(device, "tensorwise")', "the FP8 check ignores --fp8_recipe (delayed checked as torchao's)"),
+    _m2("startup-02", STARTUP, "dropout = bert.attention_probs_dropout_prob if cfg.run.do_train else 0.0",
+        "dropout = bert.attention_probs_dropout_prob", "a run without training checked with training's dropout"),
+    _m2("startup-03", STARTUP, 'uses_gpu = requested == "cuda" or (requested == "auto" and visible > 0)',
+        'uses_gpu = requested == "cuda"', "--device auto on a GPU node not checked for ranks per GPU"),
+    _m2("startup-04", STARTUP, "visible <= 1 or", "visible < 1 or",
+        "a launcher handing each rank its own GPU (one visible) refused"),
+    _m2("startup-05", STARTUP, "_require(cfg.data.max_seq_length <= bert.max_position_embeddings,",
+        "_require(cfg.data.max_seq_length < bert.max_position_embeddings,",
+        "--max_seq_length equal to max_position_embeddings (512) refused"),
+    _m2("capability-01", PRECISION, "BF16_MIN_CAPABILITY = (8, 0)", "BF16_MIN_CAPABILITY = (8, 9)",
+        "bf16 held to FP8's 8.9 (A100 refused)"),
+    _m2("capability-02", PRECISION, 'if device.type != "cuda" or precision != "bf16":',
+        'if device.type != "cuda" or precision == "fp32":', "fp16 held to bf16's capability (V100 refused)"),
+    _m2("capability-03", ATTENTION, "if capability < VARLEN_MIN_CAPABILITY:", "if capability <= VARLEN_MIN_CAPABILITY:",
+        "compute capability 8.0 itself refused for varlen"),
+    _m2("capability-04", ATTENTION, "if needs.head_dim > VARLEN_MAX_HEAD_DIM or", "if needs.head_dim >= VARLEN_MAX_HEAD_DIM or",
+        "a head size of exactly 256 refused for varlen"),
+    # ------------------------------------------------------------ optim/sharded.py: shard groups
+    _m2("shardgrp-01", SHARDED, "replicas = [list(range(i, world, group_size)) for i in range(group_size)]",
+        "replicas = [list(range(i * group_size, (i + 1) * group_size)) for i in range(world // group_size)]",
+        "replica groups built as the shard groups (consecutive ranks): shards summed within a node only"),
+    _m2("shardgrp-02", SHARDED, "            sums[: 2 * count] /= s.replicas\n", "            sums[:count] /= s.replicas\n",
+        "with shard groups the weights' squared norms counted once per group (LAMB's trust ratio too large)"),
+    _m2("shardgrp-03", SHARDED, "else dist.get_world_size(replica_group)", "else dist.get_world_size()",
+        "the replica count taken as the world size: partial sums divided by W, not W/N"),
+    _m2("shardgrp-04", SHARDED, "self.rank = dist.get_rank(process_group)", "self.rank = dist.get_rank()",
+        "the global rank used as the rank within the shard group"),
+    _m2("shardgrp-05", SHARDED, "dist.all_reduce(update_sq, group=self.shards.process_group)",
+        "dist.all_reduce(update_sq)", "LAMB's update norms reduced over every rank (N-fold with shard groups)"),
 ]

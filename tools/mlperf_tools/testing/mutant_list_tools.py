@@ -1,7 +1,7 @@
 """Mutants of the tools: the planner, the recipe finder, the forecast, scoring and the numerics bands.
 
-Kept apart from `mutant_list.MUTANTS` (the trainer's modules) until the two lists are joined; the
-same form: an exact snippet of its module, its replacement, the bug it stands for, and the tests
+Round 2 of the mutation study (`mutants.py --round 2`), beside `mutant_list.MUTANTS` (the trainer's and
+data preparation's modules); `mutants.py` runs both lists. The same form: an exact snippet of its module, its replacement, the bug it stands for, and the tests
 (empty: the module's `TOOL_MODULE_TESTS`). These are the bugs that hide from tests built on tiny
 examples: a boundary value itself, sizes that do not divide, a multi-node or accumulation path, a
 precision's own branch, a constant off by a few tens of percent, a record left out, an off-by-one.
@@ -9,7 +9,7 @@ precision's own branch, a constant off by a few tens of percent, a record left o
 
 from __future__ import annotations
 
-from mlperf_tools.testing.mutant_list import Mutant, _m
+from mlperf_tools.testing.mutant_list import Mutant, _m2 as _m  # round 2: written from the modules alone
 
 PLAN = "tools/mlperf_tools/planning/plan.py"
 STEP_MODEL = "tools/mlperf_tools/planning/step_model.py"

@@ -1,6 +1,7 @@
 """Mutation testing: do the targeted tests fail on the bugs a later edit could plant?
 
-    python tools/mutants.py [--module M] [--only ID ...] [--list] [--no-baseline] [--timeout S] [--json PATH]
+    python tools/mutants.py [--module M] [--round N] [--only ID ...] [--list] [--no-baseline] [--timeout S]
+                            [--json PATH]
 
 Each mutant (`mlperf_tools/testing/mutant_list.py`) is one realistic bug in one module: an exact snippet of the
 module's source and what replaces it, a line that says what bug it stands for, and the test
@@ -17,7 +18,8 @@ files (pytest arguments: files, node ids, `-k` selections) that should catch it.
    module that no longer imports is an *invalid* mutant, not a killed one), runs its tests with
    `pytest -x -q`, records *killed* (a test failed, or the tests ran past --timeout) or
    *survived* (they passed), and restores the module;
-5. prints a table, the counts per module and the score: killed / (killed + survived).
+5. prints a table, the counts per module and the score: killed / (killed + survived), and the
+   score of each round (`Mutant.round`: the study that wrote it; --round N selects one).
 
 Exit 0 when every selected mutant was killed, 1 when one survived or was invalid, 2 on a refused list.
 """
@@ -37,7 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from mlperf_tools.testing.mutant_list import MODULE_TESTS, MUTANTS, Mutant
+from mlperf_tools.testing import mutant_list, mutant_list_tools
+from mlperf_tools.testing.mutant_list import Mutant
+
+# The trainer's and data preparation's mutants, then the tools' (planner, recipe, forecast, scoring, bands).
+MUTANTS: list[Mutant] = mutant_list.MUTANTS + mutant_list_tools.TOOL_MUTANTS
+MODULE_TESTS: dict[str, tuple[str, ...]] = {**mutant_list.MODULE_TESTS, **mutant_list_tools.TOOL_MODULE_TESTS}
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 DEFAULT_TIMEOUT_S = 900.0
@@ -191,6 +198,11 @@ def report(outcomes: list[Outcome]) -> str:
                      f"{counts[INVALID]:>7}")
     lines.append(f"{'all':<45} {sum(total.values()):>7} {total[KILLED]:>6} {total[SURVIVED]:>8} {total[INVALID]:>7}")
     lines.append(f"score: {score(outcomes):.1%} of the valid mutants killed")
+    for n in sorted({o.mutant.round for o in outcomes}):
+        mine = [o for o in outcomes if o.mutant.round == n]
+        counts = Counter(o.result for o in mine)
+        lines.append(f"round {n}: {score(mine):.1%} of {counts[KILLED] + counts[SURVIVED]} valid mutants killed "
+                     f"({counts[KILLED]} killed, {counts[SURVIVED]} survived, {counts[INVALID]} invalid)")
     return "\n".join(lines)
 
 
@@ -199,17 +211,22 @@ def score(outcomes: list[Outcome]) -> float:
     return sum(o.result == KILLED for o in valid) / len(valid) if valid else 0.0
 
 
-def select(module: str | None, only: list[str] | None) -> list[Mutant]:
-    chosen = [m for m in MUTANTS if (module is None or module in m.module) and (not only or m.id in only)]
+def select(module: str | None, only: list[str] | None, round_: int | None = None) -> list[Mutant]:
+    chosen = [m for m in MUTANTS if (module is None or module in m.module) and (not only or m.id in only)
+              and (round_ is None or m.round == round_)]
     unknown = set(only or ()) - {m.id for m in MUTANTS}
     if unknown:
         raise ListError(f"no mutant with id {', '.join(sorted(unknown))} (see --list)")
+    rounds = sorted({m.round for m in MUTANTS})
+    if round_ is not None and round_ not in rounds:
+        raise ListError(f"--round {round_}: no mutant of that round; the list has rounds {', '.join(map(str, rounds))}")
     return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module", help="only the mutants of modules whose path contains this")
+    parser.add_argument("--round", type=int, metavar="N", help="only the mutants of round N (Mutant.round)")
     parser.add_argument("--only", action="append", metavar="ID", help="only this mutant (repeatable)")
     parser.add_argument("--list", action="store_true", help="check the list against the source and print it")
     parser.add_argument("--no-baseline", action="store_true", help="skip running the tests on the unchanged tree")
@@ -218,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_list(MUTANTS)
-        mutants = select(args.module, args.only)
+        mutants = select(args.module, args.only, args.round)
     except ListError as err:
         print(f"mutants.py: {err}", file=sys.stderr)
         return 2
@@ -245,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(outcomes))
     if args.json:
-        args.json.write_text(json.dumps([{"id": o.mutant.id, "module": o.mutant.module, "result": o.result,
-                                          "seconds": round(o.seconds, 1), "note": o.note} for o in outcomes],
-                                        indent=1) + "\n")
+        args.json.write_text(json.dumps([{"id": o.mutant.id, "module": o.mutant.module, "round": o.mutant.round,
+                                          "result": o.result, "seconds": round(o.seconds, 1), "note": o.note}
+                                         for o in outcomes], indent=1) + "\n")
     return 0 if all(o.result == KILLED for o in outcomes) else 1
 
 
