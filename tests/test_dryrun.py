@@ -43,7 +43,25 @@ def _extra_reads(output: str) -> set[str]:
     return {read for read in reads if not re.fullmatch(r"mlperf_bert/train/faults\.py:\d+ \(agree\)", read)}
 
 
-@pytest.mark.parametrize("config", GPU_CONFIGS)
+# Through run_and_time.sh and the dry run's command line, one config of each kind of step (layout, training
+# graphs, sharded optimizer): the H100, B200 and GB200 configs take the H200's step at other sizes. Every
+# shipped GPU config is also dry-run at BERT-Large shapes by the planner, with the same findings refused
+# (tests/test_plan.py, test_traced_dry_runs_raise_no_findings).
+STEP_KINDS = ["config_DGXH200_1x8.sh", "config_DGXA100_1x8.sh", "config_DGXA100_128x8.sh", "config_SamsungA100_128x8.sh"]
+
+
+def _step_kind(config: str) -> tuple[str | None, ...]:
+    variables = exports(REPO / config)
+    return tuple(variables.get(name) for name in ("INPUT_LAYOUT", "CUDA_GRAPHS", "DIST_OPTIMIZER", "EVAL_CUDA_GRAPH",
+                                                  "PRECISION", "COMPILE_MODE"))
+
+
+def test_each_kind_of_shipped_step_is_dry_run_through_the_launcher() -> None:
+    """A new config with a step of its own kind (an FP8 one, an eager packed one) joins STEP_KINDS or fails here."""
+    assert {_step_kind(c) for c in GPU_CONFIGS} == {_step_kind(c) for c in STEP_KINDS}
+
+
+@pytest.mark.parametrize("config", STEP_KINDS)
 def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> None:
     result = run_cli(["bash", "run_and_time.sh"], env=_dry_run_env(tmp_path, REPO / config), timeout=300)
     output = result.stdout + result.stderr
