@@ -149,8 +149,10 @@ def test_live_bytes_views_frees_and_the_graph_pool_as_a_hand_count() -> None:
         assert (tracer.outside, tracer.device_bytes) == (4000, 4000)
         capturing[0] = True
         d = b.float() + 1  # two fp32 [10, 100] in the pool: 8,000 live at once, 4,000 left after the temporary goes
+        f = torch.ones(100)  # 400 more in the pool after that free: 4,400 live, the pool still holds its 8,000
+        assert (tracer.pool_live, tracer.pool_reserved) == (4400, 8000)
         capturing[0] = False
-        del d
+        del d, f
         e = c + 1  # 2,000 outside the pool
     assert tracer.pool_reserved == 8000 and tracer.phases["capture"].peak_bytes == 4000 + 8000
     assert tracer.phases["step"].peak_bytes == 6000 + 8000  # b, c and e outside, and the pool held since

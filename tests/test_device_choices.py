@@ -186,3 +186,29 @@ def test_a_problem_found_only_while_training_is_one_line_exit_2_and_run_stop_abo
     assert "run_start" in keys and keys[-1] == "run_stop" and keys.count("run_stop") == 1
     # the samples of the last step the log's hook saw (step 1: the failing hook runs before it at step 2)
     assert (events[-1]["metadata"]["status"], events[-1]["metadata"]["epoch_num"]) == ("aborted", 8)
+
+
+@pytest.mark.parametrize("recipe, refused", [("delayed", False), ("tensorwise", True), ("rowwise", True)])
+def test_start_up_asks_for_torchao_only_for_its_own_recipes(demo_data: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, recipe: str,
+                                                          refused: bool) -> None:
+    """The delayed recipe is this repository's own (torch._scaled_mm): without torchao it still trains."""
+    from mlperf_bert.model import fp8
+
+    monkeypatch.setattr(fp8, "torchao_missing", lambda: "torchao does not import: pip install torchao")
+    cfg = _cfg(demo_data, tmp_path, "--precision", "fp8", "--fp8_recipe", recipe)
+    bert = BertConfig.from_json(demo_data / "bert_config.json")
+    problems = [p for p in device_problems(cfg, bert, torch.device("cpu")) if p is not None]
+    assert problems == (["torchao does not import: pip install torchao"] if refused else [])
+
+
+@pytest.mark.parametrize("head_dim, runs", [(256, True), (264, False), (248, True), (252, False), (64, True)])
+def test_varlen_takes_head_sizes_up_to_256_in_steps_of_8(monkeypatch: pytest.MonkeyPatch, head_dim: int,
+                                                         runs: bool) -> None:
+    """The flash kernels' limit itself (256) runs; one step past it, or off the step of 8, is refused."""
+    describe_gpus(monkeypatch, 1, (9, 0), "NVIDIA H100")
+    monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)
+    problem = attention.backend_problem("varlen", attention.AttentionNeeds(torch.device("cuda", 0), "bf16", head_dim,
+                                                                           0.1))
+    assert (problem is None) == runs, problem
+    assert runs or problem.startswith("--attention_backend varlen takes head sizes up to 256 in steps of 8")

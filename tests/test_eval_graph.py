@@ -22,7 +22,7 @@ from mlperf_bert.data.shards import DataError
 from mlperf_bert.data.static_batch import StaticShape, pack_rows
 from mlperf_bert.input.eval_input import EvalInput, eval_batches
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
-from mlperf_bert.train.eval_step import CORRECT, COUNTED, LOSS, EagerEval, GraphedEval, eval_shape
+from mlperf_bert.train.eval_step import CORRECT, COUNTED, LOSS, EagerEval, GraphedEval, eval_shape, scoring
 
 CPU = torch.device("cpu")
 EVAL_BATCH = 40  # sequences per eager batch; 20 packed rows per static batch
@@ -166,6 +166,29 @@ def test_eval_input_reads_once_caches_on_the_device_and_raises_a_read_error_at_t
     failing.start()  # the error waits for the first eval
     with pytest.raises(DataError, match="row 3"):
         failing.batches()
+
+
+def test_eval_input_reads_into_its_static_shape_and_not_again_after_the_first_eval() -> None:
+    """--eval_cuda_graph's input: the background read packs into the static shape the graph was captured with
+    (every batch rows x row_len tokens), and a start after the first eval (the next block's) reads nothing."""
+    items, shape, reads = _synthetic_eval_set(10), eval_shape(4, 64, 10), []
+    source = EvalInput(lambda: reads.append(1) or items, 4, CPU, shape)
+    source.start()
+    batches = source.batches()
+    assert [(b.row_len, b.input_ids.shape[0]) for b in batches] == [(64, shape.rows * 64)] * len(batches)
+    assert sum(b.num_sequences for b in batches) >= 10  # empty rows pad the last batch
+    source.start()
+    assert source.started and source.batches() is batches and len(reads) == 1
+
+
+def test_scoring_gives_the_model_back_in_the_mode_it_had() -> None:
+    """Eval mode inside (dropout off), then training mode again, or eval mode again for an eval-only run."""
+    model = torch.nn.Dropout(0.5)
+    for training in (True, False):
+        model.train(training)
+        with scoring(model):
+            assert not model.training and not torch.is_grad_enabled()
+        assert model.training is training
 
 
 def test_eval_cuda_graph_is_refused_on_the_cpu() -> None:

@@ -155,3 +155,15 @@ def test_half_precision_outputs_and_input_gradients_keep_their_dtypes(dtype, aut
 def test_token_counts_are_padded_with_zero_rows_to_a_multiple_of_16(tokens, padded):
     rows = _pad_rows(torch.ones(tokens, 4))
     assert rows.shape == (padded, 4) and rows[:tokens].eq(1).all() and rows[tokens:].eq(0).all()
+
+
+def test_the_bias_gradient_is_summed_over_the_tokens_in_fp32():
+    """bf16 output gradients summed as fp32, the bias's own dtype: 1 + 2^-7 + 2^-8 exactly, which bf16 (8
+    significant bits) would round away."""
+    fp8 = layer(6)
+    x = torch.randn(3, 32, dtype=torch.bfloat16, requires_grad=True)
+    out = fp8(x)
+    grad = torch.zeros_like(out)
+    grad[:, 0] = torch.tensor([1.0, 2 ** -7, 2 ** -8], dtype=torch.bfloat16)
+    out.backward(grad)
+    assert fp8.bias.grad[0].item() == 1 + 2 ** -7 + 2 ** -8 and fp8.bias.grad[1:].eq(0).all()

@@ -175,3 +175,24 @@ def test_launchers_start_the_pre_flight_on_every_gpu_before_the_first_run(tmp_pa
     assert len(preflight) == (nccl_test == "1") and all(i < first_run for i in preflight), lines
     if preflight:  # one process per GPU: srun's tasks, or torchrun's workers
         assert ("--ntasks-per-node=8" if script == "run.sub" else "--nproc_per_node=8") in lines[preflight[0]]
+
+
+@pytest.mark.parametrize("rank, code, says", [(1, preflight.EXIT_LOST_RANK, True), (1, 0, False), (1, 1, False),
+                                              (0, 1, True), (0, 0, True)])
+def test_rank_0_speaks_for_the_job_and_a_rank_that_lost_it_for_itself(monkeypatch, capsys, rank, code, says):
+    """One line per job (rank 0's), except from a rank that cannot reach rank 0's store: nobody else can say it."""
+    monkeypatch.setattr(preflight, "run", lambda denv, env: (code, f"NCCL_TEST: line of rank {rank}"))
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert preflight.main(env) == code
+    out = capsys.readouterr()
+    assert (out.err if code else out.out) == (f"NCCL_TEST: line of rank {rank}\n" if says else "")
+
+
+def test_the_script_exits_with_the_checks_code() -> None:
+    """`python pytorch/nccl_preflight.py` as run.sub starts it: a bad variable ends in its line and exit 2."""
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
+           "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "DEVICE": "cpu", "NCCL_TEST_ITERS": "0"}
+    done = subprocess.run([sys.executable, str(REPO / "pytorch" / "nccl_preflight.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("NCCL_TEST: ") and "NCCL_TEST_ITERS" in done.stderr

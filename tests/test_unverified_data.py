@@ -247,3 +247,15 @@ def test_the_eval_record_holds_the_samples_requested_at_the_boundary(demo_data, 
         return
     with pytest.raises(DataError, match=f"{recorded} eval samples, fewer than the {requested} requested"):
         check()
+
+
+def test_a_single_eval_file_as_eval_dir_is_judged_by_its_folders_record(demo_data, tmp_path, folders, capsys):
+    """--eval_dir may name the one eval shard (the MLPerf eval set is one file): its folder's record vouches for
+    it, so a verified pair passes before the clock with nothing left for after it."""
+    train, evals = folders
+    shard, = evals.glob("*.hdf5")
+    _check(demo_data, tmp_path, train, shard)
+    assert "note:" not in capsys.readouterr().err
+    _edit_record(train, eval_digests=["0" * 64])  # and the link to it is still checked
+    with pytest.raises(DataError, match="was not checked for samples of the eval set"):
+        _check(demo_data, tmp_path, train, shard)
