@@ -63,13 +63,18 @@ def test_verdict_passes_at_the_threshold_and_names_the_rank_the_others_waited_fo
     assert not passed and "every rank waited alike (slowest: rank 0 on node0)" in line
 
 
-def test_one_rank_has_no_link_to_measure_and_passes_skipped() -> None:
-    """One rank sends nothing (2 (n - 1) / n = 0): the config's 75 GB/s threshold is not failed at 0 GB/s."""
+def _one_rank_script(**settings: str) -> subprocess.CompletedProcess:
+    """`python pytorch/nccl_preflight.py` as run.sub starts it, one rank on the CPU, with these NCCL_TEST_ settings."""
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
            "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "DEVICE": "cpu", "NCCL_TEST_MIN_BUSBW_GBPS": "75"}
-    done = subprocess.run([sys.executable, str(REPO / "pytorch" / "nccl_preflight.py")], env=env,
+           "DEVICE": "cpu", **settings}
+    return subprocess.run([sys.executable, str(REPO / "pytorch" / "nccl_preflight.py")], env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def test_one_rank_has_no_link_to_measure_and_passes_skipped() -> None:
+    """One rank sends nothing (2 (n - 1) / n = 0): the config's 75 GB/s threshold is not failed at 0 GB/s."""
+    done = _one_rank_script(NCCL_TEST_MIN_BUSBW_GBPS="75")
     assert done.returncode == 0 and not done.stderr, done.stdout + done.stderr
     assert done.stdout == ("NCCL_TEST: skipped: one rank, no link to measure (an all-reduce over one rank sends "
                            "nothing; NCCL_TEST_MIN_BUSBW_GBPS=75 applies to 2 ranks or more)\n")
@@ -190,9 +195,5 @@ def test_rank_0_speaks_for_the_job_and_a_rank_that_lost_it_for_itself(monkeypatc
 
 def test_the_script_exits_with_the_checks_code() -> None:
     """`python pytorch/nccl_preflight.py` as run.sub starts it: a bad variable ends in its line and exit 2."""
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
-           "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "DEVICE": "cpu", "NCCL_TEST_ITERS": "0"}
-    done = subprocess.run([sys.executable, str(REPO / "pytorch" / "nccl_preflight.py")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = _one_rank_script(NCCL_TEST_ITERS="0")
     assert done.returncode == 2 and done.stderr.startswith("NCCL_TEST: ") and "NCCL_TEST_ITERS" in done.stderr
