@@ -136,6 +136,7 @@ flag_table=(
   "SUBMISSION_STATUS --submission_status"
   "MLPERF_LOG_FILE --mlperf_log_file"
   "ECHO_MLLOG --echo_mllog switch"
+  "CURVES --curves"
   # Long runs (docs/FAULTS.md); the MLPerf timing configs set none of these.
   "CHECKPOINT_DIR --checkpoint_dir"
   "CHECKPOINT_EVERY_SAMPLES --checkpoint_every_samples"

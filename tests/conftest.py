@@ -82,19 +82,22 @@ def demo_data(tmp_path_factory) -> Path:
 
 
 def trainer_args(data: Path, out: Path, *extra: str) -> list[str]:
-    """Flags for a short run on the session's demo data."""
+    """Flags for a short run on the session's demo data. No curves.png (a second of matplotlib per
+    run): the tests that look at the picture ask for it with `--curves png`."""
     return [
         "--input_dir", str(data / "train"), "--eval_dir", str(data / "eval"),
         "--bert_config_path", str(data / "bert_config.json"), "--output_dir", str(out),
         "--max_seq_length", "64", "--max_predictions_per_seq", "10", "--num_eval_examples", "200",
         "--train_batch_size", "8", "--learning_rate", "1e-2", "--max_steps", "6", "--eval_iter_samples", "32",
-        "--submission_division", "open", "--log_freq", "2", *extra,
+        "--submission_division", "open", "--log_freq", "2", "--curves", "none", *extra,
     ]
 
 
-# config_CPU_1x2.sh's sizes shrunk to the session's demo data (64 tokens, 200 eval samples).
+# config_CPU_1x2.sh's sizes shrunk to the session's demo data (64 tokens, 200 eval samples), without
+# curves.png (as in trainer_args).
 DEMO_CONFIG_TEST_SIZES = {"BATCHSIZE": "8", "MAX_SEQ_LENGTH": "64", "MAX_PREDICTIONS_PER_SEQ": "10",
-                          "NUM_EVAL_EXAMPLES": "200", "EVAL_BATCH_SIZE": "100", "SEED": "1", "INIT_CHECKPOINT": "none"}
+                          "NUM_EVAL_EXAMPLES": "200", "EVAL_BATCH_SIZE": "100", "SEED": "1", "INIT_CHECKPOINT": "none",
+                          "CURVES": "none"}
 
 
 def config_exports(path: Path) -> dict[str, str]:

@@ -258,6 +258,7 @@ FLAG_CONTRACT = {
     "--fp8_recipe": (str, None), "--fp8_layers": (str, None),
     "--device": (str, "auto"), "--log_freq": (int, 10), "--init_loss_scale": (float, 65536.0),
     "--compile_mode": (str, "none"), "--sync_every": (int, 1), "--input_pipeline": (str, "torch"),
+    "--curves": (str, "png"),
     "--dist_optimizer_group_size": (int, 0),
     "--submission_division": (str, "closed"), "--submission_org": (str, "reference"),
     "--submission_platform": (str, "unknown"), "--submission_status": (str, "onprem"),

@@ -135,9 +135,9 @@ def test_a_terminal_gets_a_bar_not_lines(tmp_path):
     assert "step 1 samples 8/80" in (tmp_path / "train.log").read_text()
 
 
-def _run_report(tmp_path: Path, status: str = "success") -> tuple[RunReport, str]:
+def _run_report(tmp_path: Path, status: str = "success", curves: bool = True) -> tuple[RunReport, str]:
     stream = io.StringIO()
-    report = RunReport(loss_every=1, mlperf_log=tmp_path / "logs" / "mlperf.log", stream=stream)
+    report = RunReport(loss_every=1, mlperf_log=tmp_path / "logs" / "mlperf.log", stream=stream, curves=curves)
     (tmp_path / "logs").mkdir()
     report.run_start(RunStart(samples=0, step=0, stop_samples=4000, global_batch_size=8,
                               output_dir=tmp_path / "out"))
@@ -164,6 +164,14 @@ def test_summary_is_printed_and_written(tmp_path):
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert written["status"] == "aborted" and written["samples"] == 4000 and len(written["evals"]) == 5
     assert not list((tmp_path / "out").glob(".*tmp"))
+
+
+def test_without_curves_the_summary_names_no_picture(tmp_path):
+    """--curves none: the summary alone, and no line or field pointing at a picture that is not there."""
+    _, printed = _run_report(tmp_path, curves=False)
+    assert not list(tmp_path.rglob("*.png"))
+    assert printed.startswith("status: success\n") and "curves:" not in printed
+    assert "curves" not in json.loads((tmp_path / "out" / "summary.json").read_text())["files"]
 
 
 def _check_png(path: Path) -> None:

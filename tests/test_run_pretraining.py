@@ -139,6 +139,7 @@ def test_demo_log_passes_both_rulesets(demo_data, tmp_path):
     evals = [e for e in lines if e["key"] == "eval_accuracy"]
     assert [e["metadata"]["epoch_num"] for e in evals] == [32, 48]  # 6 steps x 8 = 48 samples
     assert "step 2 samples 16" in result.stderr  # the readable progress line
+    assert not (out / "curves.png").exists() and "curves:" not in (out / "summary.txt").read_text()  # --curves none
 
 
 def _without_time(line: str) -> str:
@@ -155,7 +156,7 @@ def _check_picture(path: Path) -> None:
 
 def test_a_run_shows_its_progress_and_leaves_a_summary_and_curves(demo_data, tmp_path):
     out = tmp_path / "out"
-    result = run_cli([sys.executable, str(TRAINER), *trainer_args(demo_data, out, "--do_train")])
+    result = run_cli([sys.executable, str(TRAINER), *trainer_args(demo_data, out, "--do_train", "--curves", "png")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert ":::MLLOG" not in result.stdout + result.stderr  # the log goes to its file only
     logged = mllog_lines(out / "mlperf.log")

@@ -483,7 +483,7 @@ def rank0_views(cfg: TrainConfig, denv: DistEnv, load: RankLoad) -> list[Hook]:
     # that many runs share (the demo's), where one run's picture would replace another's.
     return [LiveView(log_every=cfg.run.log_freq, world_size=denv.world_size, fields=load.progress_fields),
             RunReport(loss_every=cfg.run.log_freq, log_dir=Path(cfg.run.output_dir),
-                      mlperf_log=cfg.run.mlperf_log_path)]
+                      mlperf_log=cfg.run.mlperf_log_path, curves=cfg.run.curves == "png")]
 
 
 @dataclass

@@ -36,6 +36,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "delayed")
 FP8_LAYER_SETS = ("encoder", "ffn")
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs")  # torch.compile modes without its own graphs
 INPUT_PIPELINES = ("torch", "dali")
+CURVES = ("png", "none")  # --curves: the end-of-run picture, or none
 DEVICES = ("auto", "cpu", "cuda")
 DIVISIONS = ("closed", "open")
 SUBMISSION_STATUSES = ("onprem", "cloud", "preview", "research")
@@ -384,6 +385,9 @@ class RunSettings:
     mlperf_log_file: str | None = flag("MLPerf log path (default: OUTPUT_DIR/mlperf.log)", "run and logging", None)
     echo_mllog: bool = flag("also print the MLPerf log's lines to stdout, for launchers that collect the log "
                             "from there (run_and_time.sh)", "run and logging", False)
+    curves: str = flag("png: at the end draw the training loss and eval accuracy in OUTPUT_DIR/curves.png "
+                       "(matplotlib, about a second of CPU); none: only summary.txt and summary.json, for sweeps "
+                       "of many short runs", "run and logging", "png", choices=CURVES)
     submission_division: str = flag("logged as submission_division; closed checks the closed-division rules "
                                     "(docs/CLOSED_DIVISION.md) before anything is read",
                                     "run and logging", "closed", choices=DIVISIONS)
@@ -409,6 +413,7 @@ class RunSettings:
                 _require(self.precision == "fp8", f"--{name} applies to --precision fp8 only; drop it with "
                                                   f"--precision {self.precision}")
         _choice("device", self.device, DEVICES)
+        _choice("curves", self.curves, CURVES)
         _choice("submission_division", self.submission_division, DIVISIONS)
         _choice("submission_status", self.submission_status, SUBMISSION_STATUSES)
         _path("output_dir", self.output_dir)

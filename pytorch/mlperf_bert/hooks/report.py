@@ -130,11 +130,13 @@ class RunReport(Hook):
     loss_every: steps between loss reads (each waits for the device; match the live view's
     interval so both read the same steps). log_dir: where the MLPerf log is, and so where
     curves.png goes (default: the run's output dir). stream: where the summary is printed.
+    curves: draw curves.png (the trainer's --curves png); off, the summary names no picture.
     """
 
     def __init__(self, loss_every: int = 10, log_dir: Path | None = None, mlperf_log: Path | None = None,
-                 stream: TextIO | None = None, target: float = TARGET_ACCURACY) -> None:
+                 stream: TextIO | None = None, target: float = TARGET_ACCURACY, curves: bool = True) -> None:
         self.loss_every = loss_every
+        self.curves = curves
         self.log_dir = log_dir
         self.mlperf_log = mlperf_log
         self.stream = stream if stream is not None else sys.stderr
@@ -168,16 +170,17 @@ class RunReport(Hook):
 
     def run_end(self, event: RunEnd) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        curves = (self.log_dir or self.output_dir) / CURVES_PNG
-        plot_curves(self.losses, self.evals, curves, self.target,
-                    f"{event.status}: {event.samples} samples in {event.seconds:.0f} s")
+        curves = (self.log_dir or self.output_dir) / CURVES_PNG if self.curves else None
+        if curves is not None:
+            plot_curves(self.losses, self.evals, curves, self.target,
+                        f"{event.status}: {event.samples} samples in {event.seconds:.0f} s")
         self.summary = self._summary(event, curves)
         write_summary(self.summary, self.output_dir)
         print(self.summary.text(), end="", file=self.stream, flush=True)
 
-    def _summary(self, event: RunEnd, curves: Path) -> Summary:
+    def _summary(self, event: RunEnd, curves: Path | None) -> Summary:
         trained = event.samples - self.start_samples
-        files = {"summary": str(self.output_dir / SUMMARY_TXT), "curves": str(curves)}
+        files = {"summary": str(self.output_dir / SUMMARY_TXT), **({"curves": str(curves)} if curves else {})}
         for what, path in (("progress log", self.output_dir / TRAIN_LOG), ("MLPerf log", self.mlperf_log)):
             if path is not None and path.is_file():
                 files[what] = str(path)
