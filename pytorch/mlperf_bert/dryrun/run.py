@@ -37,6 +37,7 @@ from ..config.cli import parse_config
 from ..config.settings import ConfigError, TrainConfig
 from ..model.fp8 import fp8_unavailable
 from ..runtime.distributed import DistEnv, dist_env_from
+from ..train import cuda_graphs
 from ..train.faults import StopRequest
 from ..input.sources import TokenImbalance
 from ..data.static_batch import StaticShape
@@ -47,6 +48,11 @@ from .estimate import MemoryEstimate, StepWork, estimate
 from .record import Event, Recorder, counting_fp8_gemms
 
 MAX_SEQS_PER_PACK = 3  # K of the packed shards (data_prep pack)
+# Warm-up steps before a capture on the fake device. The GPU takes 11 under DDP for the work DDP's C++
+# reducer does in its first iterations (train/cuda_graphs.py); the fake run's DDP is
+# `BucketedDataParallel`, which has no reducer, and every other warm-up step is the same as the first:
+# one builds the optimizer state the capture reads. `--real` keeps the trainer's counts.
+FAKE_WARMUP_STEPS = 1
 
 
 @dataclass
@@ -217,17 +223,26 @@ def cuda_calls(recorder: Recorder, fake: bool = True) -> ContextManager[cuda_sta
 
 
 @contextlib.contextmanager
+def fake_warmup() -> Iterator[None]:
+    """FAKE_WARMUP_STEPS before each capture, whatever the module."""
+    with mock.patch.object(cuda_graphs, "DDP_WARMUP_STEPS", FAKE_WARMUP_STEPS), \
+            mock.patch.object(cuda_graphs, "WARMUP_STEPS", FAKE_WARMUP_STEPS):
+        yield
+
+
+@contextlib.contextmanager
 def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True,
               tracer: CostTracer | None = None) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
     """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` (and `tracer`) watching, and the log of
     CUDA calls."""
     device = torch.device("cuda", 0)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
+    warmup = fake_warmup() if fake else contextlib.nullcontext()
     with cuda_calls(recorder, fake):  # the attention back-end's choice asks the (fake) GPU its compute capability
         parts = supplied(cfg, device, fake)
     traced = tracer if tracer is not None else contextlib.nullcontext()
     with fake_process_group(denv.world_size), cuda_calls(recorder, fake) as log, counting_fp8_gemms(recorder), mode, \
-            recorder, traced:
+            warmup, recorder, traced:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
         try:
             yield run, log

@@ -37,7 +37,6 @@ BERT_LARGE: dict[str, Any] = {
     "intermediate_size": 4096, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
     "max_position_embeddings": 512, "type_vocab_size": 2, "initializer_range": 0.02}
 STEPS = 2  # a graphed config traces its capture; an eager one its second step (the first builds the state)
-GRAPH_WARMUP_STEPS = 1  # before a capture: every warm-up step is the same, one builds the optimizer state
 TRACED_LAYERS = (1, 2)  # encoder layers of the two traces a config's estimate is extrapolated from
 
 
@@ -85,11 +84,8 @@ def trainer_argv(config_env: Mapping[str, str], folder: Path) -> list[str]:
 
 @contextlib.contextmanager
 def quick_build() -> Iterator[None]:
-    """No random draws for the CPU model's weights (a fake device never sees their values), and one warm-up
-    step before a capture."""
+    """No random draws for the CPU model's weights: a fake device never sees their values."""
     import torch
-
-    from ..train import cuda_graphs
 
     def keep(tensor: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
         return tensor
@@ -97,8 +93,6 @@ def quick_build() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for name in ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_"):
             stack.enter_context(mock.patch.object(torch.nn.init, name, keep))
-        stack.enter_context(mock.patch.object(cuda_graphs, "DDP_WARMUP_STEPS", GRAPH_WARMUP_STEPS))
-        stack.enter_context(mock.patch.object(cuda_graphs, "WARMUP_STEPS", GRAPH_WARMUP_STEPS))
         yield
 
 
