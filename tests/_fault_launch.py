@@ -65,7 +65,8 @@ class Launch:
     instruments: tuple[str, ...] = ()  # _fault_worker.py's flags
 
 
-def _ports(count: int) -> list[str]:
+def free_ports(count: int) -> list[str]:
+    """`count` different free ports, as strings for MASTER_PORT."""
     ports: set[str] = set()
     while len(ports) < count:
         ports.add(str(free_port()))
@@ -80,7 +81,7 @@ def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) 
     no process run side by side. A launch that reads another's checkpoint must come after it."""
     work.mkdir(parents=True, exist_ok=True)
     plans: list[list[dict]] = [[] for _ in range(max(launch.world for launch in launches.values()))]
-    for (name, launch), port in zip(launches.items(), _ports(len(launches))):
+    for (name, launch), port in zip(launches.items(), free_ports(len(launches))):
         launch.logs.mkdir(parents=True, exist_ok=True)
         for rank in range(launch.world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(launch.world), "LOCAL_RANK": str(rank),
