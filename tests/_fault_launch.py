@@ -77,8 +77,9 @@ def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) 
     """Each launch's exit codes (rank by rank; None where a rank never ended its run), the launches run in
     order on one process per rank: process R runs rank R of every launch of more than R ranks
     (tests/_trainer_runs.py), so a rank costs one Python start-up however many runs it takes part in.
-    Each run has a port of its own; a launch starts when all its ranks reach it, and launches that share
-    no process run side by side. A launch that reads another's checkpoint must come after it."""
+    Each run has a port of its own and starts when all its ranks reach it: as every launch has a rank 0,
+    the launches run one after the other, so one that reads another's checkpoint comes after it. A rank
+    whose process died before its run has no code; the process's own stderr is in work/process<R>.err."""
     work.mkdir(parents=True, exist_ok=True)
     plans: list[list[dict]] = [[] for _ in range(max(launch.world for launch in launches.values()))]
     for (name, launch), port in zip(launches.items(), free_ports(len(launches))):
@@ -100,6 +101,11 @@ def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) 
         files = [work / f"{name}.{rank}.code" for rank in range(launch.world)]
         codes[name] = [int(f.read_text()) if f.exists() else None for f in files]
     return codes
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a run's log, for a failure message (which may be about a run that never started)."""
+    return path.read_text()[-chars:] if path.exists() else f"{path} was never written"
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:

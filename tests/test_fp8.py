@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
-from _fault_launch import Launch, run_launches
+from _fault_launch import Launch, log_tail, run_launches
 from _runs import cpu_run
 from conftest import REPO, make_demo_data, run_cli, trainer_args
 from mlperf_bert import trainer
@@ -235,7 +235,7 @@ def test_checkpoint_written_under_fp8_resumes_under_bf16_and_back(demo_data: Pat
         "bf16": _train(demo_data, tmp_path / "bf16", "bf16", 4, "--resume_from_checkpoint", str(start)),
         "fp8_again": _train(demo_data, tmp_path / "fp8_again", "fp8", 6, "--resume_from_checkpoint", str(back))}
     for name, codes in run_launches(launches, tmp_path / "launches").items():
-        assert codes == [0], (name, (launches[name].logs / "rank0.err").read_text()[-3000:])
+        assert codes == [0], (name, log_tail(launches[name].logs / "rank0.err"))
     written = read_checkpoint(tmp_path / "fp8" / "checkpoints" / "ckpt-000000000032.pt")["model"]
     reference = BertForPreTraining(BertConfig.from_json(demo_data / "bert_config.json")).state_dict()
     assert list(written) == list(reference)  # the keys of a model that never saw FP8

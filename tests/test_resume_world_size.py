@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from _balance_worker import ID_BASE, LIMITS, write_dataset
-from _fault_launch import Launch, load_checkpoint, mllog_events, run_launches
+from _fault_launch import Launch, load_checkpoint, log_tail, mllog_events, run_launches
 from conftest import trainer_args
 from mlperf_bert.data import dataset as data_module
 from mlperf_bert.data.dataset import DataError, PretrainingDataset, discover_shards, read_shard
@@ -231,8 +231,7 @@ def runs(demo_data, tmp_path_factory) -> Path:
     codes = run_launches(launches, out / "launches")
     for name, launch in launches.items():
         expect = EXIT_BAD_INPUT if name in REFUSED else 0
-        err = (launch.logs / "rank0.err").read_text()[-3000:]
-        assert codes[name] == [expect] * launch.world, (name, codes[name], err)
+        assert codes[name] == [expect] * launch.world, (name, codes[name], log_tail(launch.logs / "rank0.err"))
     return out
 
 
