@@ -65,30 +65,24 @@ class Launch:
     instruments: tuple[str, ...] = ()  # _fault_worker.py's flags
 
 
-def free_ports(count: int) -> list[str]:
-    """`count` different free ports, as strings for MASTER_PORT."""
-    ports: set[str] = set()
-    while len(ports) < count:
-        ports.add(str(free_port()))
-    return sorted(ports)
-
-
 def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) -> dict[str, list[int | None]]:
     """Each launch's exit codes (rank by rank; None where a rank never ended its run), the launches run in
     order on one process per rank: process R runs rank R of every launch of more than R ranks
     (tests/_trainer_runs.py), so a rank costs one Python start-up however many runs it takes part in.
-    Each run has a port of its own and starts when all its ranks reach it: as every launch has a rank 0,
-    the launches run one after the other, so one that reads another's checkpoint comes after it. A rank
-    whose process died before its run has no code; the process's own stderr is in work/process<R>.err."""
+    Each run has a port of its own, taken by its rank 0 when it gets there, and starts when all its
+    ranks reach it: as every launch has a rank 0, the launches run one after the other, so one that
+    reads another's checkpoint comes after it. A rank whose process died before its run has no code;
+    the process's own stderr is in work/process<R>.err."""
     work.mkdir(parents=True, exist_ok=True)
     plans: list[list[dict]] = [[] for _ in range(max(launch.world for launch in launches.values()))]
-    for (name, launch), port in zip(launches.items(), free_ports(len(launches))):
+    for name, launch in launches.items():
         launch.logs.mkdir(parents=True, exist_ok=True)
         for rank in range(launch.world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(launch.world), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(launch.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            plans[rank].append({"flags": launch.flags, "env": env, "instruments": list(launch.instruments),
-                                "err": str(launch.logs / f"rank{rank}.err"), "code": str(work / f"{name}.{rank}.code")})
+                   "LOCAL_WORLD_SIZE": str(launch.world), "MASTER_ADDR": "127.0.0.1"}
+            plans[rank].append({"flags": launch.flags, "env": env, "port": str(work / f"{name}.port"),
+                                "instruments": list(launch.instruments), "err": str(launch.logs / f"rank{rank}.err"),
+                                "code": str(work / f"{name}.{rank}.code")})
     procs = []
     for rank, plan in enumerate(plans):
         (work / f"plan{rank}.json").write_text(json.dumps(plan))

@@ -1,11 +1,12 @@
 """One rank of the sharded-optimizer runs in test_sharded_optimizer.py (gloo on 127.0.0.1).
 
-Usage: python tests/_sharded_worker.py OUT_DIR JOB[,JOB...] RANK WORLD PORT [JOB[,JOB...] RANK WORLD PORT ...]
+Usage: python tests/_sharded_worker.py OUT_DIR JOB[,JOB...] RANK WORLD NAME [JOB[,JOB...] RANK WORLD NAME ...]
 
-Each group of four: jobs run one after the other in one process group of WORLD ranks (each rank
-saves what it saw to OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt, a ':' in the job's name written
-'-from-'; the test compares); the groups one after the other in this process, so one Python
-start-up serves a rank's part in several worlds. The jobs:
+Each group of four: jobs run one after the other in one process group of WORLD ranks, the world
+called NAME, whose port its rank 0 takes when it gets there (`_ports.agreed_port`, in
+OUT_DIR/NAME.port). Each rank saves what it saw to OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt (a ':' in
+the job's name written '-from-'; the test compares). The groups run one after the other in this
+process, so one Python start-up serves a rank's part in several worlds. The jobs:
 - `equality`: for LAMB and ADAM and every clip mode, the same tiny BERT trained twice from the
   same weights on the same per-rank batches (two micro-batches per step, fp32): DDP with the
   unsharded `ForeachLamb` / `ForeachAdamW`, and DDP (hooks not reducing, each bucket handed to
@@ -49,6 +50,7 @@ from mlperf_bert.train.checkpoint import Checkpointer, TrainingParts, read_check
 from mlperf_bert.train.step import EagerStep, GraphedStep, Step
 from _graphed_step_worker import (ACCUMULATION, BUCKET_CAP_MB, GROWTH_INTERVAL, INIT_SCALE, MAX_NORM, SCHEDULE,
                                   examples, flat, model, overflow_on, rows, settle)
+from _ports import agreed_port
 
 STEPS = 6
 SAVE_AT = 3
@@ -232,7 +234,8 @@ def refusals(opt: torch.optim.Optimizer, state: dict) -> list[str]:
     return messages
 
 
-def run_world(jobs: list[str], rank: int, world: int, port: str, out_dir: Path) -> None:
+def run_world(jobs: list[str], rank: int, world: int, name: str, out_dir: Path) -> None:
+    port = agreed_port(out_dir / f"{name}.port", rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     for job in jobs:
         if job == "equality":
@@ -251,8 +254,8 @@ def main() -> None:
     out_dir, groups = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
     for at in range(0, len(groups), 4):
-        jobs, rank, world, port = groups[at:at + 4]
-        run_world(jobs.split(","), int(rank), int(world), port, out_dir)
+        jobs, rank, world, name = groups[at:at + 4]
+        run_world(jobs.split(","), int(rank), int(world), name, out_dir)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import pytest
 import torch
 
 from conftest import REPO
-from _fault_launch import free_ports
 
 WORKER = REPO / "tests" / "_sharded_worker.py"
 EPS = 2.0**-24
@@ -45,7 +44,7 @@ SAVE_AT, STEPS = 3, 6  # as in the worker
 
 
 def _launch(processes: list[list[tuple[str, int, int, str]]], out: Path) -> None:
-    """Starts every process at once, each running its (jobs, rank, world, port) groups in turn."""
+    """Starts every process at once, each running its (jobs, rank, world, world's name) groups in turn."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [(groups, subprocess.Popen(
         [sys.executable, str(WORKER), str(out), *[str(part) for group in groups for part in group]], env=env,
@@ -61,12 +60,11 @@ def records(tmp_path_factory) -> dict[str, list[dict]]:
     then, in the 2-rank world's processes, every resume at 2 and 1 ranks (each waits for the
     4-rank checkpoint it reads): six processes in all."""
     out = tmp_path_factory.mktemp("sharded")
-    w2, w4, resume_w2, resume_w1 = free_ports(4)
     resumes_w2 = "resume-sharded:save-sharded-w4,resume-sharded:save-unsharded-w4"
     resumes_w1 = "resume-sharded:save-sharded-w4,resume-unsharded:save-sharded-w4"
-    pair = [[("equality,fp16", rank, 2, w2), (resumes_w2, rank, 2, resume_w2)] for rank in range(2)]
-    pair[0].append((resumes_w1, 0, 1, resume_w1))
-    _launch([*pair, *[[("save-unsharded,save-sharded,equality,grouped", rank, 4, w4)] for rank in range(4)]], out)
+    pair = [[("equality,fp16", rank, 2, "w2"), (resumes_w2, rank, 2, "resume-w2")] for rank in range(2)]
+    pair[0].append((resumes_w1, 0, 1, "resume-w1"))
+    _launch([*pair, *[[("save-unsharded,save-sharded,equality,grouped", rank, 4, "w4")] for rank in range(4)]], out)
     found: dict[str, list[dict]] = {}
     for path in sorted(out.glob("*-rank*.pt")):
         key, rank = path.stem.rsplit("-rank", 1)
