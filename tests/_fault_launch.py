@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 from conftest import REPO
 
 WORKER = REPO / "tests" / "_fault_worker.py"
+RUNS_WORKER = REPO / "tests" / "_trainer_runs.py"
 
 
 def free_port() -> int:
@@ -52,6 +54,52 @@ def start_torchrun(command: list[str], world: int, log: Path) -> subprocess.Pope
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  f"--nproc_per_node={world}", *command[1:]], cwd=REPO, env=_env(),
                                 stdout=out, stderr=subprocess.STDOUT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One trainer run of `world` ranks; rank R's stderr goes to logs/rank<R>.err, as under start_ranks."""
+    world: int
+    flags: list[str]
+    logs: Path
+    instruments: tuple[str, ...] = ()  # _fault_worker.py's flags
+
+
+def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) -> dict[str, list[int | None]]:
+    """Each launch's exit codes (rank by rank; None where a rank never ended its run), the launches run in
+    order on one process per rank: process R runs rank R of every launch of more than R ranks
+    (tests/_trainer_runs.py), so a rank costs one Python start-up however many runs it takes part in.
+    Each run has a port of its own, taken by its rank 0 when it gets there, and starts when all its
+    ranks reach it: as every launch has a rank 0, the launches run one after the other, so one that
+    reads another's checkpoint comes after it. A rank whose process died before its run has no code;
+    the process's own stderr is in work/process<R>.err."""
+    work.mkdir(parents=True, exist_ok=True)
+    plans: list[list[dict]] = [[] for _ in range(max(launch.world for launch in launches.values()))]
+    for name, launch in launches.items():
+        launch.logs.mkdir(parents=True, exist_ok=True)
+        for rank in range(launch.world):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(launch.world), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(launch.world), "MASTER_ADDR": "127.0.0.1"}
+            plans[rank].append({"flags": launch.flags, "env": env, "port": str(work / f"{name}.port"),
+                                "instruments": list(launch.instruments), "err": str(launch.logs / f"rank{rank}.err"),
+                                "code": str(work / f"{name}.{rank}.code")})
+    procs = []
+    for rank, plan in enumerate(plans):
+        (work / f"plan{rank}.json").write_text(json.dumps(plan))
+        with open(work / f"process{rank}.err", "w") as err:  # what happens outside every run's own stderr
+            procs.append(subprocess.Popen([sys.executable, str(RUNS_WORKER), str(work / f"plan{rank}.json")],
+                                          cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=err))
+    wait_all(procs, timeout)
+    codes = {}
+    for name, launch in launches.items():
+        files = [work / f"{name}.{rank}.code" for rank in range(launch.world)]
+        codes[name] = [int(f.read_text()) if f.exists() else None for f in files]
+    return codes
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a run's log, for a failure message (which may be about a run that never started)."""
+    return path.read_text()[-chars:] if path.exists() else f"{path} was never written"
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:

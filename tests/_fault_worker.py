@@ -82,9 +82,8 @@ class Crash(Hook):
             raise RuntimeError(f"injected crash after step {event.step} on rank {self.rank}")
 
 
-def main() -> int:
-    argv = sys.argv[1:]
-    split = argv.index("--")
+def hooks_of(instruments: list[str]) -> list[Hook]:
+    """The hooks the instrument flags (the module docstring's, before `--`) ask for."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", type=Path)
     parser.add_argument("--step_sleep", type=float, default=0.0)
@@ -92,7 +91,7 @@ def main() -> int:
     parser.add_argument("--nan_rank", type=int, default=0)
     parser.add_argument("--crash_at_step", type=int)
     parser.add_argument("--crash_rank", type=int, default=0)
-    args = parser.parse_args(argv[:split])
+    args = parser.parse_args(instruments)
     hooks: list[Hook] = []
     if args.record is not None:
         hooks.append(StepRecorder(args.record, args.step_sleep))
@@ -100,7 +99,13 @@ def main() -> int:
         hooks.append(NaNLoss(args.nan_at_step, args.nan_rank))
     if args.crash_at_step is not None:
         hooks.append(Crash(args.crash_at_step, args.crash_rank))
-    return run_pretraining.main(argv[split + 1:], stop=StopRequest().install(), hooks=hooks)
+    return hooks
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    return run_pretraining.main(argv[split + 1:], stop=StopRequest().install(), hooks=hooks_of(argv[:split]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """One rank of the sharded-optimizer runs in test_sharded_optimizer.py (gloo on 127.0.0.1).
 
-Usage: python tests/_sharded_worker.py JOB[,JOB...] RANK WORLD PORT OUT_DIR
+Usage: python tests/_sharded_worker.py OUT_DIR JOB[,JOB...] RANK WORLD NAME [JOB[,JOB...] RANK WORLD NAME ...]
 
-Jobs, run one after the other in one process group (each rank saves what it saw to
-OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt, a ':' in the job's name written '-from-'; the test
-compares):
+Each group of four: jobs run one after the other in one process group of WORLD ranks, the world
+called NAME, whose port its rank 0 takes when it gets there (`_ports.agreed_port`, in
+OUT_DIR/NAME.port). Each rank saves what it saw to OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt (a ':' in
+the job's name written '-from-'; the test compares). The groups run one after the other in this
+process, so one Python start-up serves a rank's part in several worlds. The jobs:
 - `equality`: for LAMB and ADAM and every clip mode, the same tiny BERT trained twice from the
   same weights on the same per-rank batches (two micro-batches per step, fp32): DDP with the
   unsharded `ForeachLamb` / `ForeachAdamW`, and DDP (hooks not reducing, each bucket handed to
@@ -21,12 +23,14 @@ compares):
   writing a run checkpoint (`train.checkpoint.Checkpointer`) into OUT_DIR/<job>-w<WORLD> after
   SAVE_AT; `resume-sharded:SAVED` / `resume-unsharded:SAVED` load the checkpoint of the save job
   SAVED (e.g. `save-sharded-w4`) and train the rest, after checking that states which do not
-  fit are refused.
+  fit are refused. A resume waits for that checkpoint, which another process may still be writing
+  (it appears whole: the checkpointer renames a finished file into place).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +50,7 @@ from mlperf_bert.train.checkpoint import Checkpointer, TrainingParts, read_check
 from mlperf_bert.train.step import EagerStep, GraphedStep, Step
 from _graphed_step_worker import (ACCUMULATION, BUCKET_CAP_MB, GROWTH_INTERVAL, INIT_SCALE, MAX_NORM, SCHEDULE,
                                   examples, flat, model, overflow_on, rows, settle)
+from _ports import agreed_port
 
 STEPS = 6
 SAVE_AT = 3
@@ -188,7 +193,7 @@ def save_or_resume(job: str, rank: int, world: int, out_dir: Path) -> dict:
     parts = TrainingParts(net, opt)
     first, refused = 0, []
     if job.startswith("resume"):
-        ckpt = read_checkpoint(out_dir / source / f"ckpt-{SAVE_AT:012d}.pt")
+        ckpt = read_checkpoint(_when_written(out_dir / source / f"ckpt-{SAVE_AT:012d}.pt"))
         refused = refusals(opt, ckpt["optimizer"])
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -206,6 +211,15 @@ def save_or_resume(job: str, rank: int, world: int, out_dir: Path) -> dict:
     return {"losses": losses, "weights": weights, "refusals": refused}
 
 
+def _when_written(path: Path, timeout_s: float = 600) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not written in {timeout_s:.0f} s")
+        time.sleep(0.1)
+    return path
+
+
 def refusals(opt: torch.optim.Optimizer, state: dict) -> list[str]:
     """What loading a saved optimizer state altered not to fit says (a wrong shape; a group too many).
     Checked before anything is loaded, so `opt` is left as it was."""
@@ -220,11 +234,9 @@ def refusals(opt: torch.optim.Optimizer, state: dict) -> list[str]:
     return messages
 
 
-def main() -> None:
-    jobs, rank, world, port = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    out_dir = Path(sys.argv[5])
+def run_world(jobs: list[str], rank: int, world: int, name: str, out_dir: Path) -> None:
+    port = agreed_port(out_dir / f"{name}.port", rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     for job in jobs:
         if job == "equality":
             record = equality(rank)
@@ -236,6 +248,14 @@ def main() -> None:
             record = save_or_resume(job, rank, world, out_dir)
         torch.save(record, out_dir / f"{job.replace(':', '-from-')}-w{world}-rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def main() -> None:
+    out_dir, groups = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    for at in range(0, len(groups), 4):
+        jobs, rank, world, name = groups[at:at + 4]
+        run_world(jobs.split(","), int(rank), int(world), name, out_dir)
 
 
 if __name__ == "__main__":

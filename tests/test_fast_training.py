@@ -16,7 +16,7 @@ import h5py
 import pytest
 import torch
 
-from _fault_launch import assert_same_tensors, load_checkpoint, run_ranks, worker_command
+from _fault_launch import Launch, assert_same_tensors, load_checkpoint, log_tail, run_launches
 from conftest import TRAINER, require_tool, run_cli, trainer_args, verify_folder
 from _runs import cpu_run
 from mlperf_bert import trainer
@@ -72,26 +72,39 @@ def final_checkpoint(out: Path) -> dict:
     return load_checkpoint(sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1])
 
 
-def test_sync_every_trains_bit_for_bit_like_per_step_checks(demo_data, tmp_path):
-    for every in ("1", "4"):
-        args = trainer_args(demo_data, tmp_path / every, "--do_train", "--checkpoint_every_samples", "48",
-                            "--sync_every", every)
-        result = run_cli([sys.executable, str(TRAINER), *args])
-        assert result.returncode == 0, result.stderr[-3000:]
-    per_step, windowed = final_checkpoint(tmp_path / "1"), final_checkpoint(tmp_path / "4")
+@pytest.fixture(scope="module")
+def input_runs(demo_data, tmp_path_factory) -> tuple[Path, dict[str, list[int | None]]]:
+    """The trainer runs the --sync_every and DALI tests compare, one after the other in one process
+    (`run_launches`); each test checks its own runs' exit codes."""
+    out = tmp_path_factory.mktemp("input_runs")
+    runs = {"sync-1": ["--sync_every", "1"], "sync-4": ["--sync_every", "4"],
+            "torch": ["--input_layout", "padded", "--input_pipeline", "torch"],
+            "dali": ["--input_layout", "padded", "--input_pipeline", "dali"]}
+    launches = {name: Launch(1, trainer_args(demo_data, out / name, "--do_train", "--checkpoint_every_samples", "48",
+                                             *extra), out / name / "logs")
+                for name, extra in runs.items()}
+    return out, run_launches(launches, out / "launches")
+
+
+def assert_ran(out: Path, codes: dict[str, list[int | None]], *names: str) -> None:
+    for name in names:
+        assert codes[name] == [0], (name, log_tail(out / name / "logs" / "rank0.err"))
+
+
+def test_sync_every_trains_bit_for_bit_like_per_step_checks(input_runs):
+    out, codes = input_runs
+    assert_ran(out, codes, "sync-1", "sync-4")
+    per_step, windowed = final_checkpoint(out / "sync-1"), final_checkpoint(out / "sync-4")
     assert windowed["train_state"] == per_step["train_state"]
     assert_same_tensors(windowed["model"], per_step["model"])
     assert_same_tensors(windowed["optimizer"], per_step["optimizer"])
 
 
-def test_dali_input_trains_bit_for_bit_like_the_torch_input(demo_data, tmp_path):
+def test_dali_input_trains_bit_for_bit_like_the_torch_input(input_runs):
     require_tool(dali_available(), "NVIDIA DALI (nvidia-dali-cuda120) is not installed")
-    for pipeline in ("torch", "dali"):
-        args = trainer_args(demo_data, tmp_path / pipeline, "--do_train", "--checkpoint_every_samples", "48",
-                            "--input_layout", "padded", "--input_pipeline", pipeline)
-        result = run_cli([sys.executable, str(TRAINER), *args])
-        assert result.returncode == 0, result.stderr[-3000:]
-    torch_run, dali_run = final_checkpoint(tmp_path / "torch"), final_checkpoint(tmp_path / "dali")
+    out, codes = input_runs
+    assert_ran(out, codes, "torch", "dali")
+    torch_run, dali_run = final_checkpoint(out / "torch"), final_checkpoint(out / "dali")
     assert dali_run["data"] == torch_run["data"]  # read ahead, yet the position of the last batch used
     assert_same_tensors(dali_run["model"], torch_run["model"])
 
@@ -101,19 +114,19 @@ def test_a_nan_inside_a_window_rolls_both_ranks_back_to_the_last_read(demo_data,
     # 2 ranks x 4 samples a step; reads at steps 4 and 8; rank 1's loss is NaN in step 6.
     flags = trainer_args(demo_data, tmp_path, "--do_train", "--train_batch_size", "4", "--max_steps", "8",
                          "--sync_every", "4")
-    command = worker_command(flags, None, "--nan_at_step", "6", "--nan_rank", "1")
-    assert run_ranks(command, 2, tmp_path / "logs") == [EXIT_DIVERGED, EXIT_DIVERGED]
+    # The same run stopped cleanly after 4 steps is the state the roll-back must give.
+    clean_flags = trainer_args(demo_data, tmp_path / "clean", "--do_train", "--train_batch_size", "4",
+                               "--max_steps", "8", "--max_samples_termination", "32",
+                               "--checkpoint_every_samples", "32")
+    codes = run_launches({"nan": Launch(2, flags, tmp_path / "logs", ("--nan_at_step", "6", "--nan_rank", "1")),
+                          "clean": Launch(2, clean_flags, tmp_path / "clean_logs")}, tmp_path / "launches")
+    assert codes == {"nan": [EXIT_DIVERGED, EXIT_DIVERGED], "clean": [0, 0]}, \
+        (log_tail(tmp_path / "logs" / "rank0.err"), log_tail(tmp_path / "clean_logs" / "rank0.err"))
     error = (tmp_path / "logs" / "rank0.err").read_text()
     assert "between steps 5 and 8; weights, optimizer and data position are rolled back to step 4" in error, \
         error[-2000:]
     rolled = load_checkpoint(tmp_path / "checkpoints" / "ckpt-000000000032.pt")
     assert rolled["run"]["reason"] == "numeric_blowup"
-
-    # The same run stopped cleanly after 4 steps is the state the roll-back must give.
-    clean_flags = trainer_args(demo_data, tmp_path / "clean", "--do_train", "--train_batch_size", "4",
-                               "--max_steps", "8", "--max_samples_termination", "32",
-                               "--checkpoint_every_samples", "32")
-    assert run_ranks(worker_command(clean_flags), 2, tmp_path / "clean_logs") == [0, 0]
     clean = load_checkpoint(tmp_path / "clean" / "checkpoints" / "ckpt-000000000032.pt")
     assert rolled["train_state"] == clean["train_state"] == {"step": 4, "samples": 32, "skipped_steps": 0,
                                                               "evals": [(32, clean["train_state"]["evals"][0][1])]}
@@ -311,11 +324,12 @@ def test_compiled_layers_train_like_eager_ones(demo_data, tmp_path):
     Without dropout: compiled dropout draws its own random numbers.
     """
     config = no_dropout(demo_data, tmp_path)
-    for mode in ("none", "default"):
-        args = trainer_args(demo_data, tmp_path / mode, "--do_train", "--max_steps", "3", "--bert_config_path", config,
-                            "--checkpoint_every_samples", "24", "--compile_mode", mode, "--device", "cpu")
-        result = run_cli([sys.executable, str(TRAINER), *args])
-        assert result.returncode == 0, result.stderr[-3000:]
+    launches = {mode: Launch(1, trainer_args(demo_data, tmp_path / mode, "--do_train", "--max_steps", "3",
+                                             "--bert_config_path", config, "--checkpoint_every_samples", "24",
+                                             "--compile_mode", mode, "--device", "cpu"), tmp_path / mode / "logs")
+                for mode in ("none", "default")}  # one process, the eager run first (it traces nothing)
+    for mode, codes in run_launches(launches, tmp_path / "launches").items():
+        assert codes == [0], log_tail(tmp_path / mode / "logs" / "rank0.err")
     eager, compiled = final_checkpoint(tmp_path / "none"), final_checkpoint(tmp_path / "default")
     assert eager["model"].keys() == compiled["model"].keys()  # the checkpoint keeps the plain names
     for name, weight in eager["model"].items():

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
+from _fault_launch import Launch, log_tail, run_launches
 from _runs import cpu_run
-from conftest import REPO, TRAINER, make_demo_data, run_cli, trainer_args
+from conftest import REPO, make_demo_data, run_cli, trainer_args
 from mlperf_bert import trainer
 from mlperf_bert.build import Evaluation, eval_step
 from mlperf_bert.config.settings import ConfigError
@@ -219,25 +220,27 @@ def test_eval_under_fp8_scores_the_weights_as_bf16_does(trained_run) -> None:
     assert abs(loss_fp8 - loss_bf16) <= EVAL_LOSS_TOLERANCE * loss_bf16, (loss_fp8, loss_bf16)
 
 
-def _train(demo_data: Path, out: Path, precision: str, steps: int, *extra: str) -> None:
+def _train(demo_data: Path, out: Path, precision: str, steps: int, *extra: str) -> Launch:
     flags = trainer_args(demo_data, out, "--do_train", "--max_steps", str(steps), "--precision", precision,
                          "--checkpoint_every_samples", "16", "--keep_checkpoints", "10", *extra)
-    result = run_cli([sys.executable, str(TRAINER), *flags])
-    assert result.returncode == 0, result.stderr[-3000:]
+    return Launch(1, flags, out / "logs")
 
 
 @pytest.mark.slow
 def test_checkpoint_written_under_fp8_resumes_under_bf16_and_back(demo_data: Path, tmp_path: Path) -> None:
-    _train(demo_data, tmp_path / "fp8", "fp8", 4)
+    start = tmp_path / "fp8" / "checkpoints" / "ckpt-000000000016.pt"
+    back = tmp_path / "bf16" / "checkpoints" / "ckpt-000000000032.pt"
+    launches = {  # in this order, in one process
+        "fp8": _train(demo_data, tmp_path / "fp8", "fp8", 4),
+        "bf16": _train(demo_data, tmp_path / "bf16", "bf16", 4, "--resume_from_checkpoint", str(start)),
+        "fp8_again": _train(demo_data, tmp_path / "fp8_again", "fp8", 6, "--resume_from_checkpoint", str(back))}
+    for name, codes in run_launches(launches, tmp_path / "launches").items():
+        assert codes == [0], (name, log_tail(launches[name].logs / "rank0.err"))
     written = read_checkpoint(tmp_path / "fp8" / "checkpoints" / "ckpt-000000000032.pt")["model"]
     reference = BertForPreTraining(BertConfig.from_json(demo_data / "bert_config.json")).state_dict()
     assert list(written) == list(reference)  # the keys of a model that never saw FP8
     assert {t.dtype for t in written.values() if t.is_floating_point()} == {torch.float32}
 
-    start = tmp_path / "fp8" / "checkpoints" / "ckpt-000000000016.pt"
-    _train(demo_data, tmp_path / "bf16", "bf16", 4, "--resume_from_checkpoint", str(start))
-    back = tmp_path / "bf16" / "checkpoints" / "ckpt-000000000032.pt"
-    _train(demo_data, tmp_path / "fp8_again", "fp8", 6, "--resume_from_checkpoint", str(back))
     resumed = read_checkpoint(tmp_path / "fp8_again" / "checkpoints" / "ckpt-000000000048.pt")["model"]
     assert list(resumed) == list(reference)
     moved = [name for name in reference if not torch.equal(resumed[name], written[name])]

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from _balance_worker import ID_BASE, LIMITS, write_dataset
-from _fault_launch import load_checkpoint, mllog_events, start_ranks, wait_all, worker_command
+from _fault_launch import Launch, load_checkpoint, log_tail, mllog_events, run_launches
 from conftest import trainer_args
 from mlperf_bert.data import dataset as data_module
 from mlperf_bert.data.dataset import DataError, PretrainingDataset, discover_shards, read_shard
@@ -210,32 +210,29 @@ REFUSED = {  # name: (ranks, train_batch_size, accumulation, the fix the error l
 
 @pytest.fixture(scope="module")
 def runs(demo_data, tmp_path_factory) -> Path:
-    """Two waves of launches, each wave's runs side by side: the uninterrupted runs, then every resume."""
+    """Every launch in one go, in order: the uninterrupted runs, every resume, the refused resumes
+    (`run_launches`: one process per rank, each running its rank of every launch in turn)."""
     out = tmp_path_factory.mktemp("world_size")
     config = out / "bert_config_no_dropout.json"
     bert = json.loads((demo_data / "bert_config.json").read_text())
     config.write_text(json.dumps({**bert, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))
     full = {"sharded": (4, ["--distributed_optimizer"]), "unsharded": (4, [])}
-    _launch(out, {name: (world, _flags(demo_data, config, out / name, world, *extra))
-                  for name, (world, extra) in full.items()}, expect=0)
-    wave = {name: (world, _flags(demo_data, config, out / name, world, *extra, "--resume_from_checkpoint",
-                                 str(_checkpoint(out / source, SAVE_AT))))
-            for name, (world, source, extra) in RESUMES.items()}
-    _launch(out, wave, expect=0)
-    refused = {name: (world, _flags(demo_data, config, out / name, 4, "--train_batch_size", str(batch),
-                                    "--gradient_accumulation_steps", str(accumulation), "--resume_from_checkpoint",
-                                    str(_checkpoint(out / "sharded", SAVE_AT))))
-               for name, (world, batch, accumulation, _) in REFUSED.items()}
-    _launch(out, refused, expect=EXIT_BAD_INPUT)
+    launches = {name: Launch(world, _flags(demo_data, config, out / name, world, *extra), out / name / "logs")
+                for name, (world, extra) in full.items()}
+    for name, (world, source, extra) in RESUMES.items():
+        flags = _flags(demo_data, config, out / name, world, *extra, "--resume_from_checkpoint",
+                       str(_checkpoint(out / source, SAVE_AT)))
+        launches[name] = Launch(world, flags, out / name / "logs")
+    for name, (world, batch, accumulation, _) in REFUSED.items():
+        flags = _flags(demo_data, config, out / name, 4, "--train_batch_size", str(batch),
+                       "--gradient_accumulation_steps", str(accumulation), "--resume_from_checkpoint",
+                       str(_checkpoint(out / "sharded", SAVE_AT)))
+        launches[name] = Launch(world, flags, out / name / "logs")
+    codes = run_launches(launches, out / "launches")
+    for name, launch in launches.items():
+        expect = EXIT_BAD_INPUT if name in REFUSED else 0
+        assert codes[name] == [expect] * launch.world, (name, codes[name], log_tail(launch.logs / "rank0.err"))
     return out
-
-
-def _launch(out: Path, launches: dict[str, tuple[int, list[str]]], expect: int) -> None:
-    started = {name: start_ranks(worker_command(flags), world, out / name / "logs")
-               for name, (world, flags) in launches.items()}
-    for name, procs in started.items():
-        codes = wait_all(procs, 600)
-        assert codes == [expect] * len(procs), (name, codes, (out / name / "logs" / "rank0.err").read_text()[-3000:])
 
 
 def _weights(path: Path) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The sharded optimizer (`--distributed_optimizer`) equals the unsharded one, on 2 and 4 gloo ranks.
 
 `tests/_sharded_worker.py` trains the same tiny BERT both ways on each rank (its docstring says
-how); here the ranks' records are compared. Two launches of processes, each phase's worlds
-side by side: first equality at 2 and 4 ranks and the checkpoints written at 4 ranks, sharded
-and unsharded, then every resume at 2 and 1 ranks.
+how); here the ranks' records are compared. One launch of six processes: equality at 2 and 4
+ranks side by side and the checkpoints written at 4 ranks, sharded and unsharded, then, in the
+2-rank processes, every resume at 2 and 1 ranks.
 
 Tolerance, from what differs and nothing else. Both runs compute the same formulas on the
 same numbers, except (a) a tensor's norm (LAMB's trust ratio, the clipping norm) is the square
@@ -34,7 +34,6 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_clipping import free_port
 
 WORKER = REPO / "tests" / "_sharded_worker.py"
 EPS = 2.0**-24
@@ -44,26 +43,28 @@ RUNS = [f"{name}/{mode}" for name in ("lamb", "adam") for mode in MODES]
 SAVE_AT, STEPS = 3, 6  # as in the worker
 
 
-def _launch(jobs: list[tuple[str, int]], out: Path) -> None:
-    """Starts every (jobs, world) launch at once, each world in its own process group."""
+def _launch(processes: list[list[tuple[str, int, int, str]]], out: Path) -> None:
+    """Starts every process at once, each running its (jobs, rank, world, world's name) groups in turn."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = []
-    for names, world in jobs:
-        port = str(free_port())
-        procs += [(names, rank, subprocess.Popen(
-            [sys.executable, str(WORKER), names, str(rank), str(world), port, str(out)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for rank in range(world)]
-    for names, rank, proc in procs:
+    procs = [(groups, subprocess.Popen(
+        [sys.executable, str(WORKER), str(out), *[str(part) for group in groups for part in group]], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for groups in processes]
+    for groups, proc in procs:
         output = proc.communicate(timeout=900)[0]
-        assert proc.returncode == 0, f"{names} rank {rank} failed:\n{output}"
+        assert proc.returncode == 0, f"{groups} failed:\n{output}"
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> dict[str, list[dict]]:
+    """Equality at 2 and 4 ranks and the checkpoints written at 4 ranks, sharded and unsharded;
+    then, in the 2-rank world's processes, every resume at 2 and 1 ranks (each waits for the
+    4-rank checkpoint it reads): six processes in all."""
     out = tmp_path_factory.mktemp("sharded")
-    _launch([("equality,fp16", 2), ("save-unsharded,save-sharded,equality,grouped", 4)], out)
-    _launch([("resume-sharded:save-sharded-w4,resume-sharded:save-unsharded-w4", 2),
-             ("resume-sharded:save-sharded-w4,resume-unsharded:save-sharded-w4", 1)], out)
+    resumes_w2 = "resume-sharded:save-sharded-w4,resume-sharded:save-unsharded-w4"
+    resumes_w1 = "resume-sharded:save-sharded-w4,resume-unsharded:save-sharded-w4"
+    pair = [[("equality,fp16", rank, 2, "w2"), (resumes_w2, rank, 2, "resume-w2")] for rank in range(2)]
+    pair[0].append((resumes_w1, 0, 1, "resume-w1"))
+    _launch([*pair, *[[("save-unsharded,save-sharded,equality,grouped", rank, 4, "w4")] for rank in range(4)]], out)
     found: dict[str, list[dict]] = {}
     for path in sorted(out.glob("*-rank*.pt")):
         key, rank = path.stem.rsplit("-rank", 1)

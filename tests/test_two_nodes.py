@@ -5,9 +5,11 @@ under c10d (node ranks in join order). Then a node that vanishes, and a torchrun
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -111,34 +113,93 @@ def _listens_on(pid: int, port: int) -> bool:
     return any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir())
 
 
+@dataclasses.dataclass
+class Killed:
+    """What one kill left: the launches' exit codes and how long after the kill they ended."""
+    logs: Path
+    codes: list[int]
+    seconds: float
+    lost: int  # the node whose process was killed
+    agent: int  # its torchrun agent's pid
+    worker_running: bool  # its worker, when the launches ended
+    rank: int  # that worker's global rank
+
+
+# name: (rendezvous, what is killed: one node's torchrun agent, or every process of node 1)
+KILLS = {"static-node 1": ("static", "node 1"), "static-node 0": ("static", "node 0"),
+         "c10d-store host": ("c10d", "store host"), "static-whole node 1": ("static", "whole node 1")}
+
+
+@pytest.fixture(scope="module")
+def kills(demo_data, tmp_path_factory) -> dict[str, Killed]:
+    """Each kill of KILLS on two nodes of its own. The next pair of nodes starts as soon as the
+    previous kill is made, while its survivor waits to learn of it (idle), and a thread per kill
+    times the launches' end from its own kill: one start-up at a time, the waits side by side."""
+    found: dict[str, Killed] = {}
+    waits = []
+    for name, (rdzv, target) in KILLS.items():
+        tmp = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        nodes, killed_at, killed, worker = _kill_when_training(demo_data, tmp, rdzv, target)
+        waits.append(threading.Thread(target=_wait_after_kill, args=(found, name, nodes, killed_at, killed, worker)))
+        waits[-1].start()
+    for wait in waits:
+        wait.join()
+    return found
+
+
+def _kill_when_training(demo_data: Path, tmp: Path, rdzv: str,
+                        target: str) -> tuple[list[subprocess.Popen], float, Killed, int]:
+    """Two nodes started and `target` killed once they train: the launches, the kill's time, what
+    is known of it so far, and the pid of the killed node's worker."""
+    out, logs, port = tmp / "two", tmp / "logs", free_port()
+    nodes = _two_nodes(demo_data, out, logs, RDZV_BACKEND=rdzv, MASTER_PORT=str(port), **LONG_RUN)
+    try:
+        _wait_for_step(nodes, out, logs)
+    except BaseException:
+        wait_all(nodes, 0)  # ends both launches (their agents' workers stop with them) before failing
+        raise
+    processes = [_worker_of(node) for node in nodes]
+    lost = 1 if target == "whole node 1" else {"node 1": 1, "node 0": 0}.get(target)
+    if lost is None:
+        lost = next(n for n, (agent, _, _) in enumerate(processes) if _listens_on(agent, port))
+    agent, worker, rank = processes[lost]
+    if target == "whole node 1":  # node 1's shell, torchrun agent and worker (in a session of its own)
+        for pid in [nodes[1].pid, *_descendants(nodes[1].pid)]:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(agent, signal.SIGKILL)
+    return nodes, time.monotonic(), Killed(logs, [], 0.0, lost, agent, True, rank), worker
+
+
+def _wait_after_kill(found: dict[str, Killed], name: str, nodes: list[subprocess.Popen], killed_at: float,
+                     killed: Killed, worker: int) -> None:
+    try:
+        codes = wait_all(nodes, BOUND_S)
+    except subprocess.TimeoutExpired:  # wait_all has killed what ran on: the test reads the time and the codes
+        codes = [node.returncode for node in nodes]
+    ended = time.monotonic()
+    found[name] = dataclasses.replace(killed, codes=codes, seconds=ended - killed_at, worker_running=_running(worker))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("rdzv, killed", [("static", "node 1"), ("static", "node 0"), ("c10d", "store host")])
-def test_a_killed_agent_stops_its_worker_and_ends_the_other_node_with_76(demo_data, tmp_path, rdzv, killed):
+@pytest.mark.parametrize("name", ["static-node 1", "static-node 0", "c10d-store host"])
+def test_a_killed_agent_stops_its_worker_and_ends_the_other_node_with_76(kills, name):
     """One node's torchrun agent alone is SIGKILLed mid-run: node 1's, node 0's (it serves the
     workers' store), or under c10d the one serving the rendezvous store (the other agent loses it).
     Its worker, in a session of its own, would train on as an orphan; it stops with one line and 76
     instead, so its launch exits 76 and the other node names the lost rank and exits 76, as when
     the whole node vanishes."""
-    out, logs, port = tmp_path / "two", tmp_path / "logs", free_port()
-    nodes = _two_nodes(demo_data, out, logs, RDZV_BACKEND=rdzv, MASTER_PORT=str(port), **LONG_RUN)
-    _wait_for_step(nodes, out, logs)
-    processes = [_worker_of(node) for node in nodes]
-    lost = {"node 1": 1, "node 0": 0}.get(killed)
-    if lost is None:
-        lost = next(n for n, (agent, _, _) in enumerate(processes) if _listens_on(agent, port))
-    agent, worker, rank = processes[lost]
-    os.kill(agent, signal.SIGKILL)
-    killed_at = time.monotonic()
-    codes = wait_all(nodes, BOUND_S)
-    assert time.monotonic() - killed_at < BOUND_S
-    assert not _running(worker)
-    assert codes == [EXIT_LOST_RANK] * 2, [(logs / f"node{n}.err").read_text()[-3000:] for n in range(2)]
+    killed = kills[name]
+    logs, lost = killed.logs, killed.lost
+    assert killed.seconds < BOUND_S, killed
+    assert not killed.worker_running
+    assert killed.codes == [EXIT_LOST_RANK] * 2, [(logs / f"node{n}.err").read_text()[-3000:] for n in range(2)]
     own = (logs / f"node{lost}.err").read_text()
     assert [line for line in own.splitlines() if line.startswith("error:")] == [
-        f"error: the launcher of this node's ranks (torchrun agent, pid {agent}) died; its ranks stop with exit "
-        f"code {EXIT_LOST_RANK} instead of training on without it (no checkpoint); resume from the newest "
+        f"error: the launcher of this node's ranks (torchrun agent, pid {killed.agent}) died; its ranks stop with "
+        f"exit code {EXIT_LOST_RANK} instead of training on without it (no checkpoint); resume from the newest "
         "checkpoint, if any"], own[-3000:]
-    _assert_one_lost_rank_line((logs / f"node{1 - lost}.err").read_text(), rank)
+    _assert_one_lost_rank_line((logs / f"node{1 - lost}.err").read_text(), killed.rank)
 
 
 def _wait_for_step(nodes: list[subprocess.Popen], out: Path, logs: Path) -> None:
@@ -158,21 +219,13 @@ def _assert_one_lost_rank_line(stderr: str, rank: int = 1) -> None:
 
 
 @pytest.mark.slow
-def test_losing_a_node_ends_the_other_with_76_and_one_line(demo_data, tmp_path):
+def test_losing_a_node_ends_the_other_with_76_and_one_line(kills):
     """Node 1 vanishes mid-run (every process of it killed, as when the machine fails): node 0
     names the lost rank and exits 76 within the collective timeout, without a traceback."""
-    out = tmp_path / "two"
-    nodes = _two_nodes(demo_data, out, tmp_path / "logs", **LONG_RUN)
-    _wait_for_step(nodes, out, tmp_path / "logs")
-    # Node 1's shell, torchrun agent and worker (torchrun puts workers in sessions of their own).
-    for pid in [nodes[1].pid, *_descendants(nodes[1].pid)]:
-        os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    code = wait_all([nodes[0]], BOUND_S)[0]
-    wait_all([nodes[1]], 10)
-    assert time.monotonic() - killed_at < BOUND_S
-    stderr = (tmp_path / "logs" / "node0.err").read_text()
-    assert code == EXIT_LOST_RANK, stderr[-3000:]
+    killed = kills["static-whole node 1"]
+    stderr = (killed.logs / "node0.err").read_text()
+    assert killed.seconds < BOUND_S, killed
+    assert killed.codes[0] == EXIT_LOST_RANK, stderr[-3000:]
     _assert_one_lost_rank_line(stderr)
 
 
