@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -74,9 +75,34 @@ def test_the_demo_config_reads_no_data_before_run_start_in_any_process(demo_data
     assert keys.index("init_duration_seconds") == keys.index("run_start") + 1
 
 
-def test_a_closed_run_reads_no_data_before_run_start(demo_data, tmp_path):
-    args = closed_run_inputs(demo_data, tmp_path)
-    train, evals = demo_data / "train", tmp_path / "eval"
+@dataclass(frozen=True)
+class ClosedInputs:
+    """closed_run_inputs, made once for the module: its eval set's verification is a process of its own."""
+    folder: Path  # the eval set, the model config and its checkpoint, which the runs only read
+    args: tuple[str, ...]
+
+    @property
+    def eval(self) -> Path:
+        return self.folder / "eval"
+
+    def args_for(self, tmp_path: Path, train: Path | None = None) -> list[str]:
+        """The closed run's flags, writing to tmp_path/out, on `train` when given."""
+        args = list(self.args)
+        args[args.index("--output_dir") + 1] = str(tmp_path / "out")
+        if train is not None:
+            args[args.index("--input_dir") + 1] = str(train)
+        return args
+
+
+@pytest.fixture(scope="module")
+def closed(demo_data, tmp_path_factory) -> ClosedInputs:
+    folder = tmp_path_factory.mktemp("closed")
+    return ClosedInputs(folder, tuple(closed_run_inputs(demo_data, folder)))
+
+
+def test_a_closed_run_reads_no_data_before_run_start(demo_data, closed, tmp_path):
+    args = closed.args_for(tmp_path)
+    train, evals = demo_data / "train", closed.eval
     done = run_cli([sys.executable, str(TRAINER), *args], env=_audited(dict(os.environ), tmp_path / "o.txt",
                                                                            train, evals))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -89,12 +115,6 @@ def _copy(folder: Path, to: Path) -> Path:
     return to
 
 
-def _closed_with_train(demo_data: Path, tmp_path: Path, train: Path) -> list[str]:
-    args = closed_run_inputs(demo_data, tmp_path)
-    args[args.index("--input_dir") + 1] = str(train)
-    return args
-
-
 def _refused_before_the_clock(done, tmp_path: Path, *says: str) -> str:
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -104,28 +124,28 @@ def _refused_before_the_clock(done, tmp_path: Path, *says: str) -> str:
     return errors[0]
 
 
-def test_a_closed_run_refuses_a_folder_changed_since_its_verification(demo_data, tmp_path):
+def test_a_closed_run_refuses_a_folder_changed_since_its_verification(demo_data, closed, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     shard = sorted(train.glob("*.hdf5"))[1]
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1))
-    done = run_cli([sys.executable, str(TRAINER), *_closed_with_train(demo_data, tmp_path, train)])
+    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
     _refused_before_the_clock(done, tmp_path, "closed division", str(shard), "changed since it was verified",
                               f"data_prep/verify_dataset.py {train}")
 
 
-def test_a_closed_run_refuses_a_folder_without_a_record(demo_data, tmp_path):
+def test_a_closed_run_refuses_a_folder_without_a_record(demo_data, closed, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
-    done = run_cli([sys.executable, str(TRAINER), *_closed_with_train(demo_data, tmp_path, train)])
+    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
     _refused_before_the_clock(done, tmp_path, f"no {RECORD_NAME}", "verify_dataset.py")
 
 
-def test_a_closed_run_refuses_training_data_not_checked_against_its_eval_set(demo_data, tmp_path):
+def test_a_closed_run_refuses_training_data_not_checked_against_its_eval_set(demo_data, closed, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     verify_folder(train, "--max_seq_length", "64", "--max_predictions", "10")  # no eval set given
-    done = run_cli([sys.executable, str(TRAINER), *_closed_with_train(demo_data, tmp_path, train)])
+    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
     _refused_before_the_clock(done, tmp_path, "was not checked for samples of the eval set", "§6.5",
-                              f"--eval_dir {tmp_path / 'eval'}")
+                              f"--eval_dir {closed.eval}")
 
 
 def test_a_failed_verification_is_refused_in_the_open_division_too(demo_data, tmp_path):
@@ -139,17 +159,25 @@ def test_a_failed_verification_is_refused_in_the_open_division_too(demo_data, tm
     _refused_before_the_clock(done, tmp_path, "verification failed", "byte-identical")
 
 
-@pytest.mark.parametrize("edit", ["status", "status and problems"])
-def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(demo_data, tmp_path, edit):
-    """A copied shard fails the verification; the record's status changed by hand to ok (and its problems
-    emptied too) still holds the two equal sha256s: one line naming the record and the command to rewrite it."""
-    args = closed_run_inputs(demo_data, tmp_path)
-    train = _copy(demo_data / "train", tmp_path / "train")
+@pytest.fixture(scope="module")
+def failed_verification(demo_data, closed, tmp_path_factory) -> Path:
+    """The demo's training folder with its third shard a copy of the first, verified against the closed
+    eval set (once for the module): the verification fails."""
+    train = _copy(demo_data / "train", tmp_path_factory.mktemp("copied_shard") / "train")
     first, _, third = sorted(train.glob("*.hdf5"))
     shutil.copy2(first, third)
-    verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(train), "--eval_dir", str(tmp_path / "eval"),
+    verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(train), "--eval_dir", str(closed.eval),
                       "--workers", "1"])
     assert verify.returncode == 1, verify.stdout + verify.stderr
+    return train
+
+
+@pytest.mark.parametrize("edit", ["status", "status and problems"])
+def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(failed_verification, closed, tmp_path, edit):
+    """A copied shard fails the verification; the record's status changed by hand to ok (and its problems
+    emptied too) still holds the two equal sha256s: one line naming the record and the command to rewrite it."""
+    train = _copy(failed_verification, tmp_path / "train")
+    first, _, third = sorted(train.glob("*.hdf5"))
     path = train / RECORD_NAME
     raw = json.loads(path.read_text())
     assert raw["status"] == "failed" and raw["problems"]
@@ -158,10 +186,9 @@ def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(demo_data, tmp_p
     if edit == "status and problems":
         raw["problems"] = []
     path.write_text(json.dumps(raw))
-    args[args.index("--input_dir") + 1] = str(train)
-    done = run_cli([sys.executable, str(TRAINER), *args])
+    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
     error = _refused_before_the_clock(done, tmp_path, f"{path}: status ok, yet",
-                                      f"`python data_prep/verify_dataset.py {train} --eval_dir {tmp_path / 'eval'}`")
+                                      f"`python data_prep/verify_dataset.py {train} --eval_dir {closed.eval}`")
     why = ("it lists 1 problem(s)" if edit == "status" else
            f"{first.name} and {third.name} have the same sha256")
     assert why in error, error

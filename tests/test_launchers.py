@@ -304,19 +304,6 @@ def test_run_and_time_refuses_a_named_checkpoint_that_is_missing(tmp_path):
                                    "(set INIT_CHECKPOINT=none to start from random weights)")
 
 
-def test_bad_input_under_torchrun_exits_2_through_run_and_time(demo_data, tmp_path):
-    """torchrun turns every failed worker into its own exit 1; the launcher passes on the trainer's 2."""
-    config = json.loads((demo_data / "bert_config.json").read_text())
-    (tmp_path / "bert_config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 1.5}))
-    env = _rat_env(tmp_path, demo_data, BERT_CONFIG=str(tmp_path / "bert_config.json"))
-    done = _run(["bash", str(REPO / "run_and_time.sh")], env, tmp_path, timeout=300)
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
-    # Both ranks refuse it; the user reads it once, and nothing of torchrun's.
-    assert done.stderr.splitlines() == [f"error: {tmp_path / 'bert_config.json'}: hidden_dropout_prob must be a "
-                                        "number in [0, 1); got 1.5"], done.stderr[-3000:]
-    assert "RESULT" not in done.stdout
-
-
 # Choices a CPU machine cannot serve, from the config variables: refused at start-up, before the MLPerf log.
 # CUDA_VISIBLE_DEVICES="" keeps DEVICE's auto on the CPU on any machine.
 @pytest.mark.parametrize("gpus, overrides, says", [
@@ -453,7 +440,9 @@ def _trainer_refusal(output: str) -> list[str]:
 
 def test_run_with_docker_passes_on_the_trainers_line_and_code(demo_data, tmp_path):
     """The real run_and_time.sh in the (fake) container: two torchrun workers refuse the model config.
-    The user reads the trainer's line once, gets its exit code 2, and no second run is started."""
+    torchrun turns every failed worker into its own exit 1; run_and_time.sh passes on the trainer's 2, and
+    the run's log holds the trainer's line once and nothing of torchrun's. The user gets exit code 2, and
+    no second run is started."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     _copy_script("run_with_docker.sh", scripts)
@@ -468,6 +457,12 @@ def test_run_with_docker_passes_on_the_trainers_line_and_code(demo_data, tmp_pat
            "DATESTAMP": "261125", "FAKE_RUN_AND_TIME": str(inner), "CLEAR_CACHES": "0"}
     done = _run(["bash", str(scripts / "run_with_docker.sh")], env, tmp_path, timeout=300)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    # run_and_time.sh's stdout and stderr, in the log after the :::SYSJSON line: its start and end, the one line.
+    log = (tmp_path / "logs" / "261125_1.log").read_text().splitlines()
+    ran = log[next(i for i, line in enumerate(log) if line.startswith(":::SYSJSON ")) + 1:]
+    assert [line.split(" AT ")[0] for line in ran] == [
+        "STARTING TIMING RUN", f"error: {tmp_path / 'phase1' / 'bert_config.json'}: hidden_dropout_prob must be a "
+        "number in [0, 1); got 1.5", "ENDING TIMING RUN"], log
     assert len(_trainer_refusal(done.stdout + done.stderr)) == 1, done.stdout + done.stderr
     assert "run 1 FAILED with exit code 2" in done.stderr and "not starting the other runs" in done.stderr
     assert "Beginning trial 2" not in done.stdout and not (tmp_path / "logs" / "261125_2.log").exists()
