@@ -22,7 +22,7 @@ from conftest import REPO, TRAINER, demo_config_env, run_cli, trainer_args, veri
 from mlperf_bert.config.closed_division import init_overrun
 from mlperf_bert.data.record import RECORD_NAME, FileEntry, Record, read_record, stale_problems
 from mlperf_bert.data.shards import REFUSED_NAME
-from test_closed_division import closed_run_inputs
+from test_closed_division import check_closed_log, closed_run_inputs
 
 AUDIT = REPO / "tests" / "open_audit"
 
@@ -100,13 +100,14 @@ def closed(demo_data, tmp_path_factory) -> ClosedInputs:
     return ClosedInputs(folder, tuple(closed_run_inputs(demo_data, folder)))
 
 
-def test_a_closed_run_reads_no_data_before_run_start(demo_data, closed, tmp_path):
+def test_a_closed_run_reads_no_data_before_run_start_and_logs_the_rules_it_kept(demo_data, closed, tmp_path):
     args = closed.args_for(tmp_path)
     train, evals = demo_data / "train", closed.eval
     done = run_cli([sys.executable, str(TRAINER), *args], env=_audited(dict(os.environ), tmp_path / "o.txt",
                                                                            train, evals))
     assert done.returncode == 0, done.stderr[-3000:]
     _check_clock(tmp_path / "o.txt", tmp_path / "out" / "mlperf.log", train, evals)
+    check_closed_log(tmp_path / "out" / "mlperf.log", tmp_path)  # and the closed division's rules, logged
 
 
 def _copy(folder: Path, to: Path) -> Path:

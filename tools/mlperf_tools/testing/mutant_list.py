@@ -56,7 +56,7 @@ ATTENTION = "pytorch/mlperf_bert/model/attention.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     CLOSED: ("tests/test_closed_division.py", "-k",
-             "not run_and_time and not open_run and not closed_run_keeping and not closed_run_with"),
+             "not run_and_time and not open_run and not closed_run_with"),
     SHARDED: ("tests/test_sharded_ranks.py", "tests/test_sharded_overlap.py", "tests/test_sharded_optimizer.py"),
     GROUPED: ("tests/test_grouped_attention.py", "-k", "not trainer"),
     INTEGRITY: ("tests/test_data_integrity.py", "-k", "not trainer"),
