@@ -3,23 +3,21 @@
 The shipped configs go through `run_and_time.sh` itself, each dry run its own process (the fake
 device must load before torch) standing in for the trainer's Python, so the flags checked are
 exactly the ones a real run gets. The tests of single flags send their dry runs to one process
-of the module (`DryRuns`), `python -m mlperf_bert.dryrun`'s main one after the other, as the
+of the module (`tests/_served.py`), `python -m mlperf_bert.dryrun`'s main one after the other, as the
 planner traces every shipped config in one process.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from _served import Served
 from conftest import REPO, run_cli
 from mlperf_bert.dryrun.native import NativeBuildError, load
 from mlperf_bert.dryrun.shipped import executable, exports, launch_env
@@ -127,47 +125,20 @@ def _base_flags(tmp_path: Path) -> list[str]:
             "--max_predictions_per_seq", "20", "--device", "cuda", "--submission_division", "open"]
 
 
-class DryRuns:
-    """The module's dry-run process (tests/_dryrun_server.py): `python -m mlperf_bert.dryrun`'s main, one
-    request after the other, without a Python start-up each. These tests are about the steps' host reads,
-    captures and GEMMs; the command's own start-up is the launcher-level tests' above."""
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "_dryrun_server.py")], cwd=REPO,
-                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
-
-    def run(self, argv: list[str], env: dict[str, str], output: Path, timeout_s: float = 300) -> tuple[int, str]:
-        """`python -m mlperf_bert.dryrun ARGV`'s exit code and output (stdout and stderr)."""
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(json.dumps({"argv": argv, "env": env, "output": str(output)}) + "\n")
-        self.process.stdin.flush()
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        answer = self.process.stdout.readline() if ready else ""
-        text = output.read_text() if output.exists() else ""
-        assert answer, f"the dry-run process gave no answer in {timeout_s:.0f} s or ended: {text[-3000:]}"
-        return int(json.loads(answer)["code"]), text
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 @pytest.fixture(scope="module")
-def dry_runs() -> Iterator[DryRuns]:
-    runs = DryRuns()
+def dry_runs() -> Iterator[Served]:
+    """The single-flag tests' dry runs, one process for the module (tests/_served.py): these tests are
+    about the steps' host reads, captures and GEMMs; the command's own start-up is the launcher-level
+    tests' above."""
+    runs = Served("dryrun")
     yield runs
     runs.close()
 
 
-def _dry_run(dry_runs: DryRuns, tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:
+def _dry_run(dry_runs: Served, tmp_path: Path, *flags: str, world_size: int = 1) -> tuple[int, str]:
     argv = ["--steps", "3", "--", *_base_flags(tmp_path), *flags]
-    return dry_runs.run(argv, {"WORLD_SIZE": str(world_size), "RANK": "0"}, tmp_path / "dry_run.txt")
+    done = dry_runs.run(argv, tmp_path / "dry_run.txt", env={"WORLD_SIZE": str(world_size), "RANK": "0"})
+    return done.returncode, done.stdout
 
 
 @pytest.mark.parametrize("graphs, optimizer, step", [([], "FusedLAMB", "EagerStep"),
@@ -184,7 +155,7 @@ def test_build_run_with_apex_picks_a_graph_safe_optimizer_under_cuda_graphs(
     assert built == {"optimizer": optimizer, "step": step}, result.stdout
 
 
-def test_fp16_eager_step_without_a_window_reads_the_device_four_times(dry_runs: DryRuns, tmp_path: Path) -> None:
+def test_fp16_eager_step_without_a_window_reads_the_device_four_times(dry_runs: Served, tmp_path: Path) -> None:
     """--sync_every 1: the guard's agreement, then GradScaler's scale and found-inf reads."""
     code, output = _dry_run(dry_runs, tmp_path, "--precision", "fp16")
     assert code == 1, output
@@ -199,7 +170,7 @@ def _reads_per_step(output: str) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [1, 8])
-def test_fp16_with_a_window_reads_the_device_once_per_window(dry_runs: DryRuns, tmp_path: Path,
+def test_fp16_with_a_window_reads_the_device_once_per_window(dry_runs: Served, tmp_path: Path,
                                                              world_size: int) -> None:
     """The device loss scaler: no read per step; its counts come with the window's agreement."""
     code, output = _dry_run(dry_runs, tmp_path, "--precision", "fp16", "--input_layout", "unpadded", "--sync_every",
@@ -210,7 +181,7 @@ def test_fp16_with_a_window_reads_the_device_once_per_window(dry_runs: DryRuns, 
     assert re.search(r"read x1  mlperf_bert/train/faults\.py:\d+ \(agree\)", output), output
 
 
-def test_graphed_packed_step_captures_once_and_reads_once_per_window(dry_runs: DryRuns, tmp_path: Path) -> None:
+def test_graphed_packed_step_captures_once_and_reads_once_per_window(dry_runs: Served, tmp_path: Path) -> None:
     code, output = _dry_run(dry_runs, tmp_path, "--precision", "bf16", "--input_layout", "packed", "--cuda_graphs",
                             "--sync_every", "3")
     assert code == 0, output
@@ -226,7 +197,7 @@ def test_graphed_packed_step_captures_once_and_reads_once_per_window(dry_runs: D
     (["--precision", "fp16", "--clip_mode", "bucketwise", "--distributed_optimizer", "--gradient_accumulation_steps",
       "2", "--train_batch_size", "4"], 8),
 ])
-def test_graphed_steps_of_many_ranks_fp16_and_accumulation_capture_once(dry_runs: DryRuns, tmp_path: Path,
+def test_graphed_steps_of_many_ranks_fp16_and_accumulation_capture_once(dry_runs: Served, tmp_path: Path,
                                                                          flags: list[str], world_size: int) -> None:
     code, output = _dry_run(dry_runs, tmp_path, "--input_layout", "packed", "--cuda_graphs", "--sync_every", "3",
                             *flags, world_size=world_size)
@@ -236,7 +207,7 @@ def test_graphed_steps_of_many_ranks_fp16_and_accumulation_capture_once(dry_runs
     assert ("(CapturableShardedLamb)" in output) == ("--distributed_optimizer" in flags), output
 
 
-def test_distributed_optimizer_with_fp16_eager_steps_scales_on_the_device(dry_runs: DryRuns, tmp_path: Path) -> None:
+def test_distributed_optimizer_with_fp16_eager_steps_scales_on_the_device(dry_runs: Served, tmp_path: Path) -> None:
     """fp16 + --distributed_optimizer without a graph or a window: the loss scaler is the device one (a
     sharded step's skip is agreed on the device; GradScaler would decide on one rank's gradient)."""
     code, output = _dry_run(dry_runs, tmp_path, "--precision", "fp16", "--input_layout", "unpadded", "--clip_mode",
@@ -245,7 +216,7 @@ def test_distributed_optimizer_with_fp16_eager_steps_scales_on_the_device(dry_ru
     assert "(CapturableShardedLamb)" in output, output
 
 
-def test_flags_the_trainer_refuses_end_with_its_message(dry_runs: DryRuns, tmp_path: Path) -> None:
+def test_flags_the_trainer_refuses_end_with_its_message(dry_runs: Served, tmp_path: Path) -> None:
     code, output = _dry_run(dry_runs, tmp_path, "--cuda_graphs", "--input_layout", "unpadded")
     assert code == 2 and "the trainer refuses these flags: --cuda_graphs needs static shapes" in output, output
 
@@ -257,7 +228,7 @@ def test_fake_device_must_load_before_torch() -> None:
         load()
 
 
-def test_padded_layout_unpads_with_host_reads(dry_runs: DryRuns, tmp_path: Path) -> None:
+def test_padded_layout_unpads_with_host_reads(dry_runs: Served, tmp_path: Path) -> None:
     """Boolean indexing on the device is a host read of the output size: found, with its lines."""
     code, output = _dry_run(dry_runs, tmp_path, "--precision", "bf16", "--input_layout", "padded", "--sync_every", "10")
     assert code == 1, output
@@ -270,7 +241,7 @@ def test_padded_layout_unpads_with_host_reads(dry_runs: DryRuns, tmp_path: Path)
     (["--input_layout", "packed", "--cuda_graphs", "--sync_every", "3"], 1),
     (["--input_layout", "packed", "--cuda_graphs", "--sync_every", "3", "--distributed_optimizer"], 8),
 ])
-def test_fp8_steps_reach_scaled_mm_on_fake_cuda(dry_runs: DryRuns, tmp_path: Path, flags: list[str],
+def test_fp8_steps_reach_scaled_mm_on_fake_cuda(dry_runs: Served, tmp_path: Path, flags: list[str],
                                                 world_size: int) -> None:
     """torchao's Float8Linear on 'cuda' (capability 9.0) calls torch._scaled_mm, not its emulation, in
     eager steps of any token count and inside the captured step, on one rank and many (the shipped fp8
@@ -293,7 +264,7 @@ DELAYED_GEMMS_PER_STEP = 2 * 4 * 3
 
 
 @pytest.mark.parametrize("layers, gemms", [("encoder", DELAYED_GEMMS_PER_STEP), ("ffn", 2 * 2 * 3)])
-def test_delayed_fp8_recipe_calls_scaled_mm_inside_the_captured_step(dry_runs: DryRuns, tmp_path: Path, layers: str,
+def test_delayed_fp8_recipe_calls_scaled_mm_inside_the_captured_step(dry_runs: Served, tmp_path: Path, layers: str,
                                                                      gemms: int) -> None:
     """--fp8_recipe delayed (model/fp8_delayed.py) calls torch._scaled_mm itself: in the captured step, with
     the stacked query/key/value GEMM, and only the FFN's two linears under --fp8_layers ffn."""
@@ -305,7 +276,7 @@ def test_delayed_fp8_recipe_calls_scaled_mm_inside_the_captured_step(dry_runs: D
     assert "inside a CUDA-graph capture at" not in output, output
 
 
-def test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16(dry_runs: DryRuns, tmp_path: Path) -> None:
+def test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16(dry_runs: Served, tmp_path: Path) -> None:
     """Unpadded batches hold any number of tokens: the weight gradient's inner dimension is padded to the
     multiple of 16 that torch._scaled_mm asks for (its checks run on the fake device as on a GPU)."""
     code, output = _dry_run(dry_runs, tmp_path, "--precision", "fp8", "--fp8_recipe", "delayed", "--input_layout",
@@ -314,7 +285,7 @@ def test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16(dry_
     assert [int(n) for n in re.findall(r"step \d+: .* (\d+) FP8 GEMM", output)] == [DELAYED_GEMMS_PER_STEP] * 3, output
 
 
-def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(dry_runs: DryRuns,
+def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(dry_runs: Served,
                                                                              tmp_path: Path) -> None:
     """Sequences of 128 to 512 tokens fall in several length groups: each group is ordered after
     q/k/v by an event and the layer waits for each group's event, and the groups are learnt

@@ -7,13 +7,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import h5py
 import numpy as np
 import pytest
 
 from _fault_launch import mllog_events
-from conftest import TRAINER, run_cli
+from _served import Served
+from conftest import run_cli
 from data_prep import reshard as reshard_module
 from data_prep.corpus import write_corpus
 from data_prep.fileio import sha256_file
@@ -65,6 +67,20 @@ def only(root: Path, pattern: str) -> Path:
     return found[0]
 
 
+@pytest.fixture(scope="module")
+def trainer() -> Iterator[Served]:
+    """The trainer's runs of this module, one process for them all (tests/_served.py): these tests are
+    about what the trainer makes of the pipeline's folders, not its start-up."""
+    served = Served("trainer")
+    yield served
+    served.close()
+
+
+def run_trainer(trainer: Served, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """`run_pretraining.py ARGS` as a finished process (served)."""
+    return trainer.run(args, tmp_path / "trainer.out", tmp_path / "trainer.err")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("folder, layout", [
     ("hdf5_*_shards_fixed", "padded"),
@@ -72,15 +88,16 @@ def only(root: Path, pattern: str) -> Path:
     ("packed_*", "packed"),
     ("stratified_quartiles", "unpadded"),
 ])
-def test_trainer_trains_on_every_prepared_folder(prepared, tmp_path, folder, layout):
+def test_trainer_trains_on_every_prepared_folder(trainer, prepared, tmp_path, folder, layout):
     data = prepared / "data"
     out = tmp_path / "out"
-    result = run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(only(data, folder)),
-                      "--eval_dir", str(only(data, "eval_varlength")), "--bert_config_path",
-                      str(prepared / "bert_config.json"), "--output_dir", str(out), "--input_layout", layout,
-                      "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
-                      "--num_eval_examples", "60", "--train_batch_size", "4", "--max_steps", "3",
-                      "--eval_iter_samples", "100", "--submission_division", "open", "--curves", "none"])
+    result = run_trainer(trainer, ["--do_train", "--input_dir", str(only(data, folder)),
+                                   "--eval_dir", str(only(data, "eval_varlength")), "--bert_config_path",
+                                   str(prepared / "bert_config.json"), "--output_dir", str(out), "--input_layout",
+                                   layout, "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq",
+                                   str(MAX_PRED), "--num_eval_examples", "60", "--train_batch_size", "4",
+                                   "--max_steps", "3", "--eval_iter_samples", "100", "--submission_division", "open",
+                                   "--curves", "none"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (out / "mlperf.log").read_text()
     assert '"key": "run_stop"' in log and '"key": "eval_accuracy"' in log
@@ -94,15 +111,15 @@ def copy_of(prepared: Path, pattern: str, tmp_path: Path) -> Path:
     return copy
 
 
-def train(prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded",
+def train(trainer: Served, prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded",
           *extra: str) -> subprocess.CompletedProcess:
     """One training step, open division (each shard's rows are checked when the step reads it)."""
-    return run_cli([sys.executable, str(TRAINER), "--do_train", "--input_dir", str(input_dir), *extra,
-                    "--eval_dir", str(only(prepared / "data", "eval_varlength")), "--bert_config_path",
-                    str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"), "--input_layout", layout,
-                    "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
-                    "--num_eval_examples", "60", "--train_batch_size", "4", "--max_steps", "1",
-                    "--eval_iter_samples", "100", "--submission_division", "open", "--curves", "none"])
+    return run_trainer(trainer, [
+        "--do_train", "--input_dir", str(input_dir), *extra, "--eval_dir", str(only(prepared / "data", "eval_varlength")),
+        "--bert_config_path", str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"),
+        "--input_layout", layout, "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
+        "--num_eval_examples", "60", "--train_batch_size", "4", "--max_steps", "1", "--eval_iter_samples", "100",
+        "--submission_division", "open", "--curves", "none"], tmp_path)
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
@@ -131,33 +148,33 @@ def interrupted_reshard(prepared: Path, out: Path, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("extra", [(), ("--unverified_data",)])
-def test_shard_deleted_after_the_manifest_is_refused_before_run_start(prepared, tmp_path, extra):
+def test_shard_deleted_after_the_manifest_is_refused_before_run_start(trainer, prepared, tmp_path, extra):
     """The folder's listing decides it: refused before the clock, even when unverified data may train."""
     folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
     gone = sorted(folder.glob("*.hdf5"))[2]
     gone.unlink()
-    result = train(prepared, folder, tmp_path, "unpadded", *extra)
+    result = train(trainer, prepared, folder, tmp_path, "unpadded", *extra)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {gone}: listed in MANIFEST.json but missing")
     assert not (tmp_path / "out" / "mlperf.log").exists()
 
 
-def test_half_written_reshard_is_refused(prepared, tmp_path, monkeypatch, capsys):
+def test_half_written_reshard_is_refused(trainer, prepared, tmp_path, monkeypatch, capsys):
     folder = tmp_path / "reshard"
     interrupted_reshard(prepared, folder, monkeypatch)
     missing = folder / "part_00002_of_00004.hdf5"
-    result = train(prepared, folder, tmp_path)
+    result = train(trainer, prepared, folder, tmp_path)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {missing}: missing, the folder has 2 of 4 shards; rerun")
     assert verify_main([str(folder), "--workers", "1"]) == 1
     assert f"{missing}: missing, the folder has 2 of 4 shards" in capsys.readouterr().err
 
 
-def test_temporary_file_of_a_killed_step_is_refused(prepared, tmp_path, capsys):
+def test_temporary_file_of_a_killed_step_is_refused(trainer, prepared, tmp_path, capsys):
     folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
     leftover = folder / ".part_00003_of_00004.hdf5.tmp-4242"  # what a killed writer leaves behind
     leftover.write_bytes(b"half a shard")
-    result = train(prepared, folder, tmp_path)
+    result = train(trainer, prepared, folder, tmp_path)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {leftover}: a temporary file of an interrupted step")
     assert verify_main([str(folder), "--workers", "1"]) == 1
@@ -168,7 +185,7 @@ def test_temporary_file_of_a_killed_step_is_refused(prepared, tmp_path, capsys):
     ("input_ids", 10**4, "input_ids outside [0, vocab_size="),
     ("next_sentence_labels", 7, "next_sentence_labels is not 0 or 1"),
 ])
-def test_a_bad_row_stops_the_run_when_its_shard_is_read(prepared, tmp_path, key, value, problem):
+def test_a_bad_row_stops_the_run_when_its_shard_is_read(trainer, prepared, tmp_path, key, value, problem):
     """An open run told to train a folder changed since its verification (--unverified_data): rows are
     checked as they are read (after run_start: no row is read before the clock), and the first bad one
     ends the run."""
@@ -177,7 +194,7 @@ def test_a_bad_row_stops_the_run_when_its_shard_is_read(prepared, tmp_path, key,
     for shard in shards_:  # whichever shard the run reads first holds one
         with h5py.File(shard, "r+") as handle:
             handle[key][(5, 1) if key == "input_ids" else 5] = value
-    result = train(prepared, folder, tmp_path, "padded", "--unverified_data")
+    result = train(trainer, prepared, folder, tmp_path, "padded", "--unverified_data")
     assert result.returncode == 2
     assert "changed since it was verified" in result.stderr  # --unverified_data's note
     line = error_line(result)
