@@ -53,6 +53,10 @@ class Served:
         assert answer, f"the served process gave no answer in {timeout_s:.0f} s or ended: {(out + err)[-3000:]}"
         return subprocess.CompletedProcess(argv, int(json.loads(answer)["code"]), out, "" if stderr is None else err)
 
+    def run_in(self, folder: Path, argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """`run` with the stdout and stderr files in `folder` (a test's tmp_path)."""
+        return self.run(argv, folder / "served.out", folder / "served.err", env)
+
     def close(self) -> None:
         if self.process.stdin is not None:
             self.process.stdin.close()

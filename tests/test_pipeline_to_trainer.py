@@ -76,11 +76,6 @@ def trainer() -> Iterator[Served]:
     served.close()
 
 
-def run_trainer(trainer: Served, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    """`run_pretraining.py ARGS` as a finished process (served)."""
-    return trainer.run(args, tmp_path / "trainer.out", tmp_path / "trainer.err")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("folder, layout", [
     ("hdf5_*_shards_fixed", "padded"),
@@ -91,13 +86,13 @@ def run_trainer(trainer: Served, args: list[str], tmp_path: Path) -> subprocess.
 def test_trainer_trains_on_every_prepared_folder(trainer, prepared, tmp_path, folder, layout):
     data = prepared / "data"
     out = tmp_path / "out"
-    result = run_trainer(trainer, ["--do_train", "--input_dir", str(only(data, folder)),
+    result = trainer.run_in(tmp_path, ["--do_train", "--input_dir", str(only(data, folder)),
                                    "--eval_dir", str(only(data, "eval_varlength")), "--bert_config_path",
                                    str(prepared / "bert_config.json"), "--output_dir", str(out), "--input_layout",
                                    layout, "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq",
                                    str(MAX_PRED), "--num_eval_examples", "60", "--train_batch_size", "4",
                                    "--max_steps", "3", "--eval_iter_samples", "100", "--submission_division", "open",
-                                   "--curves", "none"], tmp_path)
+                                   "--curves", "none"])
     assert result.returncode == 0, result.stderr[-3000:]
     log = (out / "mlperf.log").read_text()
     assert '"key": "run_stop"' in log and '"key": "eval_accuracy"' in log
@@ -114,12 +109,12 @@ def copy_of(prepared: Path, pattern: str, tmp_path: Path) -> Path:
 def train(trainer: Served, prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded",
           *extra: str) -> subprocess.CompletedProcess:
     """One training step, open division (each shard's rows are checked when the step reads it)."""
-    return run_trainer(trainer, [
+    return trainer.run_in(tmp_path, [
         "--do_train", "--input_dir", str(input_dir), *extra, "--eval_dir", str(only(prepared / "data", "eval_varlength")),
         "--bert_config_path", str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"),
         "--input_layout", layout, "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
         "--num_eval_examples", "60", "--train_batch_size", "4", "--max_steps", "1", "--eval_iter_samples", "100",
-        "--submission_division", "open", "--curves", "none"], tmp_path)
+        "--submission_division", "open", "--curves", "none"])
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
