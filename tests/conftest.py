@@ -11,9 +11,11 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import pytest
+
+from _served import Served
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "pytorch" / "run_pretraining.py"
@@ -74,6 +76,16 @@ def _shared_by_workers(tmp_path_factory: pytest.TempPathFactory, name: str, make
             make(folder)
             done.touch()
     return folder
+
+
+@pytest.fixture(scope="module")
+def served_trainer() -> Iterator[Served]:
+    """One process serving the module's trainer runs (tests/_served.py: `run_pretraining.py ARGV` without a
+    Python start-up each), for tests of what a run computes and says; start-up, signals and launchers are
+    tested on processes of their own."""
+    served = Served("trainer")
+    yield served
+    served.close()
 
 
 @pytest.fixture(scope="session")

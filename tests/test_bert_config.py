@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import transformers
 
-from conftest import TRAINER, run_cli, trainer_args
+from conftest import trainer_args
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.model.bert import DEFAULTED_KEYS, REQUIRED_KEYS, BertConfig, BertForPreTraining
 
@@ -93,11 +92,12 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("config, message", CLI_CASES, ids=[m[:30] for _, m in CLI_CASES])
-def test_the_trainer_refuses_a_bad_bert_config_before_anything_runs(demo_data, tmp_path, config, message):
+def test_the_trainer_refuses_a_bad_bert_config_before_anything_runs(served_trainer, demo_data, tmp_path, config,
+                                                                    message):
     path = _write(tmp_path, config)
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--device", "cpu")
     args[args.index("--bert_config_path") + 1] = str(path)
-    result = run_cli([sys.executable, str(TRAINER), *args])
+    result = served_trainer.run_in(tmp_path, args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TRAINER, run_cli, trainer_args, verify_folder
+from conftest import REPO, run_cli, trainer_args, verify_folder
 from mlperf_bert.config.cli import build_parser, config_from_args, parse_config
 from mlperf_bert.config.closed_division import RULES, broken_rules, config_values, eval_interval_samples
 from mlperf_bert.config.settings import ConfigError
@@ -169,12 +169,12 @@ def test_run_and_time_names_the_phase1_checkpoint_when_a_closed_config_misses_it
 # A run: the open division takes the same values; a closed run that keeps the rules logs them
 
 
-def test_an_open_run_with_a_small_eval_set_trains_and_says_open(demo_data, tmp_path):
+def test_an_open_run_with_a_small_eval_set_trains_and_says_open(served_trainer, demo_data, tmp_path):
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "2")
     closed = [*args, "--submission_division", "closed", "--init_checkpoint", str(tmp_path / "none.pt")]
-    refused = run_cli([sys.executable, str(TRAINER), *closed])
+    refused = served_trainer.run_in(tmp_path, closed)
     assert refused.returncode == 2 and "closed division: every eval covers" in refused.stderr, refused.stderr
-    done = run_cli([sys.executable, str(TRAINER), *args])
+    done = served_trainer.run_in(tmp_path, args)
     assert done.returncode == 0, done.stderr[-3000:]
     division = [e["value"] for e in _mllog(tmp_path / "out" / "mlperf.log") if e["key"] == "submission_division"]
     assert division == ["open"]
@@ -235,11 +235,11 @@ def check_closed_log(log: Path, scratch: Path) -> None:
     assert failed and all("eval_accuracy" in line or line.strip().endswith("FAILED") for line in failed), report
 
 
-def test_a_closed_run_with_a_small_eval_set_is_told_to_use_the_full_one(demo_data, tmp_path):
+def test_a_closed_run_with_a_small_eval_set_is_told_to_use_the_full_one(served_trainer, demo_data, tmp_path):
     """The rules hold, but --eval_dir has 200 samples: the fix offered may not break a rule."""
     args = closed_run_inputs(demo_data, tmp_path)
     args[args.index("--eval_dir") + 1] = str(demo_data / "eval")
-    done = run_cli([sys.executable, str(TRAINER), *args])
+    done = served_trainer.run_in(tmp_path, args)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr

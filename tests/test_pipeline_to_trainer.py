@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import h5py
 import numpy as np
@@ -67,15 +66,6 @@ def only(root: Path, pattern: str) -> Path:
     return found[0]
 
 
-@pytest.fixture(scope="module")
-def trainer() -> Iterator[Served]:
-    """The trainer's runs of this module, one process for them all (tests/_served.py): these tests are
-    about what the trainer makes of the pipeline's folders, not its start-up."""
-    served = Served("trainer")
-    yield served
-    served.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("folder, layout", [
     ("hdf5_*_shards_fixed", "padded"),
@@ -83,10 +73,10 @@ def trainer() -> Iterator[Served]:
     ("packed_*", "packed"),
     ("stratified_quartiles", "unpadded"),
 ])
-def test_trainer_trains_on_every_prepared_folder(trainer, prepared, tmp_path, folder, layout):
+def test_trainer_trains_on_every_prepared_folder(served_trainer, prepared, tmp_path, folder, layout):
     data = prepared / "data"
     out = tmp_path / "out"
-    result = trainer.run_in(tmp_path, ["--do_train", "--input_dir", str(only(data, folder)),
+    result = served_trainer.run_in(tmp_path, ["--do_train", "--input_dir", str(only(data, folder)),
                                    "--eval_dir", str(only(data, "eval_varlength")), "--bert_config_path",
                                    str(prepared / "bert_config.json"), "--output_dir", str(out), "--input_layout",
                                    layout, "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq",
@@ -106,11 +96,12 @@ def copy_of(prepared: Path, pattern: str, tmp_path: Path) -> Path:
     return copy
 
 
-def train(trainer: Served, prepared: Path, input_dir: Path, tmp_path: Path, layout: str = "unpadded",
-          *extra: str) -> subprocess.CompletedProcess:
+def train(served_trainer: Served, prepared: Path, input_dir: Path, tmp_path: Path,
+          layout: str = "unpadded", *extra: str) -> subprocess.CompletedProcess:
     """One training step, open division (each shard's rows are checked when the step reads it)."""
-    return trainer.run_in(tmp_path, [
-        "--do_train", "--input_dir", str(input_dir), *extra, "--eval_dir", str(only(prepared / "data", "eval_varlength")),
+    return served_trainer.run_in(tmp_path, [
+        "--do_train", "--input_dir", str(input_dir), *extra,
+        "--eval_dir", str(only(prepared / "data", "eval_varlength")),
         "--bert_config_path", str(prepared / "bert_config.json"), "--output_dir", str(tmp_path / "out"),
         "--input_layout", layout, "--max_seq_length", str(MAX_LEN), "--max_predictions_per_seq", str(MAX_PRED),
         "--num_eval_examples", "60", "--train_batch_size", "4", "--max_steps", "1", "--eval_iter_samples", "100",
@@ -143,33 +134,33 @@ def interrupted_reshard(prepared: Path, out: Path, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("extra", [(), ("--unverified_data",)])
-def test_shard_deleted_after_the_manifest_is_refused_before_run_start(trainer, prepared, tmp_path, extra):
+def test_shard_deleted_after_the_manifest_is_refused_before_run_start(served_trainer, prepared, tmp_path, extra):
     """The folder's listing decides it: refused before the clock, even when unverified data may train."""
     folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
     gone = sorted(folder.glob("*.hdf5"))[2]
     gone.unlink()
-    result = train(trainer, prepared, folder, tmp_path, "unpadded", *extra)
+    result = train(served_trainer, prepared, folder, tmp_path, "unpadded", *extra)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {gone}: listed in MANIFEST.json but missing")
     assert not (tmp_path / "out" / "mlperf.log").exists()
 
 
-def test_half_written_reshard_is_refused(trainer, prepared, tmp_path, monkeypatch, capsys):
+def test_half_written_reshard_is_refused(served_trainer, prepared, tmp_path, monkeypatch, capsys):
     folder = tmp_path / "reshard"
     interrupted_reshard(prepared, folder, monkeypatch)
     missing = folder / "part_00002_of_00004.hdf5"
-    result = train(trainer, prepared, folder, tmp_path)
+    result = train(served_trainer, prepared, folder, tmp_path)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {missing}: missing, the folder has 2 of 4 shards; rerun")
     assert verify_main([str(folder), "--workers", "1"]) == 1
     assert f"{missing}: missing, the folder has 2 of 4 shards" in capsys.readouterr().err
 
 
-def test_temporary_file_of_a_killed_step_is_refused(trainer, prepared, tmp_path, capsys):
+def test_temporary_file_of_a_killed_step_is_refused(served_trainer, prepared, tmp_path, capsys):
     folder = copy_of(prepared, "hdf5_*_shards_varlength", tmp_path)
     leftover = folder / ".part_00003_of_00004.hdf5.tmp-4242"  # what a killed writer leaves behind
     leftover.write_bytes(b"half a shard")
-    result = train(trainer, prepared, folder, tmp_path)
+    result = train(served_trainer, prepared, folder, tmp_path)
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {leftover}: a temporary file of an interrupted step")
     assert verify_main([str(folder), "--workers", "1"]) == 1
@@ -180,7 +171,7 @@ def test_temporary_file_of_a_killed_step_is_refused(trainer, prepared, tmp_path,
     ("input_ids", 10**4, "input_ids outside [0, vocab_size="),
     ("next_sentence_labels", 7, "next_sentence_labels is not 0 or 1"),
 ])
-def test_a_bad_row_stops_the_run_when_its_shard_is_read(trainer, prepared, tmp_path, key, value, problem):
+def test_a_bad_row_stops_the_run_when_its_shard_is_read(served_trainer, prepared, tmp_path, key, value, problem):
     """An open run told to train a folder changed since its verification (--unverified_data): rows are
     checked as they are read (after run_start: no row is read before the clock), and the first bad one
     ends the run."""
@@ -189,7 +180,7 @@ def test_a_bad_row_stops_the_run_when_its_shard_is_read(trainer, prepared, tmp_p
     for shard in shards_:  # whichever shard the run reads first holds one
         with h5py.File(shard, "r+") as handle:
             handle[key][(5, 1) if key == "input_ids" else 5] = value
-    result = train(trainer, prepared, folder, tmp_path, "padded", "--unverified_data")
+    result = train(served_trainer, prepared, folder, tmp_path, "padded", "--unverified_data")
     assert result.returncode == 2
     assert "changed since it was verified" in result.stderr  # --unverified_data's note
     line = error_line(result)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
-from conftest import TRAINER, run_cli, trainer_args
+from conftest import trainer_args
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.train.checkpoint import (
     FORMAT,
@@ -205,10 +204,10 @@ def test_resume_needs_a_readable_run_checkpoint(tmp_path):
     (("--bert_config_path", "WIDER"), "does not fit this model or optimizer"),  # another model
     (("--resume_from_checkpoint", "BAD"), "cannot read the checkpoint"),  # another file
 ])
-def test_a_refused_resume_adds_nothing_to_the_log_it_continues(demo_data, tmp_path, change, says):
+def test_a_refused_resume_adds_nothing_to_the_log_it_continues(served_trainer, demo_data, tmp_path, change, says):
     out = tmp_path / "run"
-    first = run_cli([sys.executable, str(TRAINER), *_flags(demo_data, out, "--max_steps", "2",
-                                                           "--checkpoint_every_samples", "16")])
+    first = served_trainer.run_in(tmp_path, _flags(demo_data, out, "--max_steps", "2",
+                                                   "--checkpoint_every_samples", "16"))
     assert first.returncode == 0, first.stderr[-2000:]
     log = (out / "mlperf.log").read_bytes()
     flags = _flags(demo_data, out, "--resume_from_checkpoint", "auto")
@@ -222,7 +221,7 @@ def test_a_refused_resume_adds_nothing_to_the_log_it_continues(demo_data, tmp_pa
         value = str(tmp_path / "wider.json")
     at = flags.index(flag)
     flags[at + 1] = value
-    done = run_cli([sys.executable, str(TRAINER), *flags])
+    done = served_trainer.run_in(tmp_path, flags)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in done.stderr, done.stderr

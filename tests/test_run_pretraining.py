@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import h5py
 import numpy as np
@@ -17,7 +16,6 @@ import torch
 import transformers
 from PIL import Image
 
-from _served import Served
 from conftest import TRAINER, run_cli, trainer_args, verify_folder
 
 MLPERF_FLAGS = (
@@ -27,15 +25,6 @@ MLPERF_FLAGS = (
     "--eval_batch_size --num_eval_examples --target_mlm_accuracy --max_seq_length --max_predictions_per_seq "
     "--output_dir --seed --do_train --optimizer --precision --input_layout"
 ).split()
-
-
-@pytest.fixture(scope="module")
-def trainer() -> Iterator[Served]:
-    """This module's runs that are about what a run says and computes, served by one process
-    (tests/_served.py); the short run, --help and the two-process runs start processes of their own."""
-    served = Served("trainer")
-    yield served
-    served.close()
 
 
 def mllog_lines(path: Path) -> list[dict]:
@@ -71,9 +60,9 @@ def test_help_documents_every_flag():
         (["--warmup_steps", "5", "--warmup_proportion", "0.1"], "not allowed with argument"),
     ],
 )
-def test_contradictory_flags_are_rejected_before_anything_runs(trainer, demo_data, tmp_path, extra, message):
+def test_contradictory_flags_are_rejected_before_anything_runs(served_trainer, demo_data, tmp_path, extra, message):
     out = tmp_path / "out"
-    result = trainer.run_in(tmp_path, [*trainer_args(demo_data, out, "--do_train"), *extra])
+    result = served_trainer.run_in(tmp_path, [*trainer_args(demo_data, out, "--do_train"), *extra])
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -105,12 +94,12 @@ BAD_SHARDS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SHARDS))
-def test_bad_shards_give_a_clear_error_naming_the_file(trainer, demo_data, tmp_path, case):
+def test_bad_shards_give_a_clear_error_naming_the_file(served_trainer, demo_data, tmp_path, case):
     data = _copy_data(demo_data, tmp_path)
     corrupt, expected = BAD_SHARDS[case]
     corrupt(data / "train" / "part_00000_of_00003.hdf5")
     # Told to train the changed folder anyway: its rows are checked as they are read.
-    result = trainer.run_in(tmp_path, trainer_args(data, tmp_path / "out", "--do_train", "--max_steps", "400",
+    result = served_trainer.run_in(tmp_path, trainer_args(data, tmp_path / "out", "--do_train", "--max_steps", "400",
                                                    "--unverified_data"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -118,22 +107,22 @@ def test_bad_shards_give_a_clear_error_naming_the_file(trainer, demo_data, tmp_p
     assert error and "part_00000_of_00003.hdf5" in error[0] and expected in error[0], result.stderr[-2000:]
 
 
-def test_sequence_longer_than_max_seq_length_is_rejected(trainer, demo_data, tmp_path):
+def test_sequence_longer_than_max_seq_length_is_rejected(served_trainer, demo_data, tmp_path):
     args = trainer_args(demo_data, tmp_path / "out", "--do_train")
     args[args.index("--max_seq_length") + 1] = "32"
-    result = trainer.run_in(tmp_path, args)
+    result = served_trainer.run_in(tmp_path, args)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "--max_seq_length 32" in result.stderr and "a sequence of 64 tokens" in result.stderr
     assert str(demo_data) in result.stderr  # the folder whose verification record says so
 
 
-def test_empty_input_directory_is_rejected(trainer, demo_data, tmp_path):
+def test_empty_input_directory_is_rejected(served_trainer, demo_data, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     args = trainer_args(demo_data, tmp_path / "out", "--do_train")
     args[args.index("--input_dir") + 1] = str(empty)
-    result = trainer.run_in(tmp_path, args)
+    result = served_trainer.run_in(tmp_path, args)
     assert result.returncode == 2
     assert str(empty) in result.stderr and "Traceback" not in result.stderr
 
@@ -208,10 +197,10 @@ def test_a_run_shows_its_progress_and_leaves_a_summary_and_curves(short_run):
     _check_picture(out / "curves.png")
 
 
-def test_mllog_lines_reach_stdout_only_with_echo_mllog(trainer, demo_data, tmp_path):
+def test_mllog_lines_reach_stdout_only_with_echo_mllog(served_trainer, demo_data, tmp_path):
     out = tmp_path / "out"
     args = trainer_args(demo_data, out, "--do_train", "--max_steps", "2", "--echo_mllog")
-    result = trainer.run_in(tmp_path, args)
+    result = served_trainer.run_in(tmp_path, args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == (out / "mlperf.log").read_text().splitlines()
     assert any('"key": "run_stop"' in line for line in result.stdout.splitlines())
@@ -219,7 +208,7 @@ def test_mllog_lines_reach_stdout_only_with_echo_mllog(trainer, demo_data, tmp_p
     assert not (out / "curves.png").exists() and "curves:" not in (out / "summary.txt").read_text()  # --curves none
 
 
-def test_evaluation_only_matches_huggingface_on_the_same_checkpoint(trainer, demo_data, tmp_path):
+def test_evaluation_only_matches_huggingface_on_the_same_checkpoint(served_trainer, demo_data, tmp_path):
     """Without --do_train the init checkpoint is scored once; HuggingFace scores it independently."""
     bert = json.loads((demo_data / "bert_config.json").read_text())
     hf_cfg = transformers.BertConfig(**{k: v for k, v in bert.items()})
@@ -227,7 +216,7 @@ def test_evaluation_only_matches_huggingface_on_the_same_checkpoint(trainer, dem
     hf = transformers.BertForPreTraining(hf_cfg).eval()
     torch.save({"model": hf.state_dict()}, tmp_path / "init.pt")
     args = trainer_args(demo_data, tmp_path / "out", "--init_checkpoint", str(tmp_path / "init.pt"))
-    result = trainer.run_in(tmp_path, args)
+    result = served_trainer.run_in(tmp_path, args)
     assert result.returncode == 0, result.stderr[-3000:]
     logged = [e["value"] for e in mllog_lines(tmp_path / "out" / "mlperf.log") if e["key"] == "eval_accuracy"]
 
@@ -248,19 +237,19 @@ def _final_weights_digest(out: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_padded_and_unpadded_layouts_train_identically(trainer, demo_data, tmp_path):
+def test_padded_and_unpadded_layouts_train_identically(served_trainer, demo_data, tmp_path):
     """The same batches, padded then unpadded on the device or built flat on the host."""
     accuracies = {}
     for layout in ("padded", "unpadded"):
         out = tmp_path / layout
-        result = trainer.run_in(tmp_path, trainer_args(demo_data, out, "--do_train", "--input_layout", layout))
+        result = served_trainer.run_in(tmp_path, trainer_args(demo_data, out, "--do_train", "--input_layout", layout))
         assert result.returncode == 0, result.stderr[-3000:]
         accuracies[layout] = _final_weights_digest(out)
     assert accuracies["padded"] == pytest.approx(accuracies["unpadded"], abs=1e-6)
 
 
 @pytest.mark.slow
-def test_packed_layout_trains_on_packed_shards(trainer, demo_data, tmp_path):
+def test_packed_layout_trains_on_packed_shards(served_trainer, demo_data, tmp_path):
     packed = tmp_path / "packed"
     made = run_cli([sys.executable, "data_prep/prepare.py", "--quiet", "pack", "--input", str(demo_data / "train"),
                     "--out", str(packed), "--algorithm", "nnlshp", "--max_seq_length", "64",
@@ -273,7 +262,7 @@ def test_packed_layout_trains_on_packed_shards(trainer, demo_data, tmp_path):
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--input_layout", "packed",
                         "--train_batch_size", "4")
     args[args.index("--input_dir") + 1] = str(shards[0].parent)
-    result = trainer.run_in(tmp_path, args)
+    result = served_trainer.run_in(tmp_path, args)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = mllog_lines(tmp_path / "out" / "mlperf.log")
     assert [e["value"] for e in lines if e["key"] == "global_batch_size"] == [8]  # 4 packs x 2

@@ -13,12 +13,12 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import TRAINER, run_cli, trainer_args, verify_folder
+from _served import Served
+from conftest import trainer_args, verify_folder
 from data_prep.verify_dataset import mark_refused
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
@@ -31,10 +31,11 @@ from test_clock import _copy, _mllog, _refused_before_the_clock
 FLAG = "--unverified_data"
 
 
-def _train(demo_data: Path, tmp_path: Path, train: Path, *extra: str) -> subprocess.CompletedProcess:
+def _train(served_trainer: Served, demo_data: Path, tmp_path: Path, train: Path,
+           *extra: str) -> subprocess.CompletedProcess:
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", *extra)
     args[args.index("--input_dir") + 1] = str(train)
-    return run_cli([sys.executable, str(TRAINER), *args])
+    return served_trainer.run_in(tmp_path, args)
 
 
 def _verify_command(demo_data: Path, train: Path) -> str:
@@ -75,25 +76,26 @@ def _refused_after_run_start(done: subprocess.CompletedProcess, tmp_path: Path, 
     assert f"data check: {FLAG}" in summary and "inside the timed run" in summary and "refused the data" in summary
 
 
-def test_copied_training_shards_without_a_record_are_refused_before_run_start(demo_data, tmp_path):
+def test_copied_training_shards_without_a_record_are_refused_before_run_start(served_trainer, demo_data, tmp_path):
     train = _copied_shards(demo_data, tmp_path)
-    done = _train(demo_data, tmp_path, train)
+    done = _train(served_trainer, demo_data, tmp_path, train)
     _refused_before_the_clock(done, tmp_path, f"{train}: no {RECORD_NAME}", _verify_command(demo_data, train), FLAG)
     assert "note:" not in done.stderr  # nothing trains after a note
 
 
-def test_copied_training_shards_trained_anyway_are_refused_by_the_check_after_run_start(demo_data, tmp_path):
+def test_copied_training_shards_trained_anyway_are_refused_by_the_check_after_run_start(served_trainer, demo_data,
+                                                                                        tmp_path):
     train = _copied_shards(demo_data, tmp_path)
-    done = _train(demo_data, tmp_path, train, FLAG)
+    done = _train(served_trainer, demo_data, tmp_path, train, FLAG)
     assert f"note: {FLAG}: {train}: no {RECORD_NAME}" in done.stderr
     _refused_after_run_start(done, tmp_path, "3 byte-identical training shards")
 
 
 @pytest.mark.parametrize("flag", [False, True])
-def test_an_eval_shard_copied_into_training_is_never_trained_on(demo_data, tmp_path, flag):
+def test_an_eval_shard_copied_into_training_is_never_trained_on(served_trainer, demo_data, tmp_path, flag):
     train = _eval_shard_in_training(demo_data, tmp_path)
     shard = train / next((demo_data / "eval").glob("*.hdf5")).name
-    done = _train(demo_data, tmp_path, train, *([FLAG] if flag else []))
+    done = _train(served_trainer, demo_data, tmp_path, train, *([FLAG] if flag else []))
     if not flag:
         _refused_before_the_clock(done, tmp_path, f"{shard}: a shard the verification did not see",
                                   _verify_command(demo_data, train))
@@ -118,24 +120,25 @@ def _record_of_other_files(demo_data: Path, tmp_path: Path) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("case", [_marked_refused, _record_of_other_files])
-def test_what_the_listing_and_records_decide_is_refused_before_run_start(demo_data, tmp_path, case):
+def test_what_the_listing_and_records_decide_is_refused_before_run_start(served_trainer, demo_data, tmp_path, case):
     """Decided by names and records alone: refused before the clock, even where unverified data may train (the
     run as a user starts it; each verdict with and without the flag is also checked in this process below)."""
     train, says = case(demo_data, tmp_path)
-    done = _train(demo_data, tmp_path, train, FLAG)
+    done = _train(served_trainer, demo_data, tmp_path, train, FLAG)
     _refused_before_the_clock(done, tmp_path, says)
 
 
-def test_a_folder_not_checked_against_the_eval_set_is_refused_or_checked_after_run_start(demo_data, tmp_path):
+def test_a_folder_not_checked_against_the_eval_set_is_refused_or_checked_after_run_start(served_trainer, demo_data,
+                                                                                         tmp_path):
     """Verified without an eval set: no record says the eval samples are held out. Refused with the command
     that checks it; with the flag the run trains, and the MLPerf log and the summary say the check's time
     counted."""
     train = _copy(demo_data / "train", tmp_path / "train")
     verify_folder(train, "--max_seq_length", "64", "--max_predictions", "10")
-    refused = _train(demo_data, tmp_path, train)
+    refused = _train(served_trainer, demo_data, tmp_path, train)
     _refused_before_the_clock(refused, tmp_path, f"{train} was not checked for samples of the eval set",
                               _verify_command(demo_data, train), FLAG)
-    done = _train(demo_data, tmp_path, train, FLAG)
+    done = _train(served_trainer, demo_data, tmp_path, train, FLAG)
     assert done.returncode == 0, done.stderr[-3000:]
     events = _mllog(tmp_path / "out" / "mlperf.log")
     keys = [e["key"] for e in events]
