@@ -128,13 +128,14 @@ def demo_config_env(data: Path, base: Mapping[str, str] = os.environ, **override
 # The heaviest test files (seconds of one idle 2-core run, `pytest --durations=0`), started first: `make
 # test` hands whole files to its xdist workers in collection order, so a heavy file collected last
 # would run alone at the end while the other worker sits idle. Files not listed keep their order.
-HEAVIEST_FIRST = ("test_dryrun.py", "test_run_pretraining.py", "test_launchers.py", "test_clock.py",
-                  "test_package_results.py", "test_two_nodes.py", "test_plan.py", "test_types.py", "test_fast_training.py",
-                  "test_resume.py", "test_fp8.py", "test_resume_world_size.py", "test_output_faults.py",
-                  "test_pipeline_to_trainer.py", "test_kill_soak.py", "test_closed_division.py", "test_launch.py",
-                  "test_bert_config.py", "test_clip_modes_training.py", "test_sharded_optimizer.py",
-                  "test_gpu_perf.py", "test_bring_up.py", "test_numerics_bands.py", "test_numerics_check.py",
-                  "test_unverified_data.py")
+HEAVIEST_FIRST = ("test_dryrun.py", "test_package_results.py", "test_two_nodes.py", "test_clock.py", "test_launchers.py",
+                  "test_kill_soak.py", "test_fp8.py", "test_run_pretraining.py", "test_clip_modes_training.py",
+                  "test_launch.py", "test_output_faults.py", "test_gpu_perf.py", "test_sharded_optimizer.py",
+                  "test_fast_training.py", "test_preemption.py", "test_lost_rank.py", "test_bring_up.py",
+                  "test_balance_dist.py", "test_unverified_data.py", "test_resume.py", "test_step_calibration.py",
+                  "test_resume_world_size.py", "test_throughput_bench.py", "test_plan.py", "test_types.py",
+                  "test_closed_division.py", "test_pipeline_to_trainer.py", "test_numerics_bands.py",
+                  "test_numerics_check.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
