@@ -34,9 +34,13 @@ class Served:
     """The test's side: `run` sends one request and waits for its answer."""
 
     def __init__(self, kind: str) -> None:
-        self.process = subprocess.Popen([sys.executable, str(HERE), kind], cwd=HERE.parents[1],
-                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self.kind = kind
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(HERE), self.kind], cwd=HERE.parents[1],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
 
     def run(self, argv: list[str], stdout: Path, stderr: Path | None = None, env: dict[str, str] | None = None,
             timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -50,6 +54,10 @@ class Served:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
         answer = self.process.stdout.readline() if ready else ""
         out, err = (path.read_text() if path.exists() else "" for path in (stdout, errors))
+        if not answer:  # a run that hangs or kills its process: the next request gets a process of its own
+            self.process.kill()
+            self.process.wait()
+            self.process = self._start()
         assert answer, f"the served process gave no answer in {timeout_s:.0f} s or ended: {(out + err)[-3000:]}"
         return subprocess.CompletedProcess(argv, int(json.loads(answer)["code"]), out, "" if stderr is None else err)
 
