@@ -2,7 +2,9 @@
 
 Every process of a run records each file it opens under the training and eval folders, with
 the time (tests/open_audit/sitecustomize.py: Python's audit hook, and h5py.File, which opens
-in C); the MLPerf log's run_start time splits the opens into before and after the clock.
+in C); the MLPerf log's run_start time splits the opens into before and after the clock. Those
+audited runs are processes of their own (the hook is installed at start-up); the refusals before
+the clock are served by one process of the module (conftest.served_trainer).
 """
 
 from __future__ import annotations
@@ -125,38 +127,39 @@ def _refused_before_the_clock(done, tmp_path: Path, *says: str) -> str:
     return errors[0]
 
 
-def test_a_closed_run_refuses_a_folder_changed_since_its_verification(demo_data, closed, tmp_path):
+def test_a_closed_run_refuses_a_folder_changed_since_its_verification(served_trainer, demo_data, closed, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     shard = sorted(train.glob("*.hdf5"))[1]
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1))
-    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
+    done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
     _refused_before_the_clock(done, tmp_path, "closed division", str(shard), "changed since it was verified",
                               f"data_prep/verify_dataset.py {train}")
 
 
-def test_a_closed_run_refuses_a_folder_without_a_record(demo_data, closed, tmp_path):
+def test_a_closed_run_refuses_a_folder_without_a_record(served_trainer, demo_data, closed, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
-    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
+    done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
     _refused_before_the_clock(done, tmp_path, f"no {RECORD_NAME}", "verify_dataset.py")
 
 
-def test_a_closed_run_refuses_training_data_not_checked_against_its_eval_set(demo_data, closed, tmp_path):
+def test_a_closed_run_refuses_training_data_not_checked_against_its_eval_set(served_trainer, demo_data, closed,
+                                                                            tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     verify_folder(train, "--max_seq_length", "64", "--max_predictions", "10")  # no eval set given
-    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
+    done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
     _refused_before_the_clock(done, tmp_path, "was not checked for samples of the eval set", "§6.5",
                               f"--eval_dir {closed.eval}")
 
 
-def test_a_failed_verification_is_refused_in_the_open_division_too(demo_data, tmp_path):
+def test_a_failed_verification_is_refused_in_the_open_division_too(served_trainer, demo_data, tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     shutil.copy2(sorted(train.glob("*.hdf5"))[0], train / "part_00002_of_00003.hdf5")  # a copied shard
     verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(train), "--workers", "1"])
     assert verify.returncode == 1 and not read_record(train).ok
     args = trainer_args(demo_data, tmp_path / "out", "--do_train")
     args[args.index("--input_dir") + 1] = str(train)
-    done = run_cli([sys.executable, str(TRAINER), *args])
+    done = served_trainer.run_in(tmp_path, args)
     _refused_before_the_clock(done, tmp_path, "verification failed", "byte-identical")
 
 
@@ -174,7 +177,8 @@ def failed_verification(demo_data, closed, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("edit", ["status", "status and problems"])
-def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(failed_verification, closed, tmp_path, edit):
+def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(served_trainer, failed_verification, closed, tmp_path,
+                                                                edit):
     """A copied shard fails the verification; the record's status changed by hand to ok (and its problems
     emptied too) still holds the two equal sha256s: one line naming the record and the command to rewrite it."""
     train = _copy(failed_verification, tmp_path / "train")
@@ -187,7 +191,7 @@ def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(failed_verificat
     if edit == "status and problems":
         raw["problems"] = []
     path.write_text(json.dumps(raw))
-    done = run_cli([sys.executable, str(TRAINER), *closed.args_for(tmp_path, train)])
+    done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
     error = _refused_before_the_clock(done, tmp_path, f"{path}: status ok, yet",
                                       f"`python data_prep/verify_dataset.py {train} --eval_dir {closed.eval}`")
     why = ("it lists 1 problem(s)" if edit == "status" else
@@ -212,7 +216,8 @@ def test_an_ok_record_contradicts_itself_only_with_problems_or_copies_the_verifi
     assert _record(False, ("a", "a"), (5, 5), ("copies",)).contradiction is None  # failed: refused as failed
 
 
-def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_aborted(demo_data, tmp_path):
+def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_aborted(served_trainer, demo_data,
+                                                                                       tmp_path):
     train = _copy(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
     for shard in sorted(train.glob("*.hdf5")):
@@ -220,7 +225,7 @@ def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_
             handle["input_ids"][5, 1] = 500  # outside the demo's vocabulary of 128
     args = trainer_args(demo_data, tmp_path / "out", "--do_train", "--unverified_data")
     args[args.index("--input_dir") + 1] = str(train)
-    done = run_cli([sys.executable, str(TRAINER), *args])
+    done = served_trainer.run_in(tmp_path, args)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"note: --unverified_data: {train}: no {RECORD_NAME}" in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -292,7 +297,7 @@ def test_the_record_holds_what_the_verification_saw(demo_data):
 @pytest.mark.parametrize("limit, says", [("--max_seq_length", "a sequence of 64 tokens, more than --max_seq_length 63"),
                                          ("--max_predictions_per_seq", "more than --max_predictions_per_seq 8"),
                                          ("vocab", "outside vocab_size 127")])
-def test_the_record_is_held_against_the_run_limits_before_the_clock(demo_data, tmp_path, limit, says):
+def test_the_record_is_held_against_the_run_limits_before_the_clock(served_trainer, demo_data, tmp_path, limit, says):
     args = trainer_args(demo_data, tmp_path / "out", "--do_train")
     if limit == "vocab":
         bert = json.loads((demo_data / "bert_config.json").read_text())
@@ -300,7 +305,7 @@ def test_the_record_is_held_against_the_run_limits_before_the_clock(demo_data, t
         args[args.index("--bert_config_path") + 1] = str(tmp_path / "b.json")
     else:
         args[args.index(limit) + 1] = "63" if limit == "--max_seq_length" else "8"
-    done = run_cli([sys.executable, str(TRAINER), *args])
+    done = served_trainer.run_in(tmp_path, args)
     _refused_before_the_clock(done, tmp_path, says)
 
 
