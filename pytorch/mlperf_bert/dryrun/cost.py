@@ -148,6 +148,13 @@ class CostTracer(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
 
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        """True: Dynamo compiles no frame while a user's dispatch mode is active (it would trace through the
+        mode), but it does under infrastructure modes, as it does under FakeTensorMode. Watching the
+        compiled layers' ops, as this mode does, changes nothing they compute."""
+        return True
+
     @property
     def device_bytes(self) -> int:
         return self.outside + self.pool_reserved

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .gpus import DRY_RUN_GPU, Gpu, device_properties
 from .record import Recorder, caller_line
 
 
@@ -194,8 +195,6 @@ STANDINS: dict[str, Any] = {
     "current_device": lambda: 0,
     "set_device": lambda device: None,
     "is_bf16_supported": lambda *a, **k: True,
-    "get_device_capability": lambda device=None: (9, 0),
-    "get_device_name": lambda device=None: "fake CUDA device (dry run)",
     "synchronize": _synchronize,
     "Stream": _Stream,
     "Event": _Event,
@@ -207,6 +206,13 @@ STANDINS: dict[str, Any] = {
     "is_current_stream_capturing": lambda: _state.recorder.capturing,
     "max_memory_allocated": lambda device=None: 0,
     "reset_peak_memory_stats": lambda device=None: None,
+    # Dynamo saves and restores the CUDA RNG state around each frame it compiles, and AOTAutograd's and
+    # Inductor's passes switch devices: a state of the kernel's shape (Philox seed and offset), no switches.
+    "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+    "set_rng_state": lambda new_state, device="cuda": None,
+    "_lazy_init": lambda: None,
+    "_exchange_device": lambda device: 0,
+    "_maybe_exchange_device": lambda device: 0,
 }
 
 
@@ -224,11 +230,14 @@ def count_graphs(recorder: Recorder) -> Iterator[CudaLog]:
 
 
 @contextlib.contextmanager
-def install(recorder: Recorder) -> Iterator[CudaLog]:
-    """Patches torch.cuda with the stand-ins, recording into `recorder`; restores on exit."""
+def install(recorder: Recorder, gpu: Gpu = DRY_RUN_GPU) -> Iterator[CudaLog]:
+    """Patches torch.cuda with the stand-ins, recording into `recorder`, the device presenting itself as `gpu`;
+    restores on exit."""
     saved = {name: getattr(torch.cuda, name, None) for name in STANDINS}
     future, flash_available = torch.futures.Future, torch.backends.cuda.is_flash_attention_available
     _state.recorder, _state.log = recorder, CudaLog()
+    properties = device_properties(gpu)
+    properties.__enter__()
     for name, value in STANDINS.items():
         setattr(torch.cuda, name, value)
     torch.futures.Future = _Future  # type: ignore[misc]
@@ -240,6 +249,7 @@ def install(recorder: Recorder) -> Iterator[CudaLog]:
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+        properties.__exit__(None, None, None)
         torch.futures.Future = future  # type: ignore[misc]
         torch.nn.functional.scaled_dot_product_attention = _SDPA
         torch.backends.cuda.is_flash_attention_available = flash_available

@@ -106,6 +106,13 @@ class Recorder(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
 
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        """True: Dynamo compiles no frame while a user's dispatch mode is active (it would trace through the
+        mode), but it does under infrastructure modes, as it does under FakeTensorMode. Watching the
+        compiled layers' ops, as this mode does, changes nothing they compute."""
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is _READ:

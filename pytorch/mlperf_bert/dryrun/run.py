@@ -45,6 +45,7 @@ from . import cuda_standins
 from .bucketed import BucketedDataParallel
 from .cost import CostTracer
 from .estimate import MemoryEstimate, StepWork, estimate
+from .gpus import DRY_RUN_GPU, Gpu
 from .record import Event, Recorder, counting_fp8_gemms
 
 MAX_SEQS_PER_PACK = 3  # K of the packed shards (data_prep pack)
@@ -143,18 +144,20 @@ def bucketed_ddp(model: torch.nn.Module, device: torch.device) -> BucketedDataPa
     return BucketedDataParallel(model)
 
 
-def supplied(cfg: TrainConfig, device: torch.device, fake: bool = True) -> Supplied:
+def supplied(cfg: TrainConfig, device: torch.device, fake: bool = True, compile_backend: str | None = None) -> Supplied:
     """What the dry run hands `build_run` (see the module docstring); built before the fake mode starts.
 
-    --compile_mode on the fake device traces with the "aot_eager" back-end: Dynamo captures each
+    --compile_mode on the fake device traces with the "aot_eager" back-end by default: Dynamo captures each
     compiled layer's graph and AOTAutograd derives its backward on fake tensors, but Inductor writes no
-    kernel (there is no GPU to write Triton for); the real device (`--real`) compiles with Inductor.
+    kernel; the real device (`--real`) compiles with Inductor, and so does `compiled.py` on the fake one
+    (`inductor.codegen_only`: its code generated, nothing launched).
     """
     model = cpu_model(cfg, device)
     vocab = model.config.vocab_size
     return Supplied(model=model, source=SyntheticSource(cfg, vocab),
                     eval_items=SyntheticSource(cfg, vocab, seed=1).next_batch(), shape=static_shape(cfg),
-                    ddp=bucketed_ddp, compile_backend="aot_eager" if fake else "inductor")
+                    ddp=bucketed_ddp,
+                    compile_backend=compile_backend or ("aot_eager" if fake else "inductor"))
 
 
 class _DoneWork:
@@ -217,9 +220,10 @@ def cost_tracer(recorder: Recorder) -> CostTracer:
     return CostTracer(phase=lambda: recorder.phase, capturing=recorder.in_capture_now)
 
 
-def cuda_calls(recorder: Recorder, fake: bool = True) -> ContextManager[cuda_standins.CudaLog]:
-    """The log of CUDA calls: the fake device's stand-ins record them all; on a real GPU its graphs are counted."""
-    return cuda_standins.install(recorder) if fake else cuda_standins.count_graphs(recorder)
+def cuda_calls(recorder: Recorder, fake: bool = True, gpu: Gpu = DRY_RUN_GPU) -> ContextManager[cuda_standins.CudaLog]:
+    """The log of CUDA calls: the fake device's stand-ins (presenting `gpu`) record them all; on a real GPU its graphs
+    are counted."""
+    return cuda_standins.install(recorder, gpu) if fake else cuda_standins.count_graphs(recorder)
 
 
 @contextlib.contextmanager
@@ -232,16 +236,18 @@ def fake_warmup() -> Iterator[None]:
 
 @contextlib.contextmanager
 def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True,
-              tracer: CostTracer | None = None) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
+              tracer: CostTracer | None = None,
+              compile_backend: str | None = None, gpu: Gpu = DRY_RUN_GPU) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
     """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` (and `tracer`) watching, and the log of
-    CUDA calls."""
+    CUDA calls. compile_backend: the compiled layers' back-end (`supplied`); "inductor" on the fake device
+    needs `inductor.codegen_only` around the run. gpu: what the fake device presents itself as."""
     device = torch.device("cuda", 0)
     mode = _FakeCudaMode.make() if fake else contextlib.nullcontext()
     warmup = fake_warmup() if fake else contextlib.nullcontext()
-    with cuda_calls(recorder, fake):  # the attention back-end's choice asks the (fake) GPU its compute capability
-        parts = supplied(cfg, device, fake)
+    with cuda_calls(recorder, fake, gpu):  # the attention back-end's choice asks the (fake) GPU its compute capability
+        parts = supplied(cfg, device, fake, compile_backend)
     traced = tracer if tracer is not None else contextlib.nullcontext()
-    with fake_process_group(denv.world_size), cuda_calls(recorder, fake) as log, counting_fp8_gemms(recorder), mode, \
+    with fake_process_group(denv.world_size), cuda_calls(recorder, fake, gpu) as log, counting_fp8_gemms(recorder), mode, \
             warmup, recorder, traced:
         run = build_run(cfg, denv, device, StopRequest(), supplied=parts)
         try:

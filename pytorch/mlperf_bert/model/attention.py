@@ -145,22 +145,32 @@ def _flash_attn_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-) -> torch.Tensor:
-    """Varlen GPU kernel on the flat tokens; no padding is ever materialised. flash-attn's when
-    installed (a user who built it chose it), else PyTorch's flash kernel (`varlen_flash`).
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+def _flash_attn_kernel(flash: Callable) -> VarlenKernel:
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+               dropout_p: float) -> torch.Tensor:
+        return flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p)
+
+    return kernel
+
+
+def varlen_kernel() -> VarlenKernel:
+    """The varlen kernel of this environment, chosen once (when the model is built, never in a forward: an
+    import inside a compiled forward is a graph break in every layer): flash-attn's when installed (a user who
+    built it chose it), else PyTorch's flash kernel (`varlen_flash`). Both take (q, k, v, cu_seqlens,
+    max_seqlen, dropout_p) on the flat tokens; no padding is ever materialised.
 
     What cannot run here is refused at start-up (`backend_problem`)."""
     flash = _flash_attn_varlen()
-    if flash is not None:
-        return flash(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p)
-    return varlen_flash(q, k, v, cu_seqlens, max_seqlen, dropout_p)
+    return varlen_flash if flash is None else _flash_attn_kernel(flash)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     dropout_p: float) -> torch.Tensor:
+    """`varlen_kernel()`'s attention, the kernel chosen on this call (for benchmarks; the model chooses once)."""
+    return varlen_kernel()(q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
 
 @dataclass(frozen=True)
@@ -254,6 +264,8 @@ class FlatAttention(torch.nn.Module):
             raise ValueError(f"unresolved attention backend {backend!r}; call resolve_backend first")
         self.backend = backend
         self.dropout_p = dropout_p
+        # chosen here, not per forward: the compiled layers see one kernel and no import
+        self.varlen: VarlenKernel | None = varlen_kernel() if backend == "varlen" else None
 
     def forward(
         self,
@@ -264,8 +276,8 @@ class FlatAttention(torch.nn.Module):
         layout: FlatLayout,
     ) -> torch.Tensor:
         p = self.dropout_p if self.training else 0.0
-        if self.backend == "varlen":
-            return varlen_attention(q, k, v, cu_seqlens, layout.max_seqlen, p)
+        if self.varlen is not None:
+            return self.varlen(q, k, v, cu_seqlens, layout.max_seqlen, p)
         if layout.row_len is not None:
             return row_attention(q, k, v, layout, p)
         if self.backend == "grouped":

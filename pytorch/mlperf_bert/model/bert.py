@@ -176,13 +176,26 @@ def fused_projection(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[tor
     return stacked.split([linear.out_features for linear in linears], dim=-1)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose output, under autocast, is in the autocast dtype (bf16 / fp16), as NVIDIA's fused
+    LayerNorm writes it. Statistics and normalisation stay fp32 (autocast runs layer_norm in fp32); only the
+    result is rounded, once. That result is the residual stream and what the next GEMM reads: the GEMM reads
+    it in the autocast dtype anyway, and an fp32 copy of it doubles what each LayerNorm, residual add and
+    their gradients move, for no gain the GEMMs can keep. Without autocast (fp32) nothing changes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        device = x.device.type
+        return out.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else out
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -217,7 +230,7 @@ class BertSelfOutput(nn.Module):
     def __init__(self, in_size: int, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(in_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -299,7 +312,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
