@@ -5,10 +5,11 @@ through the same ops (same autograd, same fake plumbing for compile and the dry 
 checks, for both kernels: the ops' forward and their hand-written backward equal row attention with a
 block-diagonal mask (the path packed rows took before) and a second, autograd-differentiated
 implementation, on static packed batches from the real batch builder (empty sequence slots in front,
-padding tails); the backward reuses the forward's dropout mask; a whole model on the varlen back-end
+padding tails); the backward reuses the forward's dropout mask; a whole model on each varlen back-end
 trains like the masked one; torch.compile keeps each op whole in one graph; the fake outputs are the
 kernels'. The GPU calls themselves run here against emulated aten kernels (the reference behind each
 kernel's signature and layouts): the batch's lengths, the dropout and the forward's seed reach them.
+The start-up checks of varlen_cudnn close the file.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from mlperf_bert.data.static_batch import static_packed_batch
+from mlperf_bert.model import attention as backends
 from mlperf_bert.model import varlen_flash as ops
-from mlperf_bert.model.attention import flat_layout, row_attention
+from mlperf_bert.model.attention import AttentionNeeds, backend_problem, flat_layout, resolve_backend, row_attention
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.model.varlen_flash import reference_attention, reference_gradients, varlen_cudnn, varlen_flash
 from test_fast_path import MAX_PREDICTIONS, MAX_SEQS, ROW_LEN, ROWS, make_rows
@@ -141,13 +143,14 @@ def test_hand_written_gradients_equal_autograd_without_dropout_and_with_empty_se
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-def test_varlen_model_trains_like_the_masked_model_on_static_packed_rows():
+@pytest.mark.parametrize("backend", ["varlen", "varlen_cudnn"])
+def test_varlen_model_trains_like_the_masked_model_on_static_packed_rows(backend: str):
     cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=32)
     batch = static_packed_batch(make_rows(np.random.default_rng(7), ROWS), 5, ROW_LEN, MAX_SEQS, MAX_PREDICTIONS)
     torch.manual_seed(0)
     masked = BertForPreTraining(cfg, "sdpa")
-    varlen = BertForPreTraining(cfg, "varlen")
+    varlen = BertForPreTraining(cfg, backend)
     varlen.load_state_dict(masked.state_dict())
     losses = []
     for model in (masked, varlen):
@@ -323,3 +326,113 @@ def test_gpu_kernel_calls_get_the_batchs_lengths_its_dropout_and_the_forwards_se
     grad = torch.randn_like(out)
     for g, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device, capability, precision, head_dim, dropout, cudnn, refused", [
+    ("cpu", (9, 0), "bf16", 64, 0.1, 91002, " runs GPU kernels only (cuDNN's fused attention), and this run is on "
+                                            "the cpu: use --attention_backend auto, sdpa or grouped"),
+    ("cuda", (7, 9), "fp16", 64, 0.0, 91002, " needs a GPU of compute capability >= 8.0 (Ampere or newer), but "
+                                             "NVIDIA X is 7.9"),
+    ("cuda", (8, 0), "fp16", 64, 0.0, 90000, None),  # A100, cuDNN 9.0.0: both at their least
+    ("cuda", (9, 0), "fp32", 64, 0.0, 91002, " takes fp16 / bf16 inputs, and --precision fp32 gives it fp32"),
+    ("cuda", (9, 0), "bf16", 128, 0.0, 91002, None),
+    ("cuda", (9, 0), "bf16", 136, 0.0, 91002, " takes head sizes up to 128 in steps of 8, and hidden_size / "
+                                              "num_attention_heads of the BERT config is 136"),
+    ("cuda", (9, 0), "bf16", 64, 0.0, None, " needs torch's cuDNN attention over packed sequences (cuDNN >= 9.0, "
+                                            "aten._cudnn_attention_forward), and this torch"),
+    ("cuda", (9, 0), "bf16", 64, 0.0, 8907, " needs torch's cuDNN attention"),
+    # BERT's attention dropout 0.1 would be rounded: refused for training; 0.125 is 2/16; eval has none (0.0).
+    ("cuda", (9, 0), "bf16", 64, 0.1, 91002, ": cuDNN's attention dropout comes in steps of 1/16 (torch's SDPA sends "
+                                             "no other dropout to cuDNN), and attention_probs_dropout_prob of the "
+                                             "BERT config is 0.1: use --attention_backend varlen (PyTorch's flash "
+                                             "kernel) or auto"),
+    ("cuda", (9, 0), "fp8", 64, 0.125, 91002, None),
+])
+def test_varlen_cudnn_start_up_checks_refuse_in_one_line_what_cannot_run(
+        monkeypatch: pytest.MonkeyPatch, device: str, capability: tuple[int, int], precision: str, head_dim: int,
+        dropout: float, cudnn: int | None, refused: str | None):
+    """Each limit of torch's cuDNN attention at the value it names (and a value past it), on a GPU described to
+    start-up; where cuDNN's kernel could run, `auto` still takes the flash one."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA X")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn is not None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(backends, "flash_kernel_available", lambda: True)  # as in every CUDA build
+    monkeypatch.setattr(backends, "_flash_attn_varlen", lambda: None)
+    needs = AttentionNeeds(torch.device(device, 0), precision, head_dim, dropout)
+    problem = backend_problem("varlen_cudnn", needs)
+    if refused is not None:
+        assert problem is not None and problem.startswith("--attention_backend varlen_cudnn" + refused), problem
+        assert "\n" not in problem
+        return
+    assert problem is None
+    assert resolve_backend("auto", needs.device, dropout, 512, precision=precision, head_dim=head_dim) == "varlen"
+
+
+# ---------------------------------------------------------------- GPU only: the kernels themselves
+
+
+def _kernel_or_skip(kernel: str, dropout: float) -> None:
+    """Skips where start-up would refuse the kernel on this GPU, naming why."""
+    problem = backend_problem("varlen" if kernel == "flash" else "varlen_cudnn",
+                              AttentionNeeds(torch.device("cuda"), "bf16", 64, dropout))
+    if problem is not None:
+        pytest.skip(problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cudnn_kernel_equals_the_flash_kernel_forward_and_backward_on_a_packed_batch():
+    """Sequences longer than the head size, empty ones in front, bf16, no dropout: the two kernels agree."""
+    _kernel_or_skip("cudnn", 0.0)
+    _kernel_or_skip("flash", 0.0)
+    lengths = [0, 0, 300, 212, 0, 512, 17, 495]
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(int(cu[-1]), 16, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+               .requires_grad_(True) for _ in range(3))
+    grad = torch.randn(int(cu[-1]), 16, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+    results = []
+    for attention in (varlen_flash, varlen_cudnn):
+        out = attention(q, k, v, cu, 512, 0.0)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, expected in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def dropout_probe(kernel: str, p: float, device: str, sequences: int, heads: int) -> None:
+    """q = k = 0 makes every probability of a sequence of n = 64 tokens 1/n, and v's one-hot rows (key j's
+    value is e_j) make out[i, h, j] = keep[i, h, j] / (n (1 - p)): the output shows the kernel's mask. Its share
+    of zeros is the dropout rate the kernel applied, and dV = sum over the queries of those entries (for
+    grad_out = 1) only if the backward redrew the forward's mask."""
+    n, dtype = 64, torch.bfloat16 if device == "cuda" else torch.float32
+    cu = torch.arange(0, n * sequences + 1, n, dtype=torch.int32, device=device)
+    q = torch.zeros(n * sequences, heads, n, device=device, dtype=dtype, requires_grad=True)
+    k = torch.zeros_like(q, requires_grad=True)
+    one_hot = torch.eye(n, device=device, dtype=dtype)[None, :, None, :]  # [1, key, 1, dim]
+    v = one_hot.expand(sequences, n, heads, n).reshape(n * sequences, heads, n).clone().requires_grad_(True)
+    out = ATTENTION[kernel](q, k, v, cu, n, p)
+    dropped = float((out == 0).float().mean())
+    spread = (p * (1 - p) / out.numel()) ** 0.5  # of the share of zeros, for independent draws
+    assert abs(dropped - p) < 6 * spread, f"{kernel} dropped {dropped:.4f} of the probabilities for p = {p}"
+    out.backward(torch.ones_like(out))
+    seen = out.float().view(sequences, n, heads, n).sum(1).transpose(1, 2)  # [S, key, heads]: over the queries
+    expected = seen[..., None].expand(sequences, n, heads, n).reshape(n * sequences, heads, n)
+    torch.testing.assert_close(v.grad.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@KERNELS
+def test_the_dropout_probe_reads_the_emulated_kernels_mask(kernel: str, monkeypatch: pytest.MonkeyPatch):
+    """The GPU test below on the emulated kernels: its reading of the mask and of the backward holds."""
+    EmulatedKernels().install(monkeypatch)
+    dropout_probe(kernel, 0.125, "cpu", sequences=8, heads=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel, p", [("flash", 0.1), ("cudnn", 0.125)])
+def test_the_kernels_dropout_rate_and_the_backward_redrawing_its_mask(kernel: str, p: float):
+    """cuDNN at 2/16, a dropout start-up lets it take (BERT's 0.1 it refuses: set p = 0.1 here to see its rate)."""
+    _kernel_or_skip(kernel, p)
+    dropout_probe(kernel, p, "cuda", sequences=64, heads=16)

@@ -608,7 +608,8 @@ MUTANTS: list[Mutant] = [
         'if device.type != "cuda" or precision == "fp32":', "fp16 held to bf16's capability (V100 refused)"),
     _m2("capability-03", ATTENTION, "if capability < VARLEN_MIN_CAPABILITY:", "if capability <= VARLEN_MIN_CAPABILITY:",
         "compute capability 8.0 itself refused for varlen"),
-    _m2("capability-04", ATTENTION, "if needs.head_dim > VARLEN_MAX_HEAD_DIM or", "if needs.head_dim >= VARLEN_MAX_HEAD_DIM or",
+    _m2("capability-04", ATTENTION, "if needs.head_dim > kernels.max_head_dim or",
+        "if needs.head_dim >= kernels.max_head_dim or",
         "a head size of exactly 256 refused for varlen"),
     # ------------------------------------------------------------ optim/sharded.py: shard groups
     _m2("shardgrp-01", SHARDED, "replicas = [list(range(i, world, group_size)) for i in range(group_size)]",
