@@ -164,8 +164,9 @@ def test_varlen_model_trains_like_the_masked_model_on_static_packed_rows(backend
 
 @KERNELS
 def test_compile_keeps_each_direction_one_extern_op_in_one_graph(kernel: str):
-    """A backend that keeps AOTAutograd's forward and backward graphs: one of each (no graph break), each
-    calling its custom op once and no aten attention kernel (the op is not decomposed)."""
+    """A backend that keeps AOTAutograd's forward and backward graphs: one of each (no graph break: the op sits
+    between two other ops, so a break anywhere on its way splits them), each calling its custom op once and no
+    aten attention kernel (the op is not decomposed)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -180,10 +181,10 @@ def test_compile_keeps_each_direction_one_extern_op_in_one_graph(kernel: str):
     cu = packed_cu_seqlens(8)
     q, k, v = qkv(int(cu[-1]), 8)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b, c: ATTENTION[kernel](a, b, c, cu, ROW_LEN, 0.0),
+    compiled = torch.compile(lambda a, b, c: ATTENTION[kernel](a * 2, b, c, cu, ROW_LEN, 0.0) + 1,
                              backend=aot_autograd(fw_compiler=keeping("forward"), bw_compiler=keeping("backward")))
     got = compiled(q, k, v)
-    torch.testing.assert_close(got, masked_attention(q, k, v, cu), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, masked_attention(q * 2, k, v, cu) + 1, rtol=1e-5, atol=1e-6)
     got.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
     assert [len(graphs["forward"]), len(graphs["backward"])] == [1, 1], graphs
