@@ -9,7 +9,8 @@ padding tails); the backward reuses the forward's dropout mask; a whole model on
 trains like the masked one; torch.compile keeps each op whole in one graph; the fake outputs are the
 kernels'. The GPU calls themselves run here against emulated aten kernels (the reference behind each
 kernel's signature and layouts): the batch's lengths, the dropout and the forward's seed reach them.
-The start-up checks of varlen_cudnn close the file.
+Then the start-up checks of varlen_cudnn, and GPU-only tests of the kernels themselves: cuDNN's against
+flash's, and each one's dropout rate and its backward's mask (that probe checked here on the emulated kernels).
 """
 
 from __future__ import annotations
@@ -434,6 +435,7 @@ def test_the_dropout_probe_reads_the_emulated_kernels_mask(kernel: str, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kernel, p", [("flash", 0.1), ("cudnn", 0.125)])
 def test_the_kernels_dropout_rate_and_the_backward_redrawing_its_mask(kernel: str, p: float):
-    """cuDNN at 2/16, a dropout start-up lets it take (BERT's 0.1 it refuses: set p = 0.1 here to see its rate)."""
+    """cuDNN at 2/16, a dropout start-up lets it take. BERT's 0.1 start-up refuses for cuDNN; the rate cuDNN applies
+    to it is `dropout_probe("cudnn", 0.1, "cuda", 64, 16)`'s message."""
     _kernel_or_skip(kernel, p)
     dropout_probe(kernel, p, "cuda", sequences=64, heads=16)
