@@ -85,6 +85,7 @@ def _cfg(demo_data: Path, tmp_path: Path, *flags: str):
 
 @pytest.mark.parametrize("flags, gpu, refused", [
     (["--attention_backend", "varlen"], None, "--attention_backend varlen runs GPU kernels only"),
+    (["--attention_backend", "varlen_cudnn"], None, "--attention_backend varlen_cudnn runs GPU kernels only"),
     (["--optimizer_impl", "apex"], None, "--optimizer_impl apex runs apex's CUDA kernels"),
     (["--precision", "bf16"], "V100", "--precision bf16 needs bf16 tensor cores"),
     (["--precision", "fp8"], "A100", "--precision fp8 needs FP8 tensor cores"),

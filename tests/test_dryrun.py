@@ -304,3 +304,20 @@ def test_grouped_attention_runs_its_groups_on_side_streams_without_host_reads(dr
     assert _reads_per_step(output) == ["0", "0", "1"], output
     assert "mlperf_bert/model/" not in output, output  # no read of the model's, in training or eval
 
+
+
+def test_packed_step_on_the_cudnn_kernel_traces_its_ops_and_no_flash_one(dry_runs: Served, tmp_path: Path) -> None:
+    """--attention_backend varlen_cudnn in the shipped kind of step (packed, bf16, compiled, one CUDA graph): the
+    traced step and eval run cuDNN's varlen ops, FLOPs counted over their grid, and no flash-attention op."""
+    cost = tmp_path / "cost.json"
+    argv = ["--steps", "2", "--cost_json", str(cost), "--", *_base_flags(tmp_path), "--precision", "bf16",
+            "--input_layout", "packed", "--cuda_graphs", "--compile_mode", "default", "--attention_backend",
+            "varlen_cudnn"]
+    done = dry_runs.run(argv, tmp_path / "dry_run.txt", env={"WORLD_SIZE": "1", "RANK": "0"})
+    assert done.returncode == 0 and "attention varlen_cudnn;" in done.stdout, done.stdout
+    work = json.loads(cost.read_text())["work"]
+    ops = {phase: {name: (kind, flops) for name, kind, flops, *_ in work[phase]["ops"]} for phase in ("step", "eval")}
+    assert {"varlen_cudnn_forward", "varlen_cudnn_backward"} <= set(ops["step"]) and "varlen_cudnn_forward" in ops["eval"]
+    assert all(ops["step"][name][0] == "matmul" and ops["step"][name][1] > 0 for name in ("varlen_cudnn_forward",
+                                                                                          "varlen_cudnn_backward"))
+    assert not [name for phase in ops.values() for name in phase if "flash" in name], ops

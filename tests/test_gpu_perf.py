@@ -79,6 +79,8 @@ def test_smoke_mode_skips_what_this_tree_or_device_lacks_with_a_line_each(smoke)
             assert f"skipped: run_and_time.sh does not read {unknown[0]} yet" in row, row
         elif given.get("PRECISION") == "fp16":  # autocast in fp16 is a GPU's
             assert row.endswith("skipped: fp16 is not supported on this device"), row
+        elif given.get("ATTENTION_BACKEND", "").startswith("varlen"):  # GPU kernels: cuDNN's beside the shipped FA2
+            assert row.endswith(f"skipped: {given['ATTENTION_BACKEND']} runs GPU kernels only"), row
         elif label == "bf16":  # the H200 config trains in bf16: this variant is its shipped step
             assert row.endswith("skipped: config_DGXH200_1x8.sh already has PRECISION=bf16 (the shipped step)"), row
         elif label != "fp8 delayed":

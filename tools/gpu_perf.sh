@@ -6,7 +6,7 @@
 #   shipped     the config's own step (packed rows, its precision, compile mode, CUDA graph), and a
 #               profile of it: the top 30 kernels by device time
 #   variants    the same step with config variables changed (the table below): bf16, FP8 recipes and
-#               layers, eager bf16, fp16; each as a multiple of the shipped step's time
+#               layers, cuDNN's varlen attention, eager bf16, fp16; each as a multiple of the shipped step's time
 #   packed-hf   our packed model against HuggingFace's BertForPreTraining padded to 512, bf16
 #   trainer     run_pretraining.py itself with the config's flags (run_and_time.sh, one GPU) on packed
 #               shards of the config's shape (data_prep, BERT-Large, random weights) for TRAINER_WARMUP +
@@ -29,13 +29,16 @@ set -uo pipefail
 
 # The shipped step's variants, in order of value: `label|config variables` (set on top of the config by
 # throughput.py --config_var). bf16 and the FP8 recipes decide each config's PRECISION (FP8 ships only where
-# it measures faster than bf16); "rows masked" is the attention of the 2026-11-27 run (one call per packed
-# row under a block-diagonal mask) against the shipped per-sequence varlen kernel; fp16 is NVIDIA's
-# precision. A variant whose variable run_and_time.sh does not read is skipped with a note, as is one whose
-# PRECISION this device lacks or whose values the config already has. The smoke mode times the first that runs.
+# it measures faster than bf16); "varlen cudnn" is the shipped per-sequence attention on cuDNN's kernel
+# against the FA2 one the config runs (which `auto` keeps until this measures); "rows masked" is the
+# attention of the 2026-11-27 run (one call per packed row under a block-diagonal mask) against the shipped
+# per-sequence varlen kernel; fp16 is NVIDIA's precision. A variant whose variable run_and_time.sh does not
+# read is skipped with a note, as is one whose PRECISION this device lacks, a GPU kernel's (varlen*) off a
+# GPU, or one whose values the config already has. The smoke mode times the first that runs.
 variants=(
   "bf16|PRECISION=bf16"
   "fp8 delayed|PRECISION=fp8 FP8_RECIPE=delayed"
+  "varlen cudnn|ATTENTION_BACKEND=varlen_cudnn"
   "fp8 tensorwise|PRECISION=fp8 FP8_RECIPE=tensorwise"
   "rows masked|ATTENTION_BACKEND=grouped"
   "fp16|PRECISION=fp16"
@@ -160,6 +163,10 @@ variant() {
     fi
     if [[ $var == PRECISION=* && " ${precisions[*]} " != *" ${var#PRECISION=} "* ]]; then
       note "$(printf '%-26s %s' "variant $label" "skipped: ${var#PRECISION=} is not supported on this device")"
+      return
+    fi
+    if [[ $var == ATTENTION_BACKEND=varlen* && $device != cuda ]]; then
+      note "$(printf '%-26s %s' "variant $label" "skipped: ${var#ATTENTION_BACKEND=} runs GPU kernels only")"
       return
     fi
     [[ $(config_value "${var%%=*}") == "${var#*=}" ]] || same=0

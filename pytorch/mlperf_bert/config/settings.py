@@ -24,7 +24,7 @@ from .batch_size import BatchShape
 from .closed_division import closed_division_problem
 
 INPUT_LAYOUTS = ("padded", "unpadded", "packed")
-ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "grouped")
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "varlen_cudnn", "grouped")
 # The grouped back-end's length groups (0,128], (128,256], (256,384], (384,512]: Baidu's four
 # (the unpadded-BERT paper, section IV-A-2). A length above the last bound forms one more group.
 DEFAULT_GROUP_BOUNDS = (128, 256, 384, 512)
@@ -161,7 +161,8 @@ class ModelSettings:
     bert_config_path: str = flag("Google-format bert_config.json (model shape; checked at start-up)", "model")
     init_checkpoint: str | None = flag("{'model': state_dict} .pt file or HuggingFace directory; without it the "
                                        "weights start random", "model", None)
-    attention_backend: str = flag("sdpa: reference, runs anywhere; varlen: GPU kernels on flat tokens; grouped: "
+    attention_backend: str = flag("sdpa: reference, runs anywhere; varlen: GPU kernels on flat tokens (flash); "
+                                  "varlen_cudnn: the same on cuDNN's fused attention; grouped: "
                                   "one SDPA per length group (--attention_group_bounds), groups on their own CUDA "
                                   "streams; auto picks varlen on a GPU when it is exact, else grouped when "
                                   "--max_seq_length spans more than one group", "precision and fast path", "auto",

@@ -31,8 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..model.varlen_flash import NAMESPACE, VARLEN_OPS
+
 MATMUL, FP8, OTHER = "matmul", "fp8", "other"
-OWN_NAMESPACE = "mlperf_bert"  # the package's custom ops (model/varlen_flash.py)
+OWN_NAMESPACE = NAMESPACE  # the package's custom ops (model/varlen_flash.py)
 CAPTURE_PHASE = "capture"
 # Ops that compute no values: their outputs alias or merely allocate (no kernel reads or writes them).
 _NO_TRAFFIC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -100,11 +102,11 @@ def _is_fp8(t: torch.Tensor) -> bool:
 
 
 def varlen_grid_flops(name: str, args: tuple) -> int:
-    """FLOPs of the varlen attention ops (`varlen_flash_forward(q, k, v, cu_seqlens, max_seqlen, ...)`,
-    `varlen_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, ...)`, q [T, heads, dim]) over
+    """FLOPs of the varlen attention ops of either kernel (`varlen_flash_forward(q, k, v, cu_seqlens, max_seqlen,
+    ...)`, `varlen_cudnn_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, ...)`, q [T, heads, dim]) over
     the grid of every token against max_seqlen keys: the per-sequence work is at most this, and fake tensors
     hold no lengths to count it exactly (tools/mlperf_tools/planning/step_model.py scales the grid by the data's share)."""
-    backward = name == "varlen_flash_backward"
+    backward = name.endswith("_backward")
     q, max_seqlen = (args[1], args[7]) if backward else (args[0], args[4])
     tokens, heads, dim = q.shape
     query, key = (1, heads, tokens, dim), (1, heads, max_seqlen, dim)
@@ -114,7 +116,7 @@ def varlen_grid_flops(name: str, args: tuple) -> int:
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    if func.namespace == OWN_NAMESPACE and func._overloadpacket.__name__.startswith("varlen_flash_"):
+    if func.namespace == OWN_NAMESPACE and func._overloadpacket.__name__ in VARLEN_OPS:
         return varlen_grid_flops(func._overloadpacket.__name__, args)
     formula = flop_registry.get(func._overloadpacket)
     if formula is None:

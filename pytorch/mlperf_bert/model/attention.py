@@ -20,6 +20,12 @@ only attends to tokens of its own sequence, which is what makes packed rows exac
   capability 8.0 or newer, fp16 / bf16 inputs and head sizes up to 256: `backend_problem`
   refuses what a run's device, precision or model cannot give them at start-up, and `auto`
   never picks them there.
+- `varlen_cudnn`: the same per-sequence attention on cuDNN's fused kernel (`varlen_flash.varlen_cudnn`,
+  the native one on Hopper), chosen by name only: `auto` keeps the flash kernel until a GPU has
+  timed both (tools/gpu_perf.sh). Its limits are torch's cuDNN SDPA's: cuDNN 9, compute capability
+  8.0 or newer, fp16 / bf16, head sizes up to 128, and attention dropout in steps of 1/16 (the
+  kernels' resolution; torch's SDPA sends no other dropout to cuDNN), so BERT's 0.1 is refused for
+  training and taken for eval, which has none.
 - `grouped`: Baidu's grouped attention (`grouped_attention.py`): one SDPA call per length group,
   each padded to its own longest sequence, the groups on their own CUDA streams. Exact like
   `sdpa`, dropout included; static packed batches run row by row as under `sdpa`.
@@ -27,6 +33,7 @@ only attends to tokens of its own sequence, which is what makes packed rows exac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -38,7 +45,7 @@ from ..data.batch import FlatBatch
 from ..runtime.optional import DependencyError, optional_import
 from .grouped_attention import GroupedLayout, StreamPool, grouped_attention, grouped_layout, host_lengths
 from .precision import AUTOCAST_DTYPES
-from .varlen_flash import flash_kernel_available, varlen_flash
+from .varlen_flash import flash_kernel_available, varlen_cudnn, varlen_flash
 
 
 @dataclass(frozen=True)
@@ -130,8 +137,27 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Fla
 VARLEN_MIN_CAPABILITY = (8, 0)
 VARLEN_MAX_HEAD_DIM = 256
 VARLEN_HEAD_DIM_STEP = 8
+# cuDNN's fused attention as torch's cuDNN SDPA takes it (sdp_utils.cpp): cuDNN 9 (its packed, ragged
+# path), head sizes up to 128 in steps of 8 (256 only on Hopper with cuDNN >= 9.10), attention dropout in
+# steps of 1/16 (the kernels' resolution: torch routes no other dropout to cuDNN, it would be rounded).
+CUDNN_MIN_VERSION = 90000  # torch.backends.cudnn.version() of cuDNN 9.0.0
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_DROPOUT_STEPS = 16
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation (a build for this torch and CUDA)"
 OTHER_BACKENDS = "use --attention_backend auto, sdpa or grouped"
+FLASH_INSTEAD = "use --attention_backend varlen (PyTorch's flash kernel) or auto"
+
+
+@dataclass(frozen=True)
+class VarlenLimits:
+    """A varlen back-end's kernels: what its refusals call them, and the largest head size they take."""
+
+    names: str
+    max_head_dim: int
+
+
+VARLEN_BACKENDS = {"varlen": VarlenLimits("flash-attn's or PyTorch's varlen attention", VARLEN_MAX_HEAD_DIM),
+                   "varlen_cudnn": VarlenLimits("cuDNN's fused attention", CUDNN_MAX_HEAD_DIM)}
 
 
 def _flash_attn_varlen() -> Callable | None:
@@ -183,22 +209,23 @@ class AttentionNeeds:
     train_dropout: float  # attention dropout while training (0.0 for a run without training)
 
 
-def varlen_misfit(needs: AttentionNeeds) -> str | None:
-    """Why the varlen kernels cannot take this run (device, precision, head size), whoever's kernel
-    it is; None when they can. Each reason names the setting and the fix."""
+def varlen_misfit(needs: AttentionNeeds, backend: str = "varlen") -> str | None:
+    """Why the kernels of `backend` (varlen or varlen_cudnn) cannot take this run (device, precision, head
+    size), whoever's kernel it is; None when they can. Each reason names the setting and the fix."""
+    kernels, flag = VARLEN_BACKENDS[backend], f"--attention_backend {backend}"
     if needs.device.type != "cuda":
-        return (f"--attention_backend varlen runs GPU kernels only (flash-attn's or PyTorch's varlen attention), "
+        return (f"{flag} runs GPU kernels only ({kernels.names}), "
                 f"and this run is on the {needs.device.type}: {OTHER_BACKENDS}")
     capability = tuple(torch.cuda.get_device_capability(needs.device))
     if capability < VARLEN_MIN_CAPABILITY:
         major, minor = VARLEN_MIN_CAPABILITY
-        return (f"--attention_backend varlen needs a GPU of compute capability >= {major}.{minor} (Ampere or newer), "
+        return (f"{flag} needs a GPU of compute capability >= {major}.{minor} (Ampere or newer), "
                 f"but {torch.cuda.get_device_name(needs.device)} is {capability[0]}.{capability[1]}: {OTHER_BACKENDS}")
     if AUTOCAST_DTYPES.get(needs.precision) is None:
-        return (f"--attention_backend varlen takes fp16 / bf16 inputs, and --precision {needs.precision} gives it "
+        return (f"{flag} takes fp16 / bf16 inputs, and --precision {needs.precision} gives it "
                 f"fp32: use --precision bf16, fp16 or fp8, or {OTHER_BACKENDS}")
-    if needs.head_dim > VARLEN_MAX_HEAD_DIM or needs.head_dim % VARLEN_HEAD_DIM_STEP:
-        return (f"--attention_backend varlen takes head sizes up to {VARLEN_MAX_HEAD_DIM} in steps of "
+    if needs.head_dim > kernels.max_head_dim or needs.head_dim % VARLEN_HEAD_DIM_STEP:
+        return (f"{flag} takes head sizes up to {kernels.max_head_dim} in steps of "
                 f"{VARLEN_HEAD_DIM_STEP}, and hidden_size / num_attention_heads of the BERT config is "
                 f"{needs.head_dim}: {OTHER_BACKENDS}")
     return None
@@ -212,14 +239,34 @@ def _varlen_kernel_problem() -> str | None:
             f"without them, and flash-attn is not installed ({FLASH_ATTN_INSTALL}): {OTHER_BACKENDS}")
 
 
+def _cudnn_kernel_problem(needs: AttentionNeeds) -> str | None:
+    """Why cuDNN's packed attention cannot take this run (on a GPU that fits it): a torch without cuDNN 9 or
+    without the op, or a training dropout cuDNN would round; None when it can."""
+    flag = "--attention_backend varlen_cudnn"
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < CUDNN_MIN_VERSION or not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        found = "no cuDNN" if version is None else f"torch.backends.cudnn.version() {version}"
+        return (f"{flag} needs torch's cuDNN attention over packed sequences (cuDNN >= 9.0, "
+                f"aten._cudnn_attention_forward), and this torch ({torch.__version__}) has {found}: {FLASH_INSTEAD}")
+    steps = needs.train_dropout * CUDNN_DROPOUT_STEPS
+    if steps != math.floor(steps):
+        return (f"{flag}: cuDNN's attention dropout comes in steps of 1/{CUDNN_DROPOUT_STEPS} (torch's SDPA sends no "
+                f"other dropout to cuDNN), and attention_probs_dropout_prob of the BERT config is "
+                f"{needs.train_dropout}: {FLASH_INSTEAD}")
+    return None
+
+
 def backend_problem(requested: str, needs: AttentionNeeds) -> str | None:
     """Why --attention_backend `requested` cannot serve this run, with the fix; None when it can
     (checked at start-up). sdpa and grouped run everywhere; auto picks what fits; varlen needs
-    the GPU, precision, head size and kernel that `varlen_misfit` and the kernels' limits name.
+    the GPU, precision, head size and kernel that `varlen_misfit` and the kernels' limits name;
+    varlen_cudnn the same, and cuDNN 9 in torch and a training dropout in cuDNN's steps.
     A flash-attn that is installed but broken is refused for varlen and for auto on a GPU alike.
     """
     if requested in ("sdpa", "grouped") or (requested == "auto" and needs.device.type != "cuda"):
         return None
+    if requested == "varlen_cudnn":
+        return varlen_misfit(needs, requested) or _cudnn_kernel_problem(needs)
     try:
         if requested == "auto":
             _flash_attn_varlen()
@@ -235,7 +282,8 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
     """Picks a concrete back-end. `auto`: on a GPU the varlen kernels when they fit the run
     (`varlen_misfit`: compute capability, precision, head size) and this torch or flash-attn has
     them; otherwise grouped when sequences of up to `max_seq_length` tokens fall in more than one
-    group, else sdpa. Packed rows take varlen too: per sequence, not over the whole row.
+    group, else sdpa. Packed rows take varlen too: per sequence, not over the whole row. `auto` never
+    takes varlen_cudnn: the flash kernel stays the GPU's until a GPU has timed both.
 
     The grouped rule is measured on the CPU (benchmarks/attention.py, docs/PERFORMANCE.md): at
     512 tokens grouped took 0.41-0.54x of sdpa's time forward and backward (medians), with
@@ -260,12 +308,13 @@ class FlatAttention(torch.nn.Module):
 
     def __init__(self, backend: str, dropout_p: float) -> None:
         super().__init__()
-        if backend not in ("sdpa", "varlen", "grouped"):
+        if backend not in ("sdpa", "varlen", "varlen_cudnn", "grouped"):
             raise ValueError(f"unresolved attention backend {backend!r}; call resolve_backend first")
         self.backend = backend
         self.dropout_p = dropout_p
         # chosen here, not per forward: the compiled layers see one kernel and no import
-        self.varlen: VarlenKernel | None = varlen_kernel() if backend == "varlen" else None
+        kernels: dict[str, VarlenKernel] = {"varlen_cudnn": varlen_cudnn}
+        self.varlen: VarlenKernel | None = varlen_kernel() if backend == "varlen" else kernels.get(backend)
 
     def forward(
         self,

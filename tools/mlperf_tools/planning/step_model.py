@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, PhaseCost
+from mlperf_bert.model.varlen_flash import VARLEN_OPS
 from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork
 
 GB = 1e9
@@ -195,7 +196,7 @@ def launched_kernels(phase: PhaseCost, compiled: bool) -> int:
 
 def is_attention(op_name: str) -> bool:
     """Whether a traced op is attention (SDPA's kernels, the package's varlen ops), not a GEMM."""
-    return "attention" in op_name or op_name.startswith("varlen_flash")
+    return "attention" in op_name or op_name in VARLEN_OPS
 
 
 def compute_seconds(phase: PhaseCost, device: Device, captured: bool, k: Mapping[str, float] | None = None,
@@ -428,7 +429,7 @@ def features(phase: PhaseCost, compiled: bool, bf16_twin: PhaseCost | None = Non
     """The phase's work by kind; `bf16_twin`: the same phase traced in bf16, for an FP8 phase's cast bytes."""
     work: defaultdict[str, float] = defaultdict(float)
     for op, n in phase.ops.items():
-        if op.name.startswith("varlen_flash"):
+        if op.name in VARLEN_OPS:
             work["varlen_flops"] += n * op.flops
         elif is_attention(op.name) and op.kind != OTHER:
             work["attention_flops"] += n * op.flops
