@@ -7,6 +7,9 @@ previous call's amax gives (saturating), dequantise, multiply in fp32. Fast accu
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -14,9 +17,12 @@ from torch import nn
 from conftest import REPO
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
+from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8, fp8_layer_names, fp8_unavailable
 from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear, _pad_rows
+from mlperf_bert.train.eval_step import EagerEval
+from mlperf_bert.train.step import forward_backward
 
 CPU = torch.device("cpu")
 TINY = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
@@ -167,3 +173,70 @@ def test_the_bias_gradient_is_summed_over_the_tokens_in_fp32():
     grad[:, 0] = torch.tensor([1.0, 2 ** -7, 2 ** -8], dtype=torch.bfloat16)
     out.backward(grad)
     assert fp8.bias.grad[0].item() == 1 + 2 ** -7 + 2 ** -8 and fp8.bias.grad[1:].eq(0).all()
+
+
+# ---------------------------------------------------------------- eval between training steps
+
+NO_DROPOUT = dataclasses.replace(TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _batch(seed: int, sequences: int, length: int, scale_ids: bool = False) -> FlatBatch:
+    rng = np.random.default_rng(seed)
+    items = [(Sample(rng.integers(1, 8 if scale_ids else TINY.vocab_size, length), (np.arange(length) >= length // 2),
+                     np.sort(rng.choice(np.arange(1, length), 3, replace=False)), rng.integers(1, TINY.vocab_size, 3),
+                     int(rng.integers(0, 2))),) for _ in range(sequences)]
+    return flatten_items(items)
+
+
+def _delayed_model() -> BertForPreTraining:
+    torch.manual_seed(0)
+    return convert_to_fp8(BertForPreTraining(NO_DROPOUT), CPU, Fp8Recipe("delayed"))
+
+
+def _step(model: BertForPreTraining, batch: FlatBatch) -> None:
+    """One training step (SGD: no optimizer state, so a step needs only the model)."""
+    forward_backward(model, batch, "fp8")
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+            p.grad = None
+
+
+def _eval(model: BertForPreTraining) -> torch.Tensor:
+    """The trainer's eval (eval mode, no gradients: eval_step.scoring) on other tokens than training's."""
+    return EagerEval(model, "fp8", CPU).totals([_batch(9, 6, 24, scale_ids=True)])
+
+
+def _histories(model: nn.Module) -> dict[str, tuple[list[float], bool, bool]]:
+    return {name: (m.amax.tolist(), m.calibrated, m.grad_calibrated) for name, m in model.named_modules()
+            if isinstance(m, DelayedFp8Linear)}
+
+
+def test_an_eval_between_training_steps_leaves_the_scales_and_the_next_step_as_without_it():
+    """An eval forward reads and writes no amax history: the training step after an eval scales by the previous
+    training step's amax, and its weights equal, bitwise, those of the same steps without the eval between."""
+    batches = [_batch(seed, 4, 16) for seed in range(3)]
+    plain, evaluated = _delayed_model(), _delayed_model()
+    for model in (plain, evaluated):
+        _step(model, batches[0])
+        _step(model, batches[1])
+    _eval(evaluated)
+    assert _histories(evaluated) == _histories(plain)  # the eval set's amax left no trace
+    for model in (plain, evaluated):
+        _step(model, batches[2])
+    for (name, a), b in zip(plain.named_parameters(), evaluated.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_an_eval_before_training_leaves_the_layers_uncalibrated_and_scores_by_each_batchs_own_amax():
+    """The eval at 0 samples sets no history (the first training step calibrates on its own amax), and an eval's
+    result does not depend on the history the last training step left (the same weights score the same)."""
+    model = _delayed_model()
+    before = _eval(model)
+    assert all(not calibrated and not grad for _, calibrated, grad in _histories(model).values())
+    assert all(m.amax.eq(0).all() for m in model.modules() if isinstance(m, DelayedFp8Linear))
+    for module in model.modules():  # a history far from the eval set's amax: eval scales would saturate
+        if isinstance(module, DelayedFp8Linear):
+            module.amax.fill_(1e-3)
+            module.calibrated = module.grad_calibrated = True
+    assert torch.equal(_eval(model), before)
