@@ -19,8 +19,10 @@ training forward (one that records gradients) reads and writes the history: an e
 (no_grad) scales each input by its own amax and leaves the history as the last training step
 left it, so the step after an eval scales as it would without the eval.
 
-The amax buffers are not part of the state dict, so checkpoints equal those of any other
-precision; a resumed run calibrates again.
+The history is training state: the next step reads it. It is not in the state dict (whose keys
+stay those of every other precision, so checkpoints load across precisions); `scaling_state` and
+`load_scaling_state` hand it to the run checkpoint (`fp8.scaling_states`, `train/checkpoint.py`),
+so a resumed run scales its first step exactly as the uninterrupted run does.
 
 GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA runs them): Y = X W^T + b in
 the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout of `_scaled_mm` wants its first
@@ -129,8 +131,8 @@ class DelayedFp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device)
-        # [input, output gradient]: the last training step's amax of each; not saved (a resumed run calibrates
-        # again).
+        # [input, output gradient]: the last training step's amax of each. Not in the state dict: the run
+        # checkpoint keeps it apart (`scaling_state`).
         self.register_buffer("amax", torch.zeros(2, device=device), persistent=False)
         self.calibrated = False  # a training forward has set amax[INPUT]
         self.grad_calibrated = False  # a training forward ran, so its backward has set amax[GRAD]
@@ -164,6 +166,25 @@ class DelayedFp8Linear(nn.Linear):
         if torch.is_grad_enabled() and weight.requires_grad:
             owner.grad_calibrated = True
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def scaling_state(self) -> dict[str, torch.Tensor | bool]:
+        """What the next training step reads besides the weights: the amax history (a copy, on the layer's
+        device) and whether each slot holds one yet."""
+        return {"amax": self.amax.detach().clone(), "calibrated": self.calibrated,
+                "grad_calibrated": self.grad_calibrated}
+
+    def load_scaling_state(self, state: dict[str, torch.Tensor | bool] | None) -> None:
+        """`scaling_state`'s values back, in place (the buffer keeps its address); None: no history, the
+        next forward and backward calibrate on their own amax, as a new layer's."""
+        with torch.no_grad():
+            if state is None:
+                self.amax.zero_()
+                self.calibrated = self.grad_calibrated = False
+                return
+            amax = state["amax"]
+            assert isinstance(amax, torch.Tensor)
+            self.amax.copy_(amax)
+        self.calibrated, self.grad_calibrated = bool(state["calibrated"]), bool(state["grad_calibrated"])
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp8 delayed scaling"
