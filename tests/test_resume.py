@@ -82,20 +82,20 @@ def test_resumed_run_matches_the_uninterrupted_run_bitwise(demo_data, tmp_path):
     assert event["value"] == str(start) and event["metadata"]["epoch_num"] == 48 and event["metadata"]["step"] == 6
 
 
-# FP8 runs: the delayed recipe at 2 ranks (the checkpoint keeps each rank's amax history; DDP hands every
-# forward rank 0's, as it broadcasts buffers), a torchao recipe at 1. 4 steps; the resumed runs start from
-# the checkpoint after step 2.
-FP8_RUNS = {"delayed": 2, "tensorwise": 1}
+# FP8 runs, name: (ranks, flags). The delayed recipe at 2 ranks (the checkpoint keeps each rank's amax history;
+# DDP hands every forward rank 0's, as it broadcasts buffers), a torchao recipe at 1. 4 steps; the resumed runs
+# start from the checkpoint after step 2.
+FP8_RUNS = {"delayed": (2, ("--fp8_recipe", "delayed")), "tensorwise": (1, ("--fp8_recipe", "tensorwise"))}
 
 
 @pytest.fixture(scope="module")
 def fp8_runs(demo_data, tmp_path_factory):
-    """Each FP8 recipe's uninterrupted run and its resume from the middle, in one process per rank."""
+    """Each FP8 run's uninterrupted run and its resume from the middle, in one process per rank."""
     out = tmp_path_factory.mktemp("fp8_resume")
     launches = {}
-    for recipe, world in FP8_RUNS.items():
-        fp8 = ("--precision", "fp8", "--fp8_recipe", recipe, "--max_steps", "4")
-        full, resumed = out / f"{recipe}_full", out / f"{recipe}_resumed"
+    for name, (world, flags) in FP8_RUNS.items():
+        fp8 = ("--precision", "fp8", *flags, "--max_steps", "4")
+        full, resumed = out / f"{name}_full", out / f"{name}_resumed"
         start = full / "checkpoints" / f"ckpt-{16 * world:012d}.pt"
         for run, extra in ((full, ()), (resumed, ("--resume_from_checkpoint", str(start)))):
             launches[run.name] = Launch(world, _flags(demo_data, run, *fp8, *extra), run / "logs",
@@ -106,13 +106,13 @@ def fp8_runs(demo_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", FP8_RUNS)
-def test_fp8_run_resumes_bitwise_like_the_uninterrupted_run(fp8_runs, recipe):
+@pytest.mark.parametrize("name", FP8_RUNS)
+def test_fp8_run_resumes_bitwise_like_the_uninterrupted_run(fp8_runs, name):
     """FP8 state is training state: the delayed recipe's amax history (model/fp8_delayed.py) scales the first
     resumed step as it scaled that step in the uninterrupted run; torchao's recipes keep no state between steps.
     Losses of every rank, the final weights, optimizer and histories: bitwise."""
-    world = FP8_RUNS[recipe]
-    full, resumed = fp8_runs / f"{recipe}_full", fp8_runs / f"{recipe}_resumed"
+    world, _ = FP8_RUNS[name]
+    full, resumed = fp8_runs / f"{name}_full", fp8_runs / f"{name}_resumed"
     for rank in range(world):
         assert len(losses(full / "rec", rank)) == 4, rank
         assert losses(resumed / "rec", rank) == losses(full / "rec", rank)[2:], rank  # steps 3 and 4, exact floats
@@ -122,7 +122,7 @@ def test_fp8_run_resumes_bitwise_like_the_uninterrupted_run(fp8_runs, recipe):
         assert_same_tensors(final_full[part], final_resumed[part], part)
     histories = final_full["fp8"]
     assert len(histories) == world
-    if recipe == "delayed":  # one history per FP8 layer and rank, and the ranks' own
+    if name.startswith("delayed"):  # one history per FP8 layer and rank, and the ranks' own
         for history in histories:
             # The fused QKV GEMM keeps its history in the query layer's (bert.fused_projection).
             used = {n for n in history if not n.endswith(("self.key", "self.value"))}
