@@ -82,10 +82,10 @@ def test_resumed_run_matches_the_uninterrupted_run_bitwise(demo_data, tmp_path):
     assert event["value"] == str(start) and event["metadata"]["epoch_num"] == 48 and event["metadata"]["step"] == 6
 
 
-# FP8 runs, name: (ranks, flags). The delayed recipe at 2 ranks (the checkpoint keeps each rank's amax history;
-# DDP hands every forward rank 0's, as it broadcasts buffers), a torchao recipe at 1. 4 steps; the resumed runs
-# start from the checkpoint after step 2.
-FP8_RUNS = {"delayed": (2, ("--fp8_recipe", "delayed")), "tensorwise": (1, ("--fp8_recipe", "tensorwise"))}
+# FP8 runs, name: (ranks, flags): the delayed recipe and a torchao one. 4 steps; the resumed runs start from the
+# checkpoint after step 2. One rank: the checkpoint keeps each rank's history, but under DDP every forward takes
+# rank 0's (DDP broadcasts buffers), so more ranks would tell nothing more.
+FP8_RUNS = {"delayed": (1, ("--fp8_recipe", "delayed")), "tensorwise": (1, ("--fp8_recipe", "tensorwise"))}
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +122,12 @@ def test_fp8_run_resumes_bitwise_like_the_uninterrupted_run(fp8_runs, name):
         assert_same_tensors(final_full[part], final_resumed[part], part)
     histories = final_full["fp8"]
     assert len(histories) == world
-    if name.startswith("delayed"):  # one history per FP8 layer and rank, and the ranks' own
+    if name.startswith("delayed"):  # one history per FP8 layer and rank
         for history in histories:
             # The fused QKV GEMM keeps its history in the query layer's (bert.fused_projection).
             used = {n for n in history if not n.endswith(("self.key", "self.value"))}
             assert len(history) == 12 and len(used) == 8
             assert all(s["calibrated"] == s["grad_calibrated"] == (n in used) for n, s in history.items())
-        assert world == 1 or any(not torch.equal(histories[0][n]["amax"], histories[1][n]["amax"])
-                                 for n in histories[0])
     else:
         assert histories == [{}] * world
 
