@@ -221,8 +221,7 @@ def pinned(batch: Any, ctx: Context) -> Any:
 def build_ours(ctx: Context, dynamic: bool) -> tuple[BertForPreTraining, torch.optim.Optimizer, str]:
     torch.manual_seed(ctx.seed)
     bert = ctx.cfg.bert
-    backend = resolve_backend(ctx.attention_backend, ctx.device, bert.attention_probs_dropout_prob,
-                              ctx.cfg.max_seq_length, ctx.group_bounds)
+    backend = resolve_backend(ctx.attention_backend, ctx.device, ctx.cfg.max_seq_length, ctx.group_bounds)
     model = BertForPreTraining(bert, attention_backend=backend, group_bounds=ctx.group_bounds)
     model = fp8_layers(model, ctx).to(ctx.device)
     compile_model(model, ctx.compile_mode, dynamic=dynamic)

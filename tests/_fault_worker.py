@@ -44,10 +44,11 @@ class StepRecorder(Hook):
     def __init__(self, directory: Path, sleep_s: float) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"pid_rank{_rank()}").write_text(str(os.getpid()))
-        self.out, self.sleep_s = directory / f"losses_rank{_rank()}.jsonl", sleep_s
+        self.directory, self.sleep_s = directory, sleep_s
 
     def step_end(self, event: StepEnd) -> None:
-        with self.out.open("a") as f:
+        # The rank when the step runs: tests/_trainer_runs.py sets a run's variables after building its hooks.
+        with (self.directory / f"losses_rank{_rank()}.jsonl").open("a") as f:
             f.write(json.dumps({"step": event.step, "samples": event.samples, "loss": float(event.loss)}) + "\n")
         time.sleep(self.sleep_s)
 

@@ -138,7 +138,7 @@ def test_each_device_threshold_at_its_boundary_and_just_below(demo_data: Path, t
     problems = [p for p in device_problems(cfg, bert, torch.device("cuda", 0)) if p is not None]
     assert problems == [] if refused is None else problems[0].startswith(refused), problems
     if "varlen" in flags and refused is None:  # auto takes the varlen kernels from the threshold on
-        assert resolve_backend("auto", torch.device("cuda", 0), 0.1, 64, precision=flags[1], head_dim=bert.head_dim) \
+        assert resolve_backend("auto", torch.device("cuda", 0), 64, precision=flags[1], head_dim=bert.head_dim) \
             == "varlen"
 
 
@@ -209,7 +209,6 @@ def test_varlen_takes_head_sizes_up_to_256_in_steps_of_8(monkeypatch: pytest.Mon
     """The flash kernels' limit itself (256) runs; one step past it, or off the step of 8, is refused."""
     describe_gpus(monkeypatch, 1, (9, 0), "NVIDIA H100")
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)
-    problem = attention.backend_problem("varlen", attention.AttentionNeeds(torch.device("cuda", 0), "bf16", head_dim,
-                                                                           0.1))
+    problem = attention.backend_problem("varlen", attention.AttentionNeeds(torch.device("cuda", 0), "bf16", head_dim))
     assert (problem is None) == runs, problem
     assert runs or problem.startswith("--attention_backend varlen takes head sizes up to 256 in steps of 8")

@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
+from torch import nn
 
 from _fault_launch import Launch, assert_same_tensors, load_checkpoint, log_tail, run_launches
 from conftest import TRAINER, require_tool, run_cli, trainer_args, verify_folder
@@ -32,6 +33,8 @@ from mlperf_bert.input.device_input import DeviceInput
 from mlperf_bert.runtime.exits import EXIT_DIVERGED
 from mlperf_bert.train.faults import NumericBlowUp, Position, StepFacts, StepGuard, Verdict
 from mlperf_bert.data.static_batch import packed_shape
+from mlperf_bert.model.fp8 import scaling_states
+from mlperf_bert.model.fp8_delayed import DelayedFp8Linear
 from mlperf_bert.train.step import EagerStep
 from mlperf_bert.train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
 
@@ -147,6 +150,34 @@ def test_state_dict_snapshot_restores_an_optimizer_that_had_no_state(demo_data, 
     assert_same_tensors(dict(model.state_dict()), weights)
     assert optimizer.state_dict()["state"] == {}
     assert all("step" not in g for g in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("kind", [StateDictSnapshot, InPlaceSnapshot])
+def test_snapshots_roll_the_delayed_fp8_history_back_with_the_weights(kind):
+    """The amax history a roll-back returns to is the good read's, and so is whether a layer had one: a snapshot
+    taken before the first step rolls back to layers that calibrate again, one taken later to its scales (the state
+    dict holds neither, so a roll-back and the checkpoint after it would keep the bad steps' scales)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(DelayedFp8Linear.from_linear(nn.Linear(16, 16)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(scale: float) -> None:
+        model(scale * torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    fresh = scaling_states(model)
+    snapshot = kind(model, optimizer)
+    step(1.0)
+    snapshot.restore()
+    assert_same_tensors(scaling_states(model), fresh)
+    step(1.0)
+    snapshot.capture()
+    good = scaling_states(model)
+    step(100.0)  # another amax, as a step that blew up leaves
+    snapshot.restore()
+    assert_same_tensors(scaling_states(model), good)
+    assert all(s["calibrated"] for s in good.values()) and not any(s["calibrated"] for s in fresh.values())
 
 
 def facts(step: int, read_now: bool = False) -> StepFacts:

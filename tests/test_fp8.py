@@ -36,7 +36,7 @@ from mlperf_bert import trainer
 from mlperf_bert.build import Evaluation, eval_step
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.data.batch import FlatBatch
-from mlperf_bert.model.bert import BertConfig, BertForPreTraining
+from mlperf_bert.model.bert import BertConfig, BertForPreTraining, fused_projection
 from mlperf_bert.model.compiling import compile_model
 from mlperf_bert.model import fp8
 from mlperf_bert.model.fp8 import (
@@ -124,6 +124,45 @@ def test_fp8_without_torchao_is_refused_on_every_device(monkeypatch: pytest.Monk
     """The CPU emulates FP8 through torchao too: without it no device can train in FP8."""
     monkeypatch.setattr(fp8, "torchao_missing", lambda: "torchao does not import")
     assert fp8_unavailable(torch.device(device)) == "torchao does not import"
+
+
+# ---------------------------------------------------------------- the fused QKV projection with torchao's layers
+
+def qkv_layers(recipe: Fp8Recipe, seed: int = 0) -> tuple[nn.Module, ...]:
+    """Query, key and value of the first encoder layer of TINY converted to `recipe`'s FP8 layers."""
+    torch.manual_seed(seed)
+    attention = convert_to_fp8(BertForPreTraining(TINY), CPU, recipe).bert.encoder.layer[0].attention.self
+    return attention.query, attention.key, attention.value
+
+
+def projected(layers: tuple[nn.Module, ...], x: torch.Tensor, grads: list[torch.Tensor], fused: bool):
+    """Outputs and gradients (input, then each layer's weight and bias) of the projections of `x`, under fp8's
+    autocast (bf16), the fused way (`bert.fused_projection`) or one layer at a time."""
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = fused_projection(layers, x) if fused else tuple(layer(x) for layer in layers)
+    torch.autograd.backward(outputs, grads)
+    return outputs, [x.grad] + [p.grad for layer in layers for p in (layer.weight, layer.bias)]
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_gw_hp"])
+def test_fused_projection_runs_torchaos_fp8_layers_as_the_three_projections(scaling: str) -> None:
+    """torchao's Float8Linear is no plain nn.Linear: the fused projection runs the three layers one by one, each in
+    FP8 with its own scales, so outputs and gradients equal the separate projections bitwise; a GEMM over the stacked
+    weights would run in bf16, not FP8."""
+    layers = qkv_layers(Fp8Recipe(scaling))
+    assert all(isinstance(layer, Float8Linear) for layer in layers)
+    torch.manual_seed(1)
+    x, grads = torch.randn(40, 32), [torch.randn(40, 32, dtype=torch.bfloat16) for _ in layers]
+    fused, fused_grads = projected(layers, x, grads, fused=True)
+    separate, separate_grads = projected(copy.deepcopy(layers), x, grads, fused=False)
+    for a, b in zip(fused + tuple(fused_grads), separate + tuple(separate_grads)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    weight = torch.cat([layer.weight for layer in layers]).detach()
+    bias = torch.cat([layer.bias for layer in layers]).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unrounded = torch.nn.functional.linear(x, weight, bias)
+    assert _relative(torch.cat(fused, dim=-1).detach(), unrounded) >= FP8_ROUNDING_SEEN  # FP8 rounding happened
 
 
 @pytest.fixture(scope="module")

@@ -277,27 +277,25 @@ def test_grouped_model_copies_without_its_streams():
 # ---------------------------------------------------------------- auto
 
 
-@pytest.mark.parametrize("device, flash, torch_varlen, dropout, max_len, expected", [
-    ("cpu", False, False, 0.1, 512, "grouped"),
-    ("cpu", False, False, 0.0, 512, "grouped"),
-    ("cpu", False, False, 0.1, 128, "sdpa"),  # one group: grouped would only add its index maps
-    ("cpu", False, False, 0.1, None, "sdpa"),
-    ("cpu", True, True, 0.1, 512, "grouped"),  # the kernels are GPU kernels
-    ("cuda", True, True, 0.1, 512, "varlen"),
-    ("cuda", False, True, 0.0, 512, "varlen"),
-    ("cuda", False, True, 0.1, 512, "varlen"),  # PyTorch's flash kernel, with its dropout
-    ("cuda", False, True, 0.1, 128, "varlen"),
-    ("cuda", False, False, 0.1, 512, "grouped"),  # a torch without flash kernels and no flash-attn
-    ("cuda", False, False, 0.1, 128, "sdpa"),
+@pytest.mark.parametrize("device, flash, torch_varlen, max_len, expected", [
+    ("cpu", False, False, 512, "grouped"),
+    ("cpu", False, False, 128, "sdpa"),  # one group: grouped would only add its index maps
+    ("cpu", False, False, None, "sdpa"),
+    ("cpu", True, True, 512, "grouped"),  # the kernels are GPU kernels
+    ("cuda", True, True, 512, "varlen"),
+    ("cuda", False, True, 512, "varlen"),  # PyTorch's flash kernel, with its dropout
+    ("cuda", False, True, 128, "varlen"),
+    ("cuda", False, False, 512, "grouped"),  # a torch without flash kernels and no flash-attn
+    ("cuda", False, False, 128, "sdpa"),
 ])
 def test_grouped_is_autos_choice_where_varlen_cannot_run_and_groups_split(
-        monkeypatch: pytest.MonkeyPatch, device: str, flash: bool, torch_varlen: bool, dropout: float,
-        max_len: int | None, expected: str):
+        monkeypatch: pytest.MonkeyPatch, device: str, flash: bool, torch_varlen: bool, max_len: int | None,
+        expected: str):
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: torch_varlen)
     fake_gpu(monkeypatch, (9, 0))
-    assert resolve_backend("auto", torch.device(device), dropout, max_len) == expected
-    assert resolve_backend("grouped", torch.device(device), dropout, max_len) == "grouped"
+    assert resolve_backend("auto", torch.device(device), max_len) == expected
+    assert resolve_backend("grouped", torch.device(device), max_len) == "grouped"
 
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], name: str = "NVIDIA H100") -> None:
@@ -325,8 +323,8 @@ def test_auto_never_picks_varlen_where_its_kernels_cannot_run(monkeypatch: pytes
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)
     fake_gpu(monkeypatch, capability)
     cuda = torch.device("cuda", 0)
-    assert resolve_backend("auto", cuda, 0.0, 512, precision=precision, head_dim=head_dim) == "grouped"
-    needs = AttentionNeeds(cuda, precision, head_dim, 0.0)
+    assert resolve_backend("auto", cuda, 512, precision=precision, head_dim=head_dim) == "grouped"
+    needs = AttentionNeeds(cuda, precision, head_dim)
     problem = backend_problem("varlen", needs)
     assert problem is not None and problem.startswith("--attention_backend varlen ") and reason in problem, problem
     assert problem.endswith(attention.OTHER_BACKENDS) or "use --precision bf16, fp16 or fp8" in problem
@@ -334,32 +332,31 @@ def test_auto_never_picks_varlen_where_its_kernels_cannot_run(monkeypatch: pytes
     assert backend_problem("sdpa", needs) is None and backend_problem("grouped", needs) is None
 
 
-# Every back-end x device x kernel x dropout: what start-up says (None: it runs). Both kernels
-# take dropout; a torch built without flash kernels and no flash-attn leaves varlen nothing to run.
+# Every back-end x device x kernel: what start-up says (None: it runs). Both kernels take dropout; a
+# torch built without flash kernels and no flash-attn leaves varlen nothing to run.
 BACKEND_MATRIX = [
-    # backend, device, flash-attn, torch's flash kernel, train dropout, refused with
-    ("sdpa", "cpu", False, False, 0.1, None), ("grouped", "cpu", False, False, 0.1, None),
-    ("auto", "cpu", False, False, 0.1, None),
-    ("varlen", "cpu", True, True, 0.0, "runs GPU kernels only (flash-attn's or PyTorch's varlen attention), and this "
-                                       "run is on the cpu"),
-    ("sdpa", "cuda", False, False, 0.1, None), ("grouped", "cuda", False, False, 0.1, None),
-    ("auto", "cuda", False, False, 0.1, None), ("auto", "cuda", False, True, 0.1, None),
-    ("varlen", "cuda", True, True, 0.1, None), ("varlen", "cuda", True, False, 0.1, None),
-    ("varlen", "cuda", False, True, 0.0, None),
-    ("varlen", "cuda", False, True, 0.1, None),
-    ("varlen", "cuda", False, False, 0.0, "needs flash-attention kernels: this torch"),
-    ("varlen", "cuda", False, False, 0.1, "and flash-attn is not installed (pip install flash-attn"),
+    # backend, device, flash-attn, torch's flash kernel, refused with
+    ("sdpa", "cpu", False, False, None), ("grouped", "cpu", False, False, None),
+    ("auto", "cpu", False, False, None),
+    ("varlen", "cpu", True, True, "runs GPU kernels only (flash-attn's or PyTorch's varlen attention), and this "
+                                  "run is on the cpu"),
+    ("sdpa", "cuda", False, False, None), ("grouped", "cuda", False, False, None),
+    ("auto", "cuda", False, False, None), ("auto", "cuda", False, True, None),
+    ("varlen", "cuda", True, True, None), ("varlen", "cuda", True, False, None),
+    ("varlen", "cuda", False, True, None),
+    ("varlen", "cuda", False, False, "needs flash-attention kernels: this torch"),  # the line's start and end
+    ("varlen", "cuda", False, False, "and flash-attn is not installed (pip install flash-attn"),
 ]
 
 
-@pytest.mark.parametrize("backend, device, flash, torch_varlen, dropout, refused", BACKEND_MATRIX)
+@pytest.mark.parametrize("backend, device, flash, torch_varlen, refused", BACKEND_MATRIX)
 def test_every_backend_on_every_device_is_served_or_refused_at_start_up(
-        monkeypatch: pytest.MonkeyPatch, backend: str, device: str, flash: bool, torch_varlen: bool, dropout: float,
+        monkeypatch: pytest.MonkeyPatch, backend: str, device: str, flash: bool, torch_varlen: bool,
         refused: str | None):
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: torch_varlen)
     fake_gpu(monkeypatch, (9, 0))
-    problem = backend_problem(backend, AttentionNeeds(torch.device(device), "bf16", 64, dropout))
+    problem = backend_problem(backend, AttentionNeeds(torch.device(device), "bf16", 64))
     if refused is None:
         assert problem is None
     else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -112,3 +114,51 @@ def test_state_dict_round_trips_through_grad_scaler() -> None:
     back = DeviceLossScaler("cpu")
     back.load_state_dict(reference.state_dict())
     assert back.state_dict() == scaler.state_dict()
+
+
+def _resumable_run(device_scaled: bool, resume_after: int | None = None) -> tuple[list[float], torch.nn.Module]:
+    """STEPS steps of either scaler; `resume_after`: its state, the model's and the optimizer's go through a
+    weights-only file after that step and a fresh model, optimizer and scaler continue from it (as a resumed run
+    builds them: the optimizer's state loaded before it is made capturable)."""
+    model, scales = make_model(), []
+
+    def build(state: dict | None = None) -> tuple[torch.optim.Optimizer, DeviceLossScaler | torch.amp.GradScaler]:
+        optimizer = lamb(model)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        if device_scaled:
+            optimizer = capturable(optimizer)
+            scaler: DeviceLossScaler | torch.amp.GradScaler = DeviceLossScaler("cpu", growth_interval=GROWTH_INTERVAL)
+        else:
+            scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+        scaler.load_state_dict(state["scaler"] if state is not None else {**scaler.state_dict(), "scale": 2.0**10})
+        return optimizer, scaler
+
+    optimizer, scaler = build()
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss_at(model, step)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.scale_tensor) if isinstance(scaler, DeviceLossScaler) else scaler.get_scale())
+        if step == resume_after:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict()}, buffer)
+            model = make_model()  # other weights until the checkpoint's load
+            buffer.seek(0)
+            optimizer, scaler = build(torch.load(buffer, weights_only=True))
+    return scales, model
+
+
+@pytest.mark.parametrize("device_scaled", [False, True])
+@pytest.mark.parametrize("resume_after", [10, 13])  # inside a run of overflows; two clean steps into a growth interval
+def test_an_fp16_run_resumed_from_its_scaler_state_continues_bitwise(device_scaled: bool, resume_after: int) -> None:
+    """fp16's dynamic loss scale and the clean steps counted toward its next growth are training state: a checkpoint's
+    scaler state continues the scale sequence, and so the weights, bitwise."""
+    scales, model = _resumable_run(device_scaled)
+    resumed_scales, resumed = _resumable_run(device_scaled, resume_after)
+    assert resumed_scales == scales and len(set(scales)) > 3
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)

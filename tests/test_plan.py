@@ -211,6 +211,45 @@ def test_shard_groups_keep_reduce_scatter_and_all_gather_on_nvlink() -> None:
     assert gathered.comm_s > 0 and gathered.exposed_comm_s == 0
 
 
+# Shard groups smaller than a node (DIST_OPTIMIZER_GROUP_SIZE below DGXNGPU): ranks, ranks per node, group size,
+# then the ranks of each collective's ring and whether the across-groups all-reduce leaves the node's NVLink.
+GROUPS_IN_A_NODE = [(16, 8, 4, 4, 4, True),  # 2 nodes of 8, 2 groups a node: 4 groups, 2 in each node
+                    (16, 8, 2, 2, 8, True),  # 4 groups a node
+                    (8, 8, 2, 2, 4, False),  # one node of 4 groups: every ring on NVLink
+                    (24, 8, 4, 4, 6, True)]  # 3 nodes, a group count that is not a power of two
+
+
+@pytest.mark.parametrize("ranks, per_node, group, inside, across, over_ib", GROUPS_IN_A_NODE)
+def test_shard_groups_smaller_than_a_node_take_the_documented_communication_time(
+        ranks: int, per_node: int, group: int, inside: int, across: int, over_ib: bool) -> None:
+    """Several shard groups per node, by hand from step_model's docstring: each collective takes latency + ring
+    factor x bytes / (link bandwidth x network efficiency); reduce-scatter and all-gather run among a group's g ranks
+    on NVLink (all in one node), the shard's all-reduce among the ranks / g groups (one rank of each, several of them
+    in one node), on each rank's own NIC once the job spans nodes, else on NVLink. The all-gathers hide behind the
+    update and the rest behind the backward, so a step without compute exposes all of it."""
+    a100 = step_model.DEVICES["A100"]
+    exchange = plan.overlaps({"CLIP_MODE": "after_allreduce", "DIST_OPTIMIZER": "1",
+                              "DIST_OPTIMIZER_GROUP_SIZE": str(group)})
+    assert exchange == step_model.Exchange(True, True, group)
+    sizes = {"_reduce_scatter_base_": 64 << 20, "allreduce_": (64 << 20) // group, "_allgather_base_": 16 << 20}
+    step = PhaseCost(collectives=Counter({(op, size): 1 for op, size in sizes.items()}))
+    timed = step_model.step_time(StepWork(step, PhaseCost(), 1.0, captured=True), a100, ranks, exchange,
+                                 per_node=per_node)
+    latency, efficiency = 20e-6, 0.80  # CALIBRATION's collective_latency_us and network_efficiency
+    assert (step_model.constant("collective_latency_us"), step_model.constant("network_efficiency")) == (20.0, 0.80)
+    nvlink, nic = 300e9, 25e9  # A100: NVLink 600 GB/s both ways, one HDR 200 Gb/s NIC per GPU
+    reduce_scatter = latency + (inside - 1) / inside * sizes["_reduce_scatter_base_"] / (nvlink * efficiency)
+    all_gather = latency + (inside - 1) / inside * sizes["_allgather_base_"] / (nvlink * efficiency)
+    all_reduce = latency + 2 * (across - 1) / across * sizes["allreduce_"] / ((nic if over_ib else nvlink) * efficiency)
+    assert timed.comm_s == pytest.approx(reduce_scatter + all_reduce + all_gather, rel=1e-12)
+    assert timed.exposed_comm_s == pytest.approx(timed.comm_s, rel=1e-12)  # no backward, no update to hide behind
+    links = step_model.links(a100, ranks, per_node, exchange)
+    assert links["all_reduce"] == step_model.Link(across, nic if over_ib else nvlink, "InfiniBand" if over_ib else
+                                                  "NVLink")
+    assert links["reduce_scatter"] == links["all_gather"] == step_model.Link(inside, nvlink, "NVLink")
+    assert timed.link.name == "NVLink"  # the most bytes: the reduce-scatter's and the all-gather's
+
+
 def test_compiled_layers_launch_one_elementwise_kernel_per_matrix_product() -> None:
     """Compile changes the kernels launched (and issued by the host), not the bytes or FLOPs."""
     work = _work(ops=1000)

@@ -10,8 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
+from _fault_launch import (
+    Launch,
+    assert_same_tensors,
+    load_checkpoint,
+    log_tail,
+    losses,
+    mllog_events,
+    run_launches,
+    run_ranks,
+    worker_command,
+)
 from conftest import trainer_args
+from mlperf_bert.model.fp8 import scaling_states
+from mlperf_bert.model.fp8_delayed import DelayedFp8Linear
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.train.checkpoint import (
     FORMAT,
@@ -68,6 +80,56 @@ def test_resumed_run_matches_the_uninterrupted_run_bitwise(demo_data, tmp_path):
     assert "run_start" not in keys and keys.count("resumed_from_checkpoint") == 1  # never a timing result
     event = next(e for e in mllog_events(resumed / "mlperf.log") if e["key"] == "resumed_from_checkpoint")
     assert event["value"] == str(start) and event["metadata"]["epoch_num"] == 48 and event["metadata"]["step"] == 6
+
+
+# FP8 runs, name: (ranks, flags): the delayed recipe and a torchao one. 4 steps; the resumed runs start from the
+# checkpoint after step 2. One rank: the checkpoint keeps each rank's history, but under DDP every forward takes
+# rank 0's (DDP broadcasts buffers), so more ranks would tell nothing more.
+FP8_RUNS = {"delayed": (1, ("--fp8_recipe", "delayed")), "tensorwise": (1, ("--fp8_recipe", "tensorwise"))}
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(demo_data, tmp_path_factory):
+    """Each FP8 run's uninterrupted run and its resume from the middle, in one process per rank."""
+    out = tmp_path_factory.mktemp("fp8_resume")
+    launches = {}
+    for name, (world, flags) in FP8_RUNS.items():
+        fp8 = ("--precision", "fp8", *flags, "--max_steps", "4")
+        full, resumed = out / f"{name}_full", out / f"{name}_resumed"
+        start = full / "checkpoints" / f"ckpt-{16 * world:012d}.pt"
+        for run, extra in ((full, ()), (resumed, ("--resume_from_checkpoint", str(start)))):
+            launches[run.name] = Launch(world, _flags(demo_data, run, *fp8, *extra), run / "logs",
+                                        ("--record", str(run / "rec")))
+    for name, codes in run_launches(launches, out / "launches").items():
+        assert codes == [0] * len(codes), (name, log_tail(launches[name].logs / "rank0.err"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FP8_RUNS)
+def test_fp8_run_resumes_bitwise_like_the_uninterrupted_run(fp8_runs, name):
+    """FP8 state is training state: the delayed recipe's amax history (model/fp8_delayed.py) scales the first
+    resumed step as it scaled that step in the uninterrupted run; torchao's recipes keep no state between steps.
+    Losses of every rank, the final weights, optimizer and histories: bitwise."""
+    world, _ = FP8_RUNS[name]
+    full, resumed = fp8_runs / f"{name}_full", fp8_runs / f"{name}_resumed"
+    for rank in range(world):
+        assert len(losses(full / "rec", rank)) == 4, rank
+        assert losses(resumed / "rec", rank) == losses(full / "rec", rank)[2:], rank  # steps 3 and 4, exact floats
+    end = f"ckpt-{32 * world:012d}.pt"  # 4 steps of 8 samples a rank
+    final_full, final_resumed = (load_checkpoint(d / "checkpoints" / end) for d in (full, resumed))
+    for part in ("model", "optimizer", "fp8"):
+        assert_same_tensors(final_full[part], final_resumed[part], part)
+    histories = final_full["fp8"]
+    assert len(histories) == world
+    if name.startswith("delayed"):  # one history per FP8 layer and rank
+        for history in histories:
+            # The fused QKV GEMM keeps its history in the query layer's (bert.fused_projection).
+            used = {n for n in history if not n.endswith(("self.key", "self.value"))}
+            assert len(history) == 12 and len(used) == 8
+            assert all(s["calibrated"] == s["grad_calibrated"] == (n in used) for n, s in history.items())
+    else:
+        assert histories == [{}] * world
 
 
 @pytest.mark.slow
@@ -165,6 +227,35 @@ def test_a_checkpoint_restores_into_a_fresh_run_at_any_world_size(tmp_path):
     assert not torch.equal(draws[0][0], saved)
     assert derived_rng_seed(9, 1, 16) not in (derived_rng_seed(9, 2, 16), derived_rng_seed(9, 1, 24),
                                               derived_rng_seed(8, 1, 16))
+
+
+def _delayed_parts(seed: int) -> TrainingParts:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(DelayedFp8Linear.from_linear(torch.nn.Linear(16, 16)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    return TrainingParts(model, optimizer)
+
+
+def test_a_checkpoint_keeps_the_delayed_fp8_history_and_one_written_without_it_calibrates_again(tmp_path):
+    """The amax history is not in the state dict (its keys stay every precision's): the checkpoint keeps it per
+    rank under `fp8`. A checkpoint without that key (written before it was kept) still loads: the layers start
+    without history and calibrate on their next step's own amax, as a fresh run's first step does."""
+    parts = _delayed_parts(seed=1)
+    path = _save(Checkpointer(tmp_path, 3, SINGLE, torch.device("cpu")), parts, 16)
+    saved = scaling_states(parts.model)
+    assert list(parts.model.state_dict()) == ["0.weight", "0.bias"]
+    fresh = _delayed_parts(seed=2)
+    restore(fresh, read_checkpoint(path), path, SINGLE, torch.device("cpu"), seed=9)
+    assert_same_tensors(scaling_states(fresh.model), saved)
+    assert saved["0"]["calibrated"] and saved["0"]["grad_calibrated"]
+    older = tmp_path / "ckpt-000000000008.pt"
+    torch.save({k: v for k, v in load_checkpoint(path).items() if k != "fp8"}, older)
+    restore(fresh, read_checkpoint(older), older, SINGLE, torch.device("cpu"), seed=9)
+    layer = fresh.model[0]
+    assert not layer.calibrated and not layer.grad_calibrated and layer.amax.eq(0).all()
+    assert_same_tensors(fresh.model.state_dict(), parts.model.state_dict())
 
 
 def test_a_version_1_checkpoint_is_refused_naming_why(tmp_path):

@@ -235,8 +235,8 @@ def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
             f"--max_seq_length {cfg.data.max_seq_length} exceeds max_position_embeddings "
             f"{bert.max_position_embeddings} of {cfg.model.bert_config_path}"
         )
-    backend = resolve_backend(cfg.model.attention_backend, device, bert.attention_probs_dropout_prob,
-                              cfg.data.max_seq_length, cfg.model.group_bounds, cfg.run.precision, bert.head_dim)
+    backend = resolve_backend(cfg.model.attention_backend, device, cfg.data.max_seq_length, cfg.model.group_bounds,
+                              cfg.run.precision, bert.head_dim)
     model = BertForPreTraining(bert, attention_backend=backend, group_bounds=cfg.model.group_bounds)
     if cfg.model.init_checkpoint:
         load_init_checkpoint(model, cfg.model.init_checkpoint)

@@ -76,8 +76,7 @@ def device_problems(cfg: TrainConfig, bert: BertConfig, device: torch.device) ->
     yield precision_problem(cfg.run.precision, device)
     if cfg.run.precision == "fp8":
         yield fp8_unavailable(device, cfg.run.fp8_recipe or "tensorwise")
-    dropout = bert.attention_probs_dropout_prob if cfg.run.do_train else 0.0
-    yield backend_problem(cfg.model.attention_backend, AttentionNeeds(device, cfg.run.precision, bert.head_dim, dropout))
+    yield backend_problem(cfg.model.attention_backend, AttentionNeeds(device, cfg.run.precision, bert.head_dim))
     yield apex_problem(cfg.optim.implementation, device.type == "cuda", cfg.device_steps)
     yield compile_problem(cfg.run.compile_mode, device)
     if cfg.run.input_pipeline == "dali":

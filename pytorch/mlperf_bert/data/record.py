@@ -134,12 +134,6 @@ def record_json(record: Record, checked: str, limits: dict[str, int | None], ver
     return json.dumps(body, indent=1) + "\n"
 
 
-def stat_entry(path: Path, sha256: str, rows: int, sequences: int) -> FileEntry:
-    """A file's entry with its size and modification time now."""
-    st = path.stat()
-    return FileEntry(st.st_size, st.st_mtime_ns, sha256, rows, sequences)
-
-
 def stale_problems(record: Record) -> list[str]:
     """What changed in the folder since it was verified, from `os.stat` and file names alone.
 

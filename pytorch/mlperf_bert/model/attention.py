@@ -206,7 +206,6 @@ class AttentionNeeds:
     device: torch.device
     precision: str  # --precision: the varlen kernels take fp16 / bf16 only
     head_dim: int  # hidden_size / num_attention_heads
-    train_dropout: float  # attention dropout while training (0.0 for a run without training)
 
 
 def varlen_misfit(needs: AttentionNeeds, backend: str = "varlen") -> str | None:
@@ -276,9 +275,9 @@ def backend_problem(requested: str, needs: AttentionNeeds) -> str | None:
         return str(broken)
 
 
-def resolve_backend(requested: str, device: torch.device, attention_dropout: float,
-                    max_seq_length: int | None = None, group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS,
-                    precision: str = "bf16", head_dim: int = 64) -> str:
+def resolve_backend(requested: str, device: torch.device, max_seq_length: int | None = None,
+                    group_bounds: Sequence[int] = DEFAULT_GROUP_BOUNDS, precision: str = "bf16",
+                    head_dim: int = 64) -> str:
     """Picks a concrete back-end. `auto`: on a GPU the varlen kernels when they fit the run
     (`varlen_misfit`: compute capability, precision, head size) and this torch or flash-attn has
     them; otherwise grouped when sequences of up to `max_seq_length` tokens fall in more than one
@@ -295,7 +294,7 @@ def resolve_backend(requested: str, device: torch.device, attention_dropout: flo
         raise ValueError(f"--attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested != "auto":
         return requested
-    needs = AttentionNeeds(device, precision, head_dim, attention_dropout)
+    needs = AttentionNeeds(device, precision, head_dim)
     if device.type == "cuda" and varlen_misfit(needs) is None and _varlen_kernel_problem() is None:
         return "varlen"
     if max_seq_length is not None and max_seq_length > group_bounds[0]:

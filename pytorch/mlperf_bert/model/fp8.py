@@ -20,8 +20,11 @@ All four use fast accumulation in all three GEMMs (forward, input and weight gra
 NVIDIA's runs do (torchao's default has it in the forward only). `--fp8_layers ffn` keeps FP8 to
 the two FFN GEMMs, whose M, N and K are the largest (the ones FP8 speeds up most).
 The scales are device tensors, so a step stays free of host reads and captures in a CUDA graph;
-the weights stay fp32 parameters (cast to FP8 in each forward), so state dicts, checkpoints and
-the optimizer are those of any other precision.
+the weights stay fp32 parameters (cast to FP8 in each forward), so state dicts and the optimizer
+are those of any other precision. torchao's recipes keep no state between steps (each cast
+scales by its tensor's own amax); the delayed recipe's amax history is the one FP8 state a step
+reads, and `scaling_states` / `load_scaling_states` carry it through run checkpoints and the sync
+window's snapshots beside the state dict.
 
 On a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell) the GEMMs are
 `torch._scaled_mm`; elsewhere (the CPU) torchao emulates them: the same FP8 rounding, matmuls in
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
@@ -219,3 +222,23 @@ def _input_in_autocast_dtype(module: nn.Module, args: tuple) -> tuple:
     if torch.is_autocast_enabled(device_type):
         return (x.to(torch.get_autocast_dtype(device_type)),)
     return args
+
+
+ScalingState = dict[str, torch.Tensor | bool]
+
+
+def scaling_states(model: nn.Module) -> dict[str, ScalingState]:
+    """The delayed recipe's amax history of each of its layers, by module name ({} for a model without any):
+    what the next training step reads besides the weights and the optimizer (copies, on the model's device)."""
+    return {name: module.scaling_state() for name, module in model.named_modules()
+            if isinstance(module, DelayedFp8Linear)}
+
+
+def load_scaling_states(model: nn.Module, states: Mapping[str, ScalingState] | None) -> None:
+    """`scaling_states`' values back into the layers of the same names, in place. A layer without an entry
+    (`states` None: a checkpoint written before the history was kept, or under another precision or recipe, or
+    for a rank this run did not have) starts without history: its next forward and backward calibrate on their
+    own amax, as a fresh run's first step does."""
+    for name, module in model.named_modules():
+        if isinstance(module, DelayedFp8Linear):
+            module.load_scaling_state(None if states is None else states.get(name))

@@ -14,14 +14,22 @@ What each tensor gets:
 - output gradient dY (E5M2, the wider range gradients need): the previous backward's amax.
 
 The first forward and backward of a layer have no history: they scale by the tensor's own amax
-(`calibrated` is then set; under torch.compile that is one recompile of each layer). The amax
-buffers are not part of the state dict, so checkpoints equal those of any other precision; a
-resumed run calibrates again. GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA
-runs them): Y = X W^T + b in the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout
-of `_scaled_mm` wants its first operand row-major and its second column-major, hence the
-transposed copies of W for dX, and of dY and X for dW; token counts that are not a multiple of 16
-are padded with zero rows for dW (a no-op for packed rows of 512). Off a GPU the GEMMs are emulated
-(`scaled_mm`: the same FP8 operands dequantised, multiplied in fp32); everything else is the same code.
+(`calibrated` is then set; under torch.compile that is one recompile of each layer). Only a
+training forward (one that records gradients) reads and writes the history: an eval forward
+(no_grad) scales each input by its own amax and leaves the history as the last training step
+left it, so the step after an eval scales as it would without the eval.
+
+The history is training state: the next step reads it. It is not in the state dict (whose keys
+stay those of every other precision, so checkpoints load across precisions); `scaling_state` and
+`load_scaling_state` hand it to the run checkpoint (`fp8.scaling_states`, `train/checkpoint.py`),
+so a resumed run scales its first step exactly as the uninterrupted run does.
+
+GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA runs them): Y = X W^T + b in
+the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout of `_scaled_mm` wants its first
+operand row-major and its second column-major, hence the transposed copies of W for dX, and of dY
+and X for dW; token counts that are not a multiple of 16 are padded with zero rows for dW (a no-op
+for packed rows of 512). Off a GPU the GEMMs are emulated (`scaled_mm`: the same FP8 operands
+dequantised, multiplied in fp32); everything else is the same code.
 """
 
 from __future__ import annotations
@@ -88,10 +96,11 @@ class _DelayedFp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 amax: torch.Tensor, calibrated: bool, grad_calibrated: bool,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, records: bool) -> torch.Tensor:
         x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
         x8 = to_fp8(x, x_scale, E4M3)
-        amax[INPUT].copy_(amax_of(x))
+        if records:  # a training forward: the next one scales by this amax
+            amax[INPUT].copy_(amax_of(x))
         w_scale = scale_of(amax_of(weight), E4M3)
         w8 = to_fp8(weight, w_scale, E4M3)
         out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype,
@@ -111,7 +120,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         grad_w = scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)), g_inverse,
                            x_scale.reciprocal(), torch.float32)
         grad_b = grad_out.float().sum(0) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None, None
+        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None, None, None
 
 
 class DelayedFp8Linear(nn.Linear):
@@ -122,9 +131,10 @@ class DelayedFp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device)
-        # [input, output gradient]: the last amax of each; not saved (a resumed run calibrates again).
+        # [input, output gradient]: the last training step's amax of each. Not in the state dict: the run
+        # checkpoint keeps it apart (`scaling_state`).
         self.register_buffer("amax", torch.zeros(2, device=device), persistent=False)
-        self.calibrated = False  # a forward has set amax[INPUT]
+        self.calibrated = False  # a training forward has set amax[INPUT]
         self.grad_calibrated = False  # a training forward ran, so its backward has set amax[GRAD]
 
     @classmethod
@@ -147,12 +157,34 @@ class DelayedFp8Linear(nn.Linear):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         flat = x.reshape(-1, x.shape[-1])
-        out = _DelayedFp8Matmul.apply(flat, weight, bias, owner.amax, owner.calibrated, owner.grad_calibrated,
-                                      out_dtype)
-        owner.calibrated = True
+        # Only a forward that records gradients (a training step) reads and writes the history; an eval
+        # forward (no_grad) scales by its own amax and leaves the history to the next training step.
+        records = torch.is_grad_enabled()
+        out = _DelayedFp8Matmul.apply(flat, weight, bias, owner.amax, owner.calibrated and records,
+                                      owner.grad_calibrated, out_dtype, records)
+        owner.calibrated = owner.calibrated or records
         if torch.is_grad_enabled() and weight.requires_grad:
             owner.grad_calibrated = True
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def scaling_state(self) -> dict[str, torch.Tensor | bool]:
+        """What the next training step reads besides the weights: the amax history (a copy, on the layer's
+        device) and whether each slot holds one yet."""
+        return {"amax": self.amax.detach().clone(), "calibrated": self.calibrated,
+                "grad_calibrated": self.grad_calibrated}
+
+    def load_scaling_state(self, state: dict[str, torch.Tensor | bool] | None) -> None:
+        """`scaling_state`'s values back, in place (the buffer keeps its address); None: no history, the
+        next forward and backward calibrate on their own amax, as a new layer's."""
+        with torch.no_grad():
+            if state is None:
+                self.amax.zero_()
+                self.calibrated = self.grad_calibrated = False
+                return
+            amax = state["amax"]
+            assert isinstance(amax, torch.Tensor)
+            self.amax.copy_(amax)
+        self.calibrated, self.grad_calibrated = bool(state["calibrated"]), bool(state["grad_calibrated"])
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp8 delayed scaling"

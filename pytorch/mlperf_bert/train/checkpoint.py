@@ -26,13 +26,18 @@ a checkpoint cannot run code.
   rank's device, numpy's and Python's global generators. Gathered to rank 0 at every checkpoint
   (about 8 KB per rank, 8 MB at 1,024 ranks) so that one file, published by one rename, holds the
   whole run; per-rank files would need a second commit step to be atomic together.
+- `fp8`: one entry per rank, gathered with `rng`: the delayed FP8 recipe's amax history of each
+  layer (`model.fp8.scaling_states`: each rank's own, from its own micro-batches; empty under any
+  other precision or recipe). It is not in `model`, whose keys stay those of every precision;
 - `run`: world size, why it was written, the first attempt's run_start time and attempt number;
 - `config`: the resolved config of the run that wrote it (a record; resuming does not read it).
 
 Resume: rank 0 picks the file (`auto`: the newest in the folder, or none) and tells the others;
 every rank reads it (memory-mapped, so ranks on one node share the pages), loads the model,
-optimizer and scaler, and takes its own RNG entry. The trainer restores the train state and
-the data position.
+optimizer and scaler, and takes its own RNG and FP8 entries. The trainer restores the train state
+and the data position. A checkpoint without `fp8` (written before the amax history was kept) or
+a rank without an entry starts the delayed recipe's layers without history: their first step
+calibrates on its own amax, as a fresh run's does, so that step is equivalent, not equal.
 
 Another number of ranks: everything but `rng` is free of the world size, so a run saved at W
 ranks resumes at W' ranks when the slots stay the same (W' x A' = W x A, same micro-batch): every
@@ -40,7 +45,8 @@ later step trains on the same samples, and with dropout 0 the weights equal the 
 run's up to the order of the gradient sums (tests/test_resume_world_size.py). A rank without a
 saved RNG entry gets a state derived from the run seed, its rank and the samples consumed
 (`derived_rng_seed`), and each rank's generator now draws for other slots than before: dropout
-masks differ, so with dropout the steps are equivalent, not equal.
+masks differ, so with dropout the steps are equivalent, not equal (and so is the first step of a
+delayed-FP8 layer on a rank without a saved amax history).
 
 VERSION 2: the data position counts micro-batch slots; version 1's depended on the rank count
 and is refused.
@@ -60,6 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..model.fp8 import ScalingState, load_scaling_states, scaling_states
 from ..model.init_checkpoint import CheckpointError
 from ..config.settings import RESUME_AUTO
 from ..runtime.distributed import DistEnv
@@ -109,6 +116,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((state["python_version"], tuple(state["python_state"].tolist()), state["python_gauss"]))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def host_scaling_states(model: torch.nn.Module) -> dict[str, ScalingState]:
+    """`scaling_states` with the amax history on the host: gathered as objects and loaded on any device."""
+    return {name: {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+            for name, state in scaling_states(model).items()}
 
 
 def gather_to_main(obj: Any, denv: DistEnv) -> list[Any] | None:
@@ -205,17 +218,21 @@ class Checkpointer:
 
     def save(self, parts: TrainingParts, train_state: dict, data_state: dict, reason: str,
              config: dict | None = None) -> Path:
-        """Collective: gathers the RNG states; rank 0 writes and prunes. Returns the path."""
+        """Collective: gathers every rank's RNG states and FP8 amax history; rank 0 writes and prunes. Returns
+        the path."""
         path = checkpoint_path(self.directory, int(train_state["samples"]))
-        rngs = gather_to_main(rng_state(self.device), self.denv)
+        # Each rank's own generators and FP8 amax history (its own micro-batches'), in one gather.
+        ranks = gather_to_main((rng_state(self.device), host_scaling_states(parts.model)), self.denv)
         # On every rank: a sharded optimizer gathers its whole state with a collective.
         optimizer_state = parts.optimizer.state_dict()
         if self.denv.is_main:
+            assert ranks is not None  # rank 0 gathers
             payload = {
                 "format": FORMAT, "version": VERSION,
                 "model": parts.model.state_dict(), "optimizer": optimizer_state,
                 "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-                "train_state": train_state, "data": data_state, "rng": rngs,
+                "train_state": train_state, "data": data_state,
+                "rng": [rng for rng, _ in ranks], "fp8": [fp8 for _, fp8 in ranks],
                 "run": {**self.record, "world_size": self.denv.world_size, "reason": reason},
                 "config": config or {},
             }
@@ -280,10 +297,12 @@ def first_detail(err: BaseException) -> str:
 
 def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEnv, device: torch.device,
             seed: int) -> None:
-    """Loads model, optimizer, scaler and this rank's generators (train state and data: the caller).
+    """Loads model, optimizer, scaler, this rank's generators and FP8 amax history (train state and data:
+    the caller).
 
     Any number of ranks: a rank the checkpoint has no RNG entry for (more ranks than the run that
-    wrote it) seeds its generators from `derived_rng_seed(seed, rank, samples)`.
+    wrote it) seeds its generators from `derived_rng_seed(seed, rank, samples)`; without an FP8 entry
+    its delayed-FP8 layers calibrate again.
     """
     try:
         parts.model.load_state_dict(ckpt["model"], strict=True)
@@ -293,6 +312,8 @@ def restore(parts: TrainingParts, ckpt: dict[str, Any], path: Path, denv: DistEn
                           "same --bert_config_path and --optimizer") from err
     if parts.scaler is not None and ckpt["scaler"]:
         parts.scaler.load_state_dict(ckpt["scaler"])
+    fp8 = ckpt.get("fp8") or []
+    load_scaling_states(parts.model, fp8[denv.rank] if denv.rank < len(fp8) else None)
     if denv.rank < len(ckpt["rng"]):
         set_rng_state(ckpt["rng"][denv.rank], device)
     else:

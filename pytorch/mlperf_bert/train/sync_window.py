@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .faults import Position, StepFacts, StepGuard, Verdict, too_many_skips
+from ..model.fp8 import ScalingState, load_scaling_states, scaling_states
 from ..optim.loss_scale import DeviceLossScaler, LossScaleReading
 
 
@@ -49,37 +50,45 @@ class StateDictSnapshot:
 
     Restoring loads them back: parameters are written in place, optimizer state tensors are
     replaced (which a captured CUDA graph would not see; `InPlaceSnapshot` is for graphs).
-    An optimizer whose state does not exist yet is restored to that empty state.
+    An optimizer whose state does not exist yet is restored to that empty state. The delayed
+    FP8 recipe's amax history, which the state dict leaves out, is kept beside it
+    (`fp8.scaling_states`): a roll-back and the checkpoint after it keep the good step's scales.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self._model_state: dict[str, torch.Tensor] = {}
         self._optimizer_state: dict[str, Any] = {}
+        self._scaling: dict[str, ScalingState] = {}
         self.capture()
 
     def capture(self) -> None:
         self._model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self._optimizer_state = cloned(self.optimizer.state_dict())
+        self._scaling = scaling_states(self.model)
 
     @torch.no_grad()
     def restore(self) -> None:
         self.model.load_state_dict(self._model_state)
         self.optimizer.load_state_dict(cloned(self._optimizer_state))
+        load_scaling_states(self.model, self._scaling)
 
 
 class InPlaceSnapshot:
     """Every tensor a step changes, copied back in place (the addresses a CUDA graph keeps).
 
-    Weights, buffers, optimizer moments, device step counts and lr tensors, plus `extra`
-    (the fp16 loss scaler's tensors). The optimizer's state must exist when it is built
-    (`optim.capturable.capturable` creates it).
+    Weights, buffers (the delayed FP8 recipe's amax history among them), optimizer moments, device
+    step counts and lr tensors, plus `extra` (the fp16 loss scaler's tensors); and whether each
+    FP8 layer had a history yet, a Python flag (`fp8.scaling_states`). The optimizer's state must
+    exist when it is built (`optim.capturable.capturable` creates it).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  extra: Sequence[torch.Tensor] = ()) -> None:
+        self.model = model
         self._live = self._tensors(model, optimizer) + list(extra)
         self._saved = [t.clone() for t in self._live]
+        self._scaling = scaling_states(model)
 
     @staticmethod
     def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -93,10 +102,12 @@ class InPlaceSnapshot:
     @torch.no_grad()
     def capture(self) -> None:
         torch._foreach_copy_(self._saved, self._live)
+        self._scaling = scaling_states(self.model)
 
     @torch.no_grad()
     def restore(self) -> None:
         torch._foreach_copy_(self._live, self._saved)
+        load_scaling_states(self.model, self._scaling)
 
 
 class SyncWindow:

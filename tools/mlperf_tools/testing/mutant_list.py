@@ -593,8 +593,6 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------ startup.py and its capability thresholds
     _m2("startup-01", STARTUP, 'fp8_unavailable(device, cfg.run.fp8_recipe or "tensorwise")',
         'fp8_unavailable(device, "tensorwise")', "the FP8 check ignores --fp8_recipe (delayed checked as torchao's)"),
-    _m2("startup-02", STARTUP, "dropout = bert.attention_probs_dropout_prob if cfg.run.do_train else 0.0",
-        "dropout = bert.attention_probs_dropout_prob", "a run without training checked with training's dropout"),
     _m2("startup-03", STARTUP, 'uses_gpu = requested == "cuda" or (requested == "auto" and visible > 0)',
         'uses_gpu = requested == "cuda"', "--device auto on a GPU node not checked for ranks per GPU"),
     _m2("startup-04", STARTUP, "visible <= 1 or", "visible < 1 or",
