@@ -209,6 +209,6 @@ def test_varlen_takes_head_sizes_up_to_256_in_steps_of_8(monkeypatch: pytest.Mon
     """The flash kernels' limit itself (256) runs; one step past it, or off the step of 8, is refused."""
     describe_gpus(monkeypatch, 1, (9, 0), "NVIDIA H100")
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: True)
-    problem = attention.backend_problem("varlen", attention.AttentionNeeds(torch.device("cuda", 0), "bf16", head_dim))
+    problem = attention.backend_problem("varlen", attention.AttentionNeeds(torch.device("cuda", 0), "bf16", head_dim, 0.1))
     assert (problem is None) == runs, problem
     assert runs or problem.startswith("--attention_backend varlen takes head sizes up to 256 in steps of 8")

@@ -335,7 +335,7 @@ def test_varlen_attention_handles_the_static_batch():
     varlen = BertForPreTraining(TINY, attention_backend="varlen").cuda()
     varlen.load_state_dict(sdpa.state_dict())
     if _flash_attn_varlen() is None and not flash_kernel_available():  # start-up refuses it, naming the fix
-        problem = backend_problem("varlen", AttentionNeeds(torch.device("cuda"), "bf16", TINY.head_dim))
+        problem = backend_problem("varlen", AttentionNeeds(torch.device("cuda"), "bf16", TINY.head_dim, 0.1))
         assert problem is not None and "needs flash-attention kernels" in problem, problem
         return
     with autocast(torch.device("cuda"), "bf16"):

@@ -324,7 +324,7 @@ def test_auto_never_picks_varlen_where_its_kernels_cannot_run(monkeypatch: pytes
     fake_gpu(monkeypatch, capability)
     cuda = torch.device("cuda", 0)
     assert resolve_backend("auto", cuda, 512, precision=precision, head_dim=head_dim) == "grouped"
-    needs = AttentionNeeds(cuda, precision, head_dim)
+    needs = AttentionNeeds(cuda, precision, head_dim, 0.1)
     problem = backend_problem("varlen", needs)
     assert problem is not None and problem.startswith("--attention_backend varlen ") and reason in problem, problem
     assert problem.endswith(attention.OTHER_BACKENDS) or "use --precision bf16, fp16 or fp8" in problem
@@ -356,7 +356,7 @@ def test_every_backend_on_every_device_is_served_or_refused_at_start_up(
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object() if flash else None)
     monkeypatch.setattr(attention, "flash_kernel_available", lambda: torch_varlen)
     fake_gpu(monkeypatch, (9, 0))
-    problem = backend_problem(backend, AttentionNeeds(torch.device(device), "bf16", 64))
+    problem = backend_problem(backend, AttentionNeeds(torch.device(device), "bf16", 64, 0.1))
     if refused is None:
         assert problem is None
     else:

@@ -138,14 +138,14 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> torch.device:
 def test_a_broken_flash_attn_is_refused_for_varlen_and_for_auto_on_a_gpu(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu: torch.device, breakage: str) -> None:
     monkeypatch.syspath_prepend(str(write_package(tmp_path, "flash_attn", BREAKAGES[breakage])))
-    needs = AttentionNeeds(gpu, "bf16", 64)
+    needs = AttentionNeeds(gpu, "bf16", 64, 0.1)
     for requested in ("varlen", "auto"):
         problem = backend_problem(requested, needs)
         assert problem is not None and problem.startswith(
             f"--attention_backend varlen (and auto on a GPU) needs flash-attn, which is installed but fails to "
             f"import ({breakage}: "), problem
     assert backend_problem("sdpa", needs) is None and backend_problem("grouped", needs) is None
-    assert backend_problem("auto", AttentionNeeds(torch.device("cpu"), "bf16", 64)) is None  # never imported
+    assert backend_problem("auto", AttentionNeeds(torch.device("cpu"), "bf16", 64, 0.1)) is None  # never imported
     with pytest.raises(DependencyError):
         attention.resolve_backend("auto", gpu, 512)  # the same refusal where the model is built
 

@@ -76,7 +76,8 @@ def device_problems(cfg: TrainConfig, bert: BertConfig, device: torch.device) ->
     yield precision_problem(cfg.run.precision, device)
     if cfg.run.precision == "fp8":
         yield fp8_unavailable(device, cfg.run.fp8_recipe or "tensorwise")
-    yield backend_problem(cfg.model.attention_backend, AttentionNeeds(device, cfg.run.precision, bert.head_dim))
+    needs = AttentionNeeds(device, cfg.run.precision, bert.head_dim, bert.attention_probs_dropout_prob)
+    yield backend_problem(cfg.model.attention_backend, needs)
     yield apex_problem(cfg.optim.implementation, device.type == "cuda", cfg.device_steps)
     yield compile_problem(cfg.run.compile_mode, device)
     if cfg.run.input_pipeline == "dali":

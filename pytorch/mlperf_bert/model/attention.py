@@ -206,6 +206,7 @@ class AttentionNeeds:
     device: torch.device
     precision: str  # --precision: the varlen kernels take fp16 / bf16 only
     head_dim: int  # hidden_size / num_attention_heads
+    train_dropout: float  # attention dropout while training: cuDNN's kernel takes it in steps of 1/16 only
 
 
 def varlen_misfit(needs: AttentionNeeds, backend: str = "varlen") -> str | None:
@@ -294,7 +295,7 @@ def resolve_backend(requested: str, device: torch.device, max_seq_length: int | 
         raise ValueError(f"--attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested != "auto":
         return requested
-    needs = AttentionNeeds(device, precision, head_dim)
+    needs = AttentionNeeds(device, precision, head_dim, 0.0)  # auto never picks cuDNN's kernel, the one dropout limits
     if device.type == "cuda" and varlen_misfit(needs) is None and _varlen_kernel_problem() is None:
         return "varlen"
     if max_seq_length is not None and max_seq_length > group_bounds[0]:
