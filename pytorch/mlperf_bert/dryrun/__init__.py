@@ -11,7 +11,9 @@ the config promises. With `--real` the same code runs on a real GPU (`make gpu-c
 graphs' captures and replays counted as the stand-in's are (`cuda_standins.counted`). It also prints one
 device's memory estimate (`cost` counts live device bytes and each op's work per phase,
 `estimate` reads the peaks off it); `shipped` traces config_*.sh files at BERT-Large shapes for
-tools/plan.py.
+tools/plan.py. `compiled` (`python -m mlperf_bert.dryrun.compiled CONFIG`) generates Inductor's CUDA
+code for a config's step on the fake device presenting the config's GPU (`gpus`, `inductor`), nothing
+compiled or launched, and counts its graphs, graph breaks, kernels and their bytes (`kernels`).
 
 Nothing in this package may import torch at import time: `__main__` loads the fake device
 first.
