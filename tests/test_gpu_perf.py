@@ -126,6 +126,41 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path, env, line):
     assert done.stderr.startswith(line), done.stderr
 
 
+EARLIER = {"summary.txt": "gpu-perf: passed (6 steps ran)\n", "gpu_perf.log": "last week's log\n",
+           "throughput.json": "{}\n", "trainer.json": "{}\n", "kernels.txt": "flash_bprop 9.95%\n"}
+
+
+def _earlier_measurement(folder: Path, names=EARLIER) -> Path:
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name).write_text(EARLIER[name])
+    return folder
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"SMOKE": "1", "CONFIG": "config_DGXH300_1x8.sh"},
+     "gpu_perf.sh: CONFIG=config_DGXH300_1x8.sh: no such file; give a config_<SYSTEM>.sh of the repository"),
+    ({"SMOKE": "0"}, f"gpu_perf.sh: no CUDA device visible to {sys.executable}; SMOKE=1 runs the CPU smoke mode"),
+    ({"SMOKE": "1", "VARIANTS": "fp4"}, "gpu_perf.sh: VARIANTS: no variant 'fp4'"),
+    ({"SMOKE": "1"}, "gpu_perf.sh: {out} holds an earlier run (summary.txt gpu_perf.log throughput.json trainer.json "
+                     "kernels.txt); give a new folder (bash tools/gpu_perf.sh DIR), or move that one away"),
+])
+def test_an_earlier_measurement_is_left_as_it_was(tmp_path, env, line):
+    """A typo, a machine without a GPU, or last week's folder: one line, exit 2, and the earlier files untouched."""
+    out = _earlier_measurement(tmp_path / "last_week")
+    done = run_cli(["bash", str(SCRIPT), str(out)], env={"PYTHON": sys.executable, **env})
+    assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
+    assert done.stderr.splitlines()[0].startswith(line.format(out=out)) and len(done.stderr.splitlines()) == 1
+    assert {p.name: p.read_text() for p in out.iterdir()} == EARLIER
+
+
+def test_one_file_of_an_earlier_run_is_enough_to_refuse_the_folder(tmp_path):
+    out = _earlier_measurement(tmp_path / "cut_short", ["throughput.json"])
+    done = run_cli(["bash", str(SCRIPT), str(out)], env={"SMOKE": "1", "PYTHON": sys.executable})
+    assert done.returncode == 2 and "holds an earlier run (throughput.json)" in done.stderr, done.stderr
+    assert [p.name for p in out.iterdir()] == ["throughput.json"]
+
+
 def test_every_variant_the_launcher_reads_is_accepted_by_the_trainer(bench):
     """A variant is a line of the table: a misspelt value would show only on a GPU, so each one the launcher
     knows goes through run_and_time.sh and the trainer's parser here."""

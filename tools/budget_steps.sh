@@ -7,9 +7,20 @@
 #   failed   0; a step that fails sets it to 1
 # Each step's summary line: its name, its status, its seconds and the last line it printed.
 
-# open_folder SCRIPT LOG_NAME: makes the output folder $out (a usage error, exit 2, where it cannot), empties
-# its summary.txt and LOG_NAME, makes $work (removed at exit) and puts this tree first on PYTHONPATH.
+# open_folder SCRIPT LOG_NAME OUTPUT...: makes the output folder $out and in it an empty summary.txt and
+# LOG_NAME, makes $work (removed at exit) and puts this tree first on PYTHONPATH. A usage error (exit 2)
+# where it cannot, or where $out holds an earlier run's summary.txt, LOG_NAME or OUTPUT (the files the
+# script writes): a measurement is never overwritten. The script calls it once every input is checked.
 open_folder() {
+  local name earlier=()
+  for name in summary.txt "${@:2}"; do
+    [[ -e $out/$name ]] && earlier+=("$name")
+  done
+  if ((${#earlier[@]})); then
+    echo "$1: $out holds an earlier run (${earlier[*]}); give a new folder (bash tools/$1 DIR), or move that" \
+      "one away" >&2
+    exit 2
+  fi
   mkdir -p "$out" || { echo "$1: cannot create the output folder $out" >&2; exit 2; }
   out=$(cd "$out" && pwd)
   work=$(mktemp -d)
