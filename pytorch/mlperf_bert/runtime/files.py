@@ -17,6 +17,7 @@ Torch-free: `data_prep` imports it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 from contextlib import contextmanager
@@ -112,3 +113,28 @@ def write_text_atomic(path: Path | str, text: str, *, fsync_file: bool = True) -
     """`text` into `path` through `atomic_file`; a failed write names `path`."""
     with atomic_file(path, "w", fsync_file=fsync_file) as f:
         f.write(text)
+
+
+def output_file_problem(path: Path | str) -> str | None:
+    """Why a command cannot write its file `path` at the end of its work, asked before the work (None: it can).
+    The missing folders above it are made now, as a command's output folder is: a check that runs for minutes
+    must not end in FileNotFoundError, its result lost."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder; give the path of a file"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot make its folder {path.parent} ({err.strerror or err}); give another path"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"cannot write in {path.parent}; give another path"
+    return None
+
+
+def output_file(value: str) -> Path:
+    """An argparse `type` for a file the command writes at its end (`output_file_problem`): a path it cannot
+    write is refused with the other bad flags, before any work."""
+    problem = output_file_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(value)

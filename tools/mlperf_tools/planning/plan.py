@@ -52,6 +52,7 @@ from mlperf_bert.dryrun.shipped import exports
 from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward
 from mlperf_bert.train.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS
 from mlperf_bert.train.evaluation_interval import EvalSchedule
+from mlperf_bert.runtime.files import output_file
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 RULESET = "5.0.0"
@@ -569,7 +570,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, help="plan the config's recipe on this many devices (a hypothetical system)")
     p.add_argument("--device", choices=sorted(DEVICES), help="the device (default: the config's DGXSYSTEM's)")
     p.add_argument("--all", action="store_true", help="every shipped GPU config")
-    p.add_argument("--plot", type=Path, metavar="FILE", help="draw predicted against published time to train")
+    p.add_argument("--plot", type=output_file, metavar="FILE", help="draw predicted against published time to train")
     p.add_argument("--config_var", action="append", default=[], metavar="NAME=VALUE",
                    help="set a config variable on top of the config (repeatable), e.g. PRECISION=fp8")
     p.add_argument("--calibrate", action="store_true", help="refit our step's constants to tools/measurements and "
