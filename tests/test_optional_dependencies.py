@@ -114,6 +114,18 @@ def test_each_flag_with_a_broken_package_stops_the_trainer_at_start_up(demo_data
     assert "reinstall it (pip install" in errors[0]
 
 
+def test_a_broken_matplotlib_stops_a_run_that_would_draw_curves_at_start_up(demo_data: Path, tmp_path: Path) -> None:
+    """The default --curves png draws after run_stop: the run trained to its end, then an ImportError traceback,
+    exit 1, and no summary."""
+    broken = write_package(tmp_path / "site", "matplotlib", BREAKAGES["ImportError"])
+    lines = _refused(trainer_args(demo_data, tmp_path / "out", "--do_train", "--curves", "png"), broken, tmp_path)
+    assert [line for line in lines if line.startswith("error:")] == [
+        "error: --curves png (the default) needs matplotlib, which is installed but fails to import (ImportError: "
+        "/site-packages/pkg/_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi): that copy does not fit this "
+        "environment; reinstall it (pip install 'matplotlib>=3.7' (a dependency of this package)), or use --curves "
+        "none (CURVES=none): the run then draws no curves.png"]
+
+
 def test_torchao_not_installed_names_the_install(demo_data: Path, tmp_path: Path) -> None:
     """A path entry that hides the real torchao (the import machinery finds nothing under that name)."""
     hider = tmp_path / "site"
