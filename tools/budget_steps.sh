@@ -64,7 +64,12 @@ fits() {
 
 # step NAME LIMIT_S COMMAND...: runs COMMAND within min(LIMIT_S, the budget left), its output in the log
 # and in $work/step.log (for the caller to read after it); one summary line. A step with under 15 s
-# left is skipped. `ran_steps` counts the steps that ran.
+# left is skipped. `ran_steps` counts the steps that ran. At its limit the command gets SIGTERM, and
+# SIGKILL KILL_AFTER_S later: a step may take STEP_OVER_S past its limit, that grace and its summary
+# lines and the caller's reports after it. A caller that keeps time free for the steps after this one
+# gives it a limit STEP_OVER_S short of what it may spend.
+KILL_AFTER_S=10
+STEP_OVER_S=$((KILL_AFTER_S + 3))
 ran_steps=0
 step() {
   local name=$1 limit=$2 left rc t0 status last
@@ -79,7 +84,7 @@ step() {
   t0=$SECONDS
   ran_steps=$((ran_steps + 1))
   { echo "=== $name: $*"; } >> "$log"
-  (cd "$here" && timeout --kill-after=10 "$limit" "$@") > "$work/step.log" 2>&1
+  (cd "$here" && timeout --kill-after="$KILL_AFTER_S" "$limit" "$@") > "$work/step.log" 2>&1
   rc=$?
   cat "$work/step.log" >> "$log"
   case $rc in

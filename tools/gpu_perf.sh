@@ -188,8 +188,10 @@ variant() {
     return
   fi
   smoke_variant=$label
-  fits "variant $label" $((need_variant + reserve)) "${reserve} s kept for packed-hf and the trainer" || return
-  left=$(($(budget_left) - reserve))
+  # The reserve stays free after the variant, whatever it takes past its limit (STEP_OVER_S).
+  fits "variant $label" $((need_variant + reserve + STEP_OVER_S)) "${reserve} s kept for packed-hf and the trainer" ||
+    return
+  left=$(($(budget_left) - reserve - STEP_OVER_S))
   for var in "${smoke_vars[@]}" "${given[@]}"; do from+=(--config_var "$var"); done
   bench_step "variant $label" $((left < 150 ? left : 150)) "$work/tp_variant_${label// /_}.json" "${from[@]}"
 }
@@ -198,7 +200,7 @@ packed_vs_hf() {
   fits "packed-hf bf16" "$need_hf" || return
   local shape=() limit=150 left
   [[ $SMOKE == 1 ]] || shape=(--rounds 3 --steps 5 --warmup 3)  # HF padded is 2-6x slower: fewer steps
-  left=$(($(budget_left) - need_trainer))  # the trainer's time stays free where both fit
+  left=$(($(budget_left) - need_trainer - STEP_OVER_S))  # the trainer's time stays free where both fit
   ((left >= need_hf && left < limit)) && limit=$left
   bench_step "packed-hf bf16" "$limit" "$work/tp_packed_vs_hf.json" --precision bf16 --layouts packed,hf_padded \
     "${shape[@]}"
