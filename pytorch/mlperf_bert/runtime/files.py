@@ -12,12 +12,16 @@ The guarantees are parameters, because they cost time:
 - `fsync_dir`: the rename itself is made durable by syncing the folder (checkpoints: the
   run resumes from the newest name it finds).
 
+`json_object` reads the small JSON records the commands keep beside their outputs (a record edited by
+hand into a list fails there, in one line, not deep in the code that reads its fields).
+
 Torch-free: `data_prep` imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -107,6 +111,19 @@ def atomic_file(path: Path | str, mode: str = "w", *, fsync_file: bool = True,
                     os.fsync(f.fileno())
     except OSError as err:
         raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+
+
+def json_object(path: Path | str) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError (one line, naming the file) for a file that cannot be read, is not
+    JSON or holds another JSON value; OSError passes, for a caller to whom a missing file is no error."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def write_text_atomic(path: Path | str, text: str, *, fsync_file: bool = True) -> None:

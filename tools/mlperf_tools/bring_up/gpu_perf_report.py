@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from mlperf_bert.runtime.files import output_file
+from mlperf_bert.runtime.files import json_object, output_file
 
 # A trainer progress line (mlperf_bert/hooks/live.py), e.g.
 # `step 10 samples 960/4800 samples/s 612.4 tokens/s ...`; train.log puts a time stamp first.
@@ -88,11 +88,11 @@ def trainer_rate(text: str, warmup: int, min_steps: int) -> TrainerRate:
 
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return json_object(path)
     except FileNotFoundError as err:
         raise ReportError(f"{path}: no such file (the step that writes it did not finish)") from err
-    except json.JSONDecodeError as err:
-        raise ReportError(f"{path}: not JSON ({err})") from err
+    except (OSError, ValueError) as err:  # not JSON, or not an object
+        raise ReportError(str(err)) from err
 
 
 def ms_per_step(result: dict[str, Any]) -> float:

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from mlperf_bert.runtime.files import json_object
+
 MLLOG_TOKEN = ":::MLLOG "
 SYSJSON_TOKEN = ":::SYSJSON "
 TARGET_ACCURACY = 0.720  # masked-LM accuracy that ends a BERT run
@@ -219,10 +221,13 @@ def natural_key(path: Path) -> list[Any]:
 
 
 def _load_json(path: Path) -> dict[str, Any] | None:
+    """A system's description, None where there is none; one line for one that is not a JSON object."""
     if not path.is_file():
         return None
-    with path.open() as f:
-        return json.load(f)
+    try:
+        return json_object(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"compare.py: {err}: a system description is a JSON object (MLPerf's systems/*.json)") from err
 
 
 def _package_systems(package: Path) -> list[SystemResults]:
