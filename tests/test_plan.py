@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -429,6 +430,17 @@ def test_a_run_that_stops_before_it_converges_claims_no_time_to_train(capsys: py
         "plan.py: config_DGXA100_1x8.sh [MAX_STEPS=1000]: the run stops at 448,000 samples (MAX_STEPS=1000 x global "
         "batch 448), before the 2,414,421 samples it needs to converge (RCP mean): no time to train; give "
         f"MAX_STEPS={steps} or more"]
+
+
+def test_a_plot_matplotlib_cannot_draw_is_refused_before_the_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--plot was drawn after every config was traced (minutes on a fresh cache), then an ImportError traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    monkeypatch.setattr(plan, "traces", lambda *args: pytest.fail("traced first"))
+    assert plan.main(["--all", "--plot", str(tmp_path / "ttt.png")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("plan.py: --plot needs matplotlib, which is installed but fails to import "
+                           "(ModuleNotFoundError: ") and line.endswith("or leave out --plot"), line
 
 
 def _limited(p: plan.Prediction, variable: str, value: int) -> plan.Prediction:

@@ -17,7 +17,7 @@ from typing import Any, Sequence, TextIO
 from .events import EvalEnd, Hook, RunEnd, RunStart, StepEnd
 from .forecast import predict
 from ..runtime.files import atomic_file, write_text_atomic
-from ..runtime.optional import dependency_problem, describe_error
+from ..runtime.optional import describe_error, matplotlib_problem
 from .live import TARGET_ACCURACY, TRAIN_LOG
 
 SUMMARY_TXT = "summary.txt"
@@ -85,8 +85,7 @@ CURVES_FIX = "use --curves none (CURVES=none): the run then draws no curves.png"
 def curves_problem() -> str | None:
     """None when matplotlib imports; else the line that refuses --curves png at start-up, before the run it would
     otherwise end."""
-    return dependency_problem("matplotlib", "matplotlib", "--curves png (the default)",
-                              "pip install 'matplotlib>=3.7' (a dependency of this package)", CURVES_FIX)
+    return matplotlib_problem("--curves png (the default)", CURVES_FIX)
 
 
 class CurvesUnavailable(Exception):

@@ -59,6 +59,7 @@ from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward
 from mlperf_bert.train.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS
 from mlperf_bert.train.evaluation_interval import EvalSchedule
 from mlperf_bert.runtime.files import output_file
+from mlperf_bert.runtime.optional import matplotlib_problem
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 RULESET = "5.0.0"
@@ -710,6 +711,10 @@ def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    problem = args.plot and matplotlib_problem("--plot", "leave out --plot", "matplotlib.pyplot")
+    if problem:  # before the traces, which take minutes
+        print(f"plan.py: {problem}", file=sys.stderr)
+        return 2
     try:
         many = args.all or args.plot or args.calibrate
         configs = shipped_gpu_configs() if many and args.config is None else [args.config]
