@@ -21,6 +21,13 @@ PYTHON=${PYTHON:-python3}
 
 die() { echo "run_and_time.sh: $*" >&2; exit 2; }
 
+# shellcheck source=/dev/null
+source "$here/tools/script_args.sh"
+for arg in "$@"; do
+  help_or_refuse run_and_time.sh "${BASH_SOURCE[0]}" \
+    "source config_<SYSTEM>.sh; DATADIR_PHASE2=... EVALDIR=... OUTPUT_DIR=... ./run_and_time.sh (no arguments)" "$arg"
+done
+
 require() {
   local name
   for name in "$@"; do

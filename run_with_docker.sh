@@ -40,12 +40,15 @@ require() {
 
 absolute() { if [[ "$1" == /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
 
+# shellcheck source=/dev/null
+source "$here/tools/script_args.sh"
 DRY_RUN=0
-case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  "") ;;
-  *) die "unknown argument '$1' (the only option is --dry-run)" ;;
-esac
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    *) help_or_refuse run_with_docker.sh "${BASH_SOURCE[0]}" "CONT=... DGXSYSTEM=... ./run_with_docker.sh [--dry-run]" "$arg" ;;
+  esac
+done
 
 require CONT DGXSYSTEM DATADIR_PHASE2 EVALDIR CHECKPOINTDIR_PHASE1
 NEXP=${NEXP:-10}

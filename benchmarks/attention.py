@@ -35,6 +35,7 @@ from mlperf_bert.config.settings import DEFAULT_GROUP_BOUNDS, parse_group_bounds
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.model.attention import flat_layout, sdpa_attention, varlen_attention
 from mlperf_bert.model.grouped_attention import grouped_attention, grouped_layout, score_entries
+from mlperf_bert.runtime.files import output_file
 
 BACKENDS = ("sdpa", "grouped", "varlen")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -162,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated subset of {BACKENDS}")
     p.add_argument("--attention_group_bounds", default=",".join(map(str, DEFAULT_GROUP_BOUNDS)))
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--json", type=output_file, help="write the results here")
     return p.parse_args(argv)
 
 

@@ -36,6 +36,7 @@ from mlperf_bert.data.integrity import check_integrity
 from mlperf_bert.data.record import RECORD_NAME, FileEntry, Record, read_record, record_json, stale_problems
 from mlperf_bert.data.shards import folder_shards, shard_info
 from mlperf_bert.data.validate import check_dataset
+from mlperf_bert.runtime.files import output_file
 
 
 def best(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=Path("demo_data"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/q4320"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=output_file)
     args = parser.parse_args(argv)
     result = {"mode": args.mode, "date": datetime.date.today().isoformat(), "machine": platform.processor()
               or platform.machine(), "cpus": os.cpu_count(), **(demo(args) if args.mode == "demo" else mlperf(args))}

@@ -39,6 +39,7 @@ from data_prep import reference_algorithm as ref
 from data_prep.corpus import installed_sentences, make_documents, train_vocab, write_documents
 from data_prep.fileio import Manifest
 from mlperf_bert.data.shards import open_shard as open_h5
+from mlperf_bert.runtime.files import output_file
 from data_prep.pack import PackParams, pack_dataset, plan_packs
 from data_prep.reshard import ReshardParams, reshard
 from data_prep.samples import SampleJob, SampleParams, create_file_samples, create_samples
@@ -161,7 +162,7 @@ def main() -> None:
     parser.add_argument("--text", type=Path, help="also compare both implementations on this text file")
     parser.add_argument("--vocab", type=Path, help="vocab.txt for --text (the MLPerf one)")
     parser.add_argument("--samples_only", action="store_true", help="skip the packing and shard measurements")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--json", type=output_file, help="also write the results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

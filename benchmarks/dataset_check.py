@@ -28,6 +28,7 @@ from data_prep.packing import pack_index_table
 from mlperf_bert.data.validate import DataLimits, check_dataset
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.data.shards import Samples, folder_shards, offsets, to_packed, write_arrays, write_samples
+from mlperf_bert.runtime.files import output_file
 
 L, P, VOCAB = 512, 76, 30522
 SHARDS = 4
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--data_dir", type=Path, help="check this folder instead of synthetic data")
     parser.add_argument("--limit_shards", type=int, help="with --data_dir: only the first N shards")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=output_file)
     args = parser.parse_args()
     results: dict[str, dict] = {}
     if args.data_dir:

@@ -44,6 +44,7 @@ from mlperf_bert.input.device_input import DevicePrefetcher
 from mlperf_bert.data.static_batch import static_packed_batch
 from mlperf_bert.data.batch import FlatBatch, Item
 from mlperf_bert.input.dali_input import INSTALL_HINT, DaliPrefetcher, dali_available
+from mlperf_bert.runtime.files import output_file
 from throughput import CONFIGS, SEQS_PER_ROW, BenchConfig, resolve_device, synthetic_steps
 
 PATHS = ("torch", "dali", "torch_prepare", "dali_prepare")
@@ -240,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, help="packed rows per batch (default: 48 large, 4 tiny)")
     p.add_argument("--depth", type=int, default=2, help="DALI prefetch_queue_depth")
     p.add_argument("--step_ms", type=float, default=0.0, help="stand-in training step per batch, milliseconds")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--json", type=output_file, help="write the results here")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from dataset_check import L, P, VOCAB, synthetic_samples, write_folder
 from mlperf_bert.data.shards import STORAGE_DTYPES, folder_shards, to_varlength, write_samples
+from mlperf_bert.runtime.files import output_file
 
 MLPERF_SEQUENCES = 156_726_829
 MLPERF_SHARDS = 4320
@@ -183,7 +184,7 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=output_file)
     parser.add_argument("--baseline", type=Path, help="full: also time this checkout's verification (see above)")
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--expect_tree", type=Path, help=argparse.SUPPRESS)

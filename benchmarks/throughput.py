@@ -91,6 +91,7 @@ from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError, TrainConfig
+from mlperf_bert.runtime.files import output_file
 
 LAYOUTS = ("padded", "unpadded", "packed", "hf_padded")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -585,7 +586,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf_attention", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
     p.add_argument("--peak_size", type=int, help="matmul size for the peak (default 8192 GPU, 256 CPU)")
     p.add_argument("--profile_dir", type=Path, help="also profile 3 steps per set-up; traces and tables go here")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--json", type=output_file, help="write the results here")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 

@@ -67,6 +67,15 @@ def read_json(path: Path | str) -> Any:
         raise DataPrepError(f"{path}: cannot read JSON ({err}); delete it and rerun the step") from err
 
 
+def read_json_object(path: Path | str) -> dict[str, Any]:
+    """A record data_prep wrote (strata.json, packing_report.json): a JSON object, or one line naming the file."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise DataPrepError(f"{path}: a JSON {type(raw).__name__}, not the object data_prep writes; delete it and "
+                            "rerun the step")
+    return raw
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

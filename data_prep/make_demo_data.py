@@ -131,6 +131,21 @@ def make_cycles(order: np.ndarray, cycle_length: int) -> tuple[np.ndarray, ...]:
     return tuple(order[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
 
+def read_histogram(path: Path) -> tuple[np.ndarray, int]:
+    """A --histogram file's counts (sequences per length 1..L) and L; ValueError naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+        counts = np.asarray(data["counts"], dtype=np.float64)
+        longest = int(data["max_seq_length"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--histogram {path}: not a length histogram ({type(err).__name__}: {err}); give a JSON "
+                         "object {\"max_seq_length\": L, \"counts\": [sequences of length 1, ..., L]}") from err
+    if counts.ndim != 1 or not counts.size or longest < 1 or counts.min() < 0 or counts.sum() <= 0:
+        raise ValueError(f"--histogram {path}: counts must be a non-empty list of non-negative numbers, max_seq_length "
+                         ">= 1")
+    return counts, longest
+
+
 def scaled_length_distribution(
     histogram: Path, max_seq_length: int, min_seq_length: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -138,10 +153,9 @@ def scaled_length_distribution(
 
     Returns (lengths, probabilities) over min..max.
     """
-    data = json.loads(histogram.read_text())
-    counts = np.asarray(data["counts"], dtype=np.float64)
+    counts, longest = read_histogram(histogram)
     source_lengths = np.arange(1, counts.shape[0] + 1)
-    scaled = np.floor(source_lengths * max_seq_length / int(data["max_seq_length"]) + 0.5).astype(np.int64)
+    scaled = np.floor(source_lengths * max_seq_length / longest + 0.5).astype(np.int64)
     scaled = np.clip(scaled, min_seq_length, max_seq_length)
     lengths = np.arange(min_seq_length, max_seq_length + 1)
     mass = np.bincount(scaled - min_seq_length, weights=counts, minlength=lengths.shape[0])
@@ -338,6 +352,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _histogram_problem(path: Path) -> str | None:
+    try:
+        read_histogram(path)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def check_args(args: argparse.Namespace) -> str:
     """The first flag problem, or '' when the flags are consistent."""
     first_content = 1 + args.num_unused + NUM_SPECIAL_AFTER_UNUSED
@@ -354,6 +376,8 @@ def check_args(args: argparse.Namespace) -> str:
          f"--vocab_size must be >= {first_content + 2 * args.cycle_length}: "
          "the specials plus two cycles of --cycle_length"),
         (args.histogram.is_file(), f"--histogram {args.histogram} does not exist"),
+        (not args.histogram.is_file() or _histogram_problem(args.histogram) is None,
+         _histogram_problem(args.histogram) or ""),
         (args.hidden_size % args.num_attention_heads == 0, "--hidden_size must be a multiple of --num_attention_heads"),
         (args.max_position_embeddings == 0 or args.max_position_embeddings >= args.max_seq_length,
          "--max_position_embeddings must be >= --max_seq_length"),

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.fileio import Manifest, read_json, write_json
+from data_prep.fileio import Manifest, read_json_object, write_json
 from data_prep.formats import PACKING_REPORT_NAME, DataPrepError, shard_name
 from data_prep.packing import assign_packs
 from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
@@ -142,7 +142,7 @@ def pack_dataset(inputs: list[Path], out_dir: Path, params: PackParams) -> dict:
     names = [shard_name(s, num_shards) for s in range(num_shards)]
     if report_path.is_file() and all(manifest.is_done(name) for name in names):
         log.info("pack: %s is complete", out_dir)
-        return read_json(report_path)
+        return read_json_object(report_path)
     started = time.perf_counter()
     lengths = sources.lengths()
     table = plan_packs(lengths, sources.counts, params, length)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.fileio import Manifest, read_json, write_json
+from data_prep.fileio import Manifest, read_json_object, write_json
 from data_prep.formats import STRATA_NAME, DataPrepError, shard_name
 from data_prep.sources import SourceSet, agreed_length, balanced_bounds, inputs_record, recorded_lengths
 from mlperf_bert.data.shards import Samples, write_samples
@@ -120,7 +120,7 @@ def _finished(out_dir: Path, manifest: Manifest) -> dict | None:
     path = out_dir / STRATA_NAME
     if not path.is_file():
         return None
-    record = read_json(path)
+    record = read_json_object(path)
     names = [f"{stratum_dir(k)}/{shard_name(j, n)}" for k, n in enumerate(record.get("shards", [])) for j in range(n)]
     return record if names and all(manifest.is_done(name) for name in names) else None
 

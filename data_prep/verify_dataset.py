@@ -38,7 +38,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from data_prep.fileio import Manifest, read_json, sha256_file
+from data_prep.fileio import Manifest, read_json_object, sha256_file
 from data_prep.formats import (
     MAX_PREDICTIONS, MAX_SEQ_LENGTH, PACKING_REPORT_NAME, STRATA_NAME, DataPrepError, is_eval_name,
 )
@@ -402,7 +402,7 @@ def _manifest_problems(
 
 def _strata_problems(directory: Path, reports: dict[str, ShardReport]) -> list[str]:
     path = directory / STRATA_NAME
-    strata = read_json(path)
+    strata = read_json_object(path)
     bounds, counts = strata.get("bounds", []), strata.get("counts", [])
     problems, found = [], []
     for k, bound in enumerate(bounds):
@@ -421,7 +421,7 @@ def _strata_problems(directory: Path, reports: dict[str, ShardReport]) -> list[s
 
 def _packing_problems(directory: Path, reports: dict[str, ShardReport]) -> list[str]:
     path = directory / PACKING_REPORT_NAME
-    report = read_json(path)
+    report = read_json_object(path)
     rows, sequences = sum(r.rows for r in reports.values()), sum(r.sequences for r in reports.values())
     problems = []
     if report.get("sequences_dropped") != 0:

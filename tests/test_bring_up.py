@@ -33,11 +33,25 @@ def test_smoke_mode_runs_every_step(tmp_path):
     assert "=== numerics fp32" in (out / "bring_up.log").read_text()
 
 
-def test_without_gpu_or_smoke_mode_is_one_line(tmp_path):
-    done = run_cli(["bash", "tools/bring_up.sh", str(tmp_path)], env={"SMOKE": "0", "PYTHON": sys.executable})
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        f"bring_up.sh: no CUDA device visible to {sys.executable}; SMOKE=1 runs the CPU smoke mode"]
+EARLIER = {"summary.txt": "bring-up: passed in 480 s\n", "bring_up.log": "last week's log\n", "numerics.json": "[]\n"}
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"SMOKE": "0"}, f"bring_up.sh: no CUDA device visible to {sys.executable}; SMOKE=1 runs the CPU smoke mode"),
+    ({"SMOKE": "1"}, "bring_up.sh: {out} holds an earlier run (summary.txt bring_up.log numerics.json); give a new "
+                     "folder (bash tools/bring_up.sh DIR), or move that one away"),
+    ({"BRING_UP_DEVICE": "cpu", "CONFIGS": "config_DGXH300_1x8.sh"},
+     "bring_up.sh: CONFIGS: no file config_DGXH300_1x8.sh; name config_<SYSTEM>.sh files of the repository"),
+])
+def test_without_gpu_or_on_an_earlier_run_is_one_line_and_the_folder_is_left_as_it_was(tmp_path, env, line):
+    out = tmp_path / "last_week"
+    out.mkdir()
+    for name, text in EARLIER.items():
+        (out / name).write_text(text)
+    done = run_cli(["bash", "tools/bring_up.sh", str(out)], env={"PYTHON": sys.executable, **env})
+    assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [line.format(out=out)]
+    assert {p.name: p.read_text() for p in out.iterdir()} == EARLIER
 
 
 def test_a_bring_up_where_no_check_ran_is_not_a_pass(tmp_path):

@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
@@ -134,6 +135,18 @@ def test_report_and_plots(tmp_path, capsys):
         pixels = image.imread(out / name)
         assert pixels.shape[0] > 400 and pixels.shape[1] > 800
         assert pixels[..., :3].std() > 0.05  # something was drawn
+
+
+def test_plots_with_a_matplotlib_that_fails_to_import_are_refused_before_the_logs(tmp_path, monkeypatch):
+    """An installed matplotlib whose pyplot does not import: said as that (it was "plots need matplotlib (pip install
+    matplotlib)" for any import failure), before any log is read or folder made."""
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    monkeypatch.setattr(compare, "discover", lambda folder: pytest.fail("read the logs first"))
+    with pytest.raises(SystemExit) as stop:
+        compare.main([str(LOGS / "v2.0/NVIDIA"), "--out", str(tmp_path / "report")])
+    assert str(stop.value).startswith("compare.py: compare.py --out (its PNG plots) needs matplotlib, which is "
+                                      "installed but fails to import (ModuleNotFoundError: "), stop.value
+    assert str(stop.value).endswith("or pass --no-plots") and not (tmp_path / "report").exists()
 
 
 def test_samsung_open_division_1024_gpus(tmp_path):

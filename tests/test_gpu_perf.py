@@ -5,8 +5,10 @@ tests/test_config_benchmark.py)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,7 +115,8 @@ def test_a_run_where_no_step_ran_is_not_a_pass(tmp_path):
     assert "shipped config_DGXA100_1x8.sh skipped: budget spent" in lines
     assert ("variant bf16               skipped: config_DGXA100_1x8.sh already has PRECISION=bf16 (the shipped step)"
             in lines)
-    assert re.fullmatch(r"variant fp8 delayed +skipped: \d s left of the budget, needs 45 s \(30 s kept for "
+    # 15 s of its own, 30 kept for what follows and 13 it may take past its limit (budget_steps.sh's STEP_OVER_S)
+    assert re.fullmatch(r"variant fp8 delayed +skipped: \d s left of the budget, needs 58 s \(30 s kept for "
                         r"packed-hf and the trainer\)", _row("\n".join(lines), "variant fp8 delayed "))
     assert lines[-1].startswith("gpu-perf: FAILED: no step ran")
 
@@ -126,6 +129,117 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path, env, line):
     done = run_cli(["bash", str(SCRIPT), str(tmp_path)], env={"SMOKE": "1", "PYTHON": sys.executable, **env})
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(line), done.stderr
+
+
+EARLIER = {"summary.txt": "gpu-perf: passed (6 steps ran)\n", "gpu_perf.log": "last week's log\n",
+           "throughput.json": "{}\n", "trainer.json": "{}\n", "kernels.txt": "flash_bprop 9.95%\n"}
+
+
+def _earlier_measurement(folder: Path, names=EARLIER) -> Path:
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name).write_text(EARLIER[name])
+    return folder
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"SMOKE": "1", "CONFIG": "config_DGXH300_1x8.sh"},
+     "gpu_perf.sh: CONFIG=config_DGXH300_1x8.sh: no such file; give a config_<SYSTEM>.sh of the repository"),
+    ({"SMOKE": "0"}, f"gpu_perf.sh: no CUDA device visible to {sys.executable}; SMOKE=1 runs the CPU smoke mode"),
+    ({"SMOKE": "1", "VARIANTS": "fp4"}, "gpu_perf.sh: VARIANTS: no variant 'fp4'"),
+    ({"SMOKE": "1"}, "gpu_perf.sh: {out} holds an earlier run (summary.txt gpu_perf.log throughput.json trainer.json "
+                     "kernels.txt); give a new folder (bash tools/gpu_perf.sh DIR), or move that one away"),
+])
+def test_an_earlier_measurement_is_left_as_it_was(tmp_path, env, line):
+    """A typo, a machine without a GPU, or last week's folder: one line, exit 2, and the earlier files untouched."""
+    out = _earlier_measurement(tmp_path / "last_week")
+    done = run_cli(["bash", str(SCRIPT), str(out)], env={"PYTHON": sys.executable, **env})
+    assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
+    assert done.stderr.splitlines()[0].startswith(line.format(out=out)) and len(done.stderr.splitlines()) == 1
+    assert {p.name: p.read_text() for p in out.iterdir()} == EARLIER
+
+
+def test_one_file_of_an_earlier_run_is_enough_to_refuse_the_folder(tmp_path):
+    out = _earlier_measurement(tmp_path / "cut_short", ["throughput.json"])
+    done = run_cli(["bash", str(SCRIPT), str(out)], env={"SMOKE": "1", "PYTHON": sys.executable})
+    assert done.returncode == 2 and "holds an earlier run (throughput.json)" in done.stderr, done.stderr
+    assert [p.name for p in out.iterdir()] == ["throughput.json"]
+
+
+def _recording_timeout(bin_dir: Path, log: Path) -> None:
+    """A `timeout` first on PATH that records when it started, the seconds to SIGTERM and on to SIGKILL and the
+    command, and runs the command without a limit."""
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "timeout").write_text(f"""#!/bin/bash
+kill=${{1#--kill-after=}} term=$2
+shift 2
+echo "$(date +%s.%N) $term $kill $*" >> {log}
+exec "$@"
+""")
+    (bin_dir / "timeout").chmod(0o755)
+
+
+def _timed(log: Path) -> list[tuple[float, int, int, str]]:
+    """(started, seconds to SIGTERM, seconds to SIGKILL after it, command) of each step."""
+    rows = [line.split(" ", 3) for line in log.read_text().splitlines()]
+    return [(float(t), int(term), int(kill), command) for t, term, kill, command in rows]
+
+
+def test_budget_steps_at_exactly_their_limit(tmp_path):
+    """tools/budget_steps.sh with the clock stubbed (budget_left says $LEFT): a step that needs N s fits with N s
+    left and not with N - 1; a step runs with 15 s left and not with 14; its limit is the budget left below it."""
+    _recording_timeout(tmp_path / "bin", tmp_path / "timed.log")
+    script = f"""
+here={REPO} summary={tmp_path}/summary.txt log={tmp_path}/log work={tmp_path}
+source tools/budget_steps.sh
+budget_left() {{ echo "$LEFT"; }}
+LEFT=60; fits "fits at 60" 60 && echo "fits at 60"
+LEFT=59; fits "short by 1" 60 "why" || echo "short by 1"
+LEFT=15; step "runs at 15" 30 true
+LEFT=14; step "skipped at 14" 30 true
+LEFT=30; step "limit at 30" 30 true
+LEFT=31; step "limit under 31" 30 true
+LEFT=29; step "limit over 29" 30 true
+echo "ran $ran_steps"
+"""
+    done = run_cli(["bash", "-c", script], env={"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == "fits at 60" and out[-1] == "ran 4", out
+    assert re.fullmatch(r"short by 1 +skipped: 59 s left of the budget, needs 60 s \(why\)", out[1]), out
+    assert "short by 1" in out and re.fullmatch(r"skipped at 14 +skipped: budget spent", out[4]), out
+    assert [term for _, term, _, _ in _timed(tmp_path / "timed.log")] == [15, 30, 30, 29]
+
+
+@pytest.mark.parametrize("budget", [330, 230])
+def test_every_variant_leaves_the_reserve_for_packed_hf_and_the_trainer(tmp_path, budget):
+    """The GPU sequence with every step instant (a fake GPU python; the timeout only records): each variant may run
+    to its SIGKILL and still leave packed-hf's and the trainer's 190 s; packed-hf leaves the trainer's 110 s where
+    both fit. At 330 s every variant runs; at 230 s none fits, and packed-hf is the step that must keep time."""
+    _recording_timeout(tmp_path / "bin", tmp_path / "timed.log")
+    python = tmp_path / "bin" / "python"
+    python.write_text(f"""#!/bin/bash
+case "$1" in
+  -c) echo "NVIDIA H200" ;;
+  -) echo "python 3.12.3, torch 2.13.0, CUDA 12.9, device NVIDIA H200, compute capability 9.0; torchao yes"
+     echo "precisions: fp32 bf16 fp16 fp8" ;;
+  */gpu_perf_report.py) exec {sys.executable} "$@" ;;
+esac
+""")
+    python.chmod(0o755)
+    start = time.time()
+    done = run_cli(["bash", str(SCRIPT), str(tmp_path / "out")],
+                   env={"PYTHON": str(python), "BUDGET_S": str(budget), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    timed = {re.search(r"tp_(\w+)\.json", command).group(1): (t, term, kill) for t, term, kill, command in
+             _timed(tmp_path / "timed.log") if "benchmarks/throughput.py" in command}
+    variants = [name for name in timed if name.startswith("variant_")]
+    assert len(variants) == (8 if budget == 330 else 0) and "packed_vs_hf" in timed, summary + done.stderr
+    for name, reserve in [*((v, 80 + 110) for v in variants), ("packed_vs_hf", 110)]:
+        started, term, kill = timed[name]
+        left = budget - (started - start) + 1  # the script's clock counts whole seconds from after `start`
+        assert term + kill <= left - reserve, (name, term, kill, left, summary)
+    assert re.search(r"^trainer +FAILED", summary, re.M), summary  # it ran (on data the fake python never made)
 
 
 def test_every_variant_the_launcher_reads_is_accepted_by_the_trainer(bench):

@@ -47,7 +47,8 @@ def _copy_script(name: str, where: Path) -> None:
     """A launch script into `where`, with the checks it sources from tools/."""
     shutil.copy(REPO / name, where)
     (where / "tools").mkdir(exist_ok=True)
-    shutil.copy(REPO / "tools" / "launch_checks.sh", where / "tools")
+    for tool in ("launch_checks.sh", "script_args.sh"):
+        shutil.copy(REPO / "tools" / tool, where / "tools")
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 120
@@ -105,6 +106,45 @@ def test_shellcheck(script):
     require_tool(shutil.which("shellcheck") is not None, "shellcheck not installed (apt-get install shellcheck)")
     done = _run(["shellcheck", "--severity=info", script], dict(os.environ), REPO)
     assert done.returncode == 0, done.stdout
+
+
+# The scripts a user starts (a `#!` line); the rest are sourced (the configs, tools/launch_checks.sh, ...).
+ENTRY_POINTS = [s for s in SHELL_SCRIPTS if (REPO / s).read_text().startswith("#!")]
+# What a script would start once past its arguments: each records that it ran, and fails.
+STARTED = ("make", "python", "python3", "docker", "srun", "sbatch", "torchrun", "apt-get", "mpiexec")
+
+
+def _nothing_starts(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in STARTED:
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {tmp_path / "started"}\nexit 1\n')
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DGX"))}
+    out = tmp_path / "out"
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "PYTHON": str(bin_dir / "python3"), "OUT": str(out),
+            "DEMO_DATA": str(out / "demo_data"), "LOGDIR": str(out / "runs"), "SLURM_SUBMIT_DIR": str(REPO)}
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_every_shell_entry_point_prints_its_usage_for_help(script, tmp_path):
+    done = _run(["bash", script, "--help"], _nothing_starts(tmp_path), REPO)
+    header = [line for line in (REPO / script).read_text().splitlines()[1:] if not line.startswith("#SBATCH")][0]
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert done.stdout.splitlines()[0] == header.removeprefix("# "), done.stdout
+    assert not (tmp_path / "started").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("script", "argument"), [*((s, "--no-such-option") for s in ENTRY_POINTS),
+                                                  ("tools/run_demo.sh", "--data_only"), ("run_and_time.sh", "extra")])
+def test_every_shell_entry_point_refuses_an_argument_it_does_not_take_before_it_starts(script, argument, tmp_path):
+    """`run_demo.sh --data_only` (for --data-only) made the demo data and trained; `.ci/run --x` ran make test."""
+    done = _run(["bash", script, argument], _nothing_starts(tmp_path), REPO)
+    assert done.returncode == 2 and not done.stdout, done.stdout + done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    name = script if script == ".ci/run" else Path(script).name  # each names itself as a user starts it
+    assert done.stderr.startswith(f"{name}: unknown argument '{argument}'; usage: "), done.stderr
+    assert not (tmp_path / "started").exists() and not (tmp_path / "out").exists()
 
 
 def test_hadolint():
@@ -565,7 +605,7 @@ def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:
     submit = tmp_path / "submit"
     (submit / "tools").mkdir(parents=True)
     shutil.copy(REPO / "run.sub", submit)
-    for tool in ("package_results.py", "compare.py", "job_exit_code.sh", "launch_checks.sh"):
+    for tool in ("package_results.py", "compare.py", "job_exit_code.sh", "launch_checks.sh", "script_args.sh"):
         shutil.copy(REPO / "tools" / tool, submit / "tools")
     (submit / f"config_TEST_1x{gpus}.sh").write_text(fake_trainer.sample_config(f"TEST_1x{gpus}", gpus))
     _fake_run_and_time(submit / "run_and_time.sh")

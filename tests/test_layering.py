@@ -10,6 +10,7 @@ and the rule.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import runpy
 import shutil
@@ -209,6 +210,20 @@ def test_every_tool_the_documents_name_is_there():
              for match in re.findall(r"\btools/[\w/]+\.(?:py|sh)\b", doc.read_text())}
     assert len(named) >= 12
     assert sorted(name for name in named if not (ROOT / name).is_file()) == []
+
+
+@pytest.mark.parametrize("broken", ["mlperf_bert.model.gone", "numpy.core._multiarray_umath"])
+def test_an_import_failing_inside_an_installed_package_is_not_blamed_on_the_install(tmp_path, broken):
+    """`python tools/plan.py` where the project is installed but one of its modules imports a module that is not
+    there (a file left out of a checkout; a package's own extension gone): the traceback of that import, not "install
+    the project first", which would send the user to reinstall a project that is installed."""
+    package = broken.split(".")[0]
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(f"import {broken}\n")
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), "--help"], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1 and "install the project first" not in done.stderr, done.stderr
+    assert re.search(rf"ModuleNotFoundError: No module named '{package}\.[\w.]+'\n$", done.stderr), done.stderr
 
 
 def test_a_folder_that_is_no_package_is_refused(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,25 @@ def test_summary_is_printed_and_written(tmp_path):
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert written["status"] == "aborted" and written["samples"] == 4000 and len(written["evals"]) == 5
     assert not list((tmp_path / "out").glob(".*tmp"))
+
+
+@pytest.mark.parametrize("broken", ["not importable", "fails inside"])
+def test_a_matplotlib_that_fails_at_the_end_leaves_the_summary_and_says_why(tmp_path, monkeypatch, broken):
+    """--curves png and a matplotlib that no longer imports when the run is over (start-up checks only the
+    package): the run ended in an ImportError traceback, exit 1, without summary.txt or summary.json."""
+    if broken == "not importable":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    else:
+        monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    _, printed = _run_report(tmp_path, curves=True)
+    text = (tmp_path / "out" / "summary.txt").read_text()
+    assert printed == text and not list(tmp_path.rglob("*.png"))
+    [line] = [line for line in text.splitlines() if line.startswith("curves")]
+    assert re.fullmatch(r"curves: none: matplotlib fails to import \(ModuleNotFoundError: import of matplotlib.* "
+                        r"halted; None in sys.modules\); use --curves none "
+                        r"\(CURVES=none\): the run then draws no curves.png", line), line
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "curves" not in written["files"] and written["no_curves"] == line.removeprefix("curves: none: ")
 
 
 def test_without_curves_the_summary_names_no_picture(tmp_path):

@@ -222,9 +222,23 @@ def test_unsupported_setting_is_one_line(capsys):
 
 
 def test_cli_writes_json_and_exit_status(tmp_path, capsys):
-    out = tmp_path / "numerics.json"
+    """--json into a folder that does not exist yet: the folder is made (the check's result was lost in a
+    FileNotFoundError after the whole check)."""
+    out = tmp_path / "reports" / "bring_up" / "numerics.json"
     assert nc.main(["--device", "cpu", "--rows", "1", "--batches", "1", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("PASS fp32 on cpu")
     report = json.loads(Path(out).read_text())
     assert report["passed"] and report["first_out_of_band"] is None and len(report["rows"]) == len(lines) - 3
+
+
+@pytest.mark.parametrize("where", ["a_file/n.json", "a_folder"])
+def test_a_json_path_it_cannot_write_is_refused_before_the_check(tmp_path, capsys, where):
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_folder").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        nc.main(["--device", "cpu", "--rows", "1", "--batches", "1", "--json", str(tmp_path / where)])
+    captured = capsys.readouterr()
+    assert stop.value.code == 2 and not captured.out  # refused before the check: no model line, no table
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("error: argument --json: ") and str(tmp_path / where.split("/")[0]) in line, line

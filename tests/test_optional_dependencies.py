@@ -81,6 +81,25 @@ def test_a_missing_package_a_broken_one_and_a_working_one_are_told_apart(tmp_pat
     assert "x" * 237 + "..." in wordy and "x" * 238 not in wordy and "more" not in wordy
 
 
+def test_only_the_package_itself_not_found_is_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module missing inside an installed package is a broken install, whatever its name shares with the
+    package's: `half` importing `ha` (a prefix of its name, not a parent), `withext` importing its own extension
+    `withext._C`, `torchao` importing `torchao.float8` of another release. A package under a namespace folder that
+    is not there at all (`nvidia` for `nvidia.dali`) is not installed."""
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "a", "half", "import ha")))
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "b", "withext", "import withext._C")))
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "c", "newer", "")))
+    assert "installed but fails to import (ModuleNotFoundError: No module named 'ha')" in (problem_of("half") or "")
+    assert "installed but fails to import (ModuleNotFoundError: No module named 'withext._C')" in (
+        problem_of("withext") or "")
+    assert "installed but fails to import (ModuleNotFoundError: No module named 'newer.float8')" in (
+        problem_of("newer.float8") or "")
+    assert "which is not installed" in (problem_of("no_namespace_here.dali", root="no_namespace_here.dali") or "")
+    for module in ("half", "withext", "newer.float8"):
+        with pytest.raises(DependencyError, match="installed but fails to import"):
+            optional_import(module, "p", "f", "i", "a")
+
+
 def _refused(flags: list[str], broken: Path, tmp_path: Path, env: dict[str, str] | None = None) -> list[str]:
     """The trainer's stderr lines with `broken` first on the path; it must stop at start-up, exit 2."""
     path = f"{broken}:{REPO / 'pytorch'}:{REPO}"
@@ -112,6 +131,18 @@ def test_each_flag_with_a_broken_package_stops_the_trainer_at_start_up(demo_data
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(start), lines
     assert "reinstall it (pip install" in errors[0]
+
+
+def test_a_broken_matplotlib_stops_a_run_that_would_draw_curves_at_start_up(demo_data: Path, tmp_path: Path) -> None:
+    """The default --curves png draws after run_stop: the run trained to its end, then an ImportError traceback,
+    exit 1, and no summary."""
+    broken = write_package(tmp_path / "site", "matplotlib", BREAKAGES["ImportError"])
+    lines = _refused(trainer_args(demo_data, tmp_path / "out", "--do_train", "--curves", "png"), broken, tmp_path)
+    assert [line for line in lines if line.startswith("error:")] == [
+        "error: --curves png (the default) needs matplotlib, which is installed but fails to import (ImportError: "
+        "/site-packages/pkg/_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi): that copy does not fit this "
+        "environment; reinstall it (pip install 'matplotlib>=3.7' (a dependency of this package)), or use --curves "
+        "none (CURVES=none): the run then draws no curves.png"]
 
 
 def test_torchao_not_installed_names_the_install(demo_data: Path, tmp_path: Path) -> None:

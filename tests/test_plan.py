@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -450,6 +451,80 @@ def test_bad_flags_are_one_line_and_exit_2(args: list[str], capsys: pytest.Captu
         plan.main(args)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("plan.py: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_that_stops_before_it_converges_claims_no_time_to_train(capsys: pytest.CaptureFixture[str]) -> None:
+    """MAX_STEPS=1000 at GBS 448 stops the run at 448,000 samples, far short of the 2,414,421 of the RCP mean: the plan
+    said "time to train: 29.86 min" with 17 evals up to 2.55M samples, and exit 0."""
+    assert plan.main([str(REPO / "config_DGXA100_1x8.sh"), "--config_var", "MAX_STEPS=1000"]) == 2
+    captured = capsys.readouterr()
+    assert "  run stops: at 448,000 samples at the latest (MAX_STEPS=1000 x global batch 448)" in captured.out
+    assert "  evals: 3 (every 150,000 samples from 150,000)" in captured.out  # 150,000, 300,000 and at the stop
+    [line] = [line for line in captured.out.splitlines() if "time to train" in line]
+    assert line.startswith("  time to train: none: the run stops at 448,000 samples, before the 2,414,421 of the "
+                           "RCP mean: it ends aborted"), line
+    # The fix reaches the RCP mean plus one standard deviation: ceil(high / 448) steps.
+    steps = math.ceil(plan.scoring.rcp_window(448, plan.RULESET).record["RCP Stdev"] / 448 + 2_414_421 / 448)
+    assert captured.err.splitlines() == [
+        "plan.py: config_DGXA100_1x8.sh [MAX_STEPS=1000]: the run stops at 448,000 samples (MAX_STEPS=1000 x global "
+        "batch 448), before the 2,414,421 samples it needs to converge (RCP mean): no time to train; give "
+        f"MAX_STEPS={steps} or more"]
+
+
+def test_a_plot_matplotlib_cannot_draw_is_refused_before_the_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--plot was drawn after every config was traced (minutes on a fresh cache), then an ImportError traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    monkeypatch.setattr(plan, "traces", lambda *args: pytest.fail("traced first"))
+    assert plan.main(["--all", "--plot", str(tmp_path / "ttt.png")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("plan.py: --plot needs matplotlib, which is installed but fails to import "
+                           "(ModuleNotFoundError: ") and line.endswith("or leave out --plot"), line
+
+
+def _limited(p: plan.Prediction, variable: str, value: int) -> plan.Prediction:
+    return replace(p, limit=plan.RunLimit(variable, value, p.gbs))
+
+
+def test_the_run_limit_at_exactly_the_samples_to_converge_and_one_step_short(
+        predictions: dict[str, plan.Prediction]) -> None:
+    """The trainer evaluates at its limit: a limit exactly at the samples converges there, one sample (one step)
+    less does not. MAX_SAMPLES_TERMINATION ends at the step that reaches it (a whole step of 768 past it)."""
+    p = predictions["config_DGXH200_1x8.sh"]
+    steps = math.ceil(p.samples / 768)
+    at = _limited(p, "MAX_STEPS", steps)
+    assert at.converges(p.samples) and at.stop_samples(p.samples) == steps * 768 <= p.stop_samples(p.samples)
+    assert at.converges(steps * 768) and not at.converges(steps * 768 + 1)  # the last step's samples exactly
+    assert not _limited(p, "MAX_STEPS", steps - 1).converges(p.samples)
+    reached = _limited(p, "MAX_SAMPLES_TERMINATION", steps * 768 - 767)  # the step that reaches it: steps x 768
+    assert reached.limit.samples == steps * 768 and reached.converges(p.samples)
+    short = _limited(p, "MAX_SAMPLES_TERMINATION", (steps - 1) * 768)
+    assert not short.converges(p.samples) and short.evals(p.samples) == math.ceil((steps - 1) * 768 / 150_000)
+    assert plan.short_of_convergence(short).endswith(
+        f"give MAX_SAMPLES_TERMINATION={math.ceil(p.samples_range[1])} or more")
+    assert "time to train: none" in plan.report(short)
+
+
+def test_a_limit_inside_the_range_cuts_its_high_end(predictions: dict[str, plan.Prediction]) -> None:
+    p = _limited(predictions["config_DGXH200_1x8.sh"], "MAX_STEPS", 3300)  # 2,534,400: over the mean, under the high end
+    assert p.converges(p.samples) and not p.converges(p.samples_range[1]) and plan.short_of_convergence(p) is None
+    [line] = [line for line in plan.report(p).splitlines() if "time to train" in line]
+    assert re.fullmatch(r"  time to train: [\d.]+ min \(range [\d.]+ - over [\d.]+: a run that needs more than "
+                        r"2,534,400 samples stops there, short of the target\)", line), line
+    assert p.ttt[2] == p.minutes(p.samples_range[1], p.step_range[1]) and p.stop_samples(p.samples_range[1]) == 2_534_400
+
+
+def test_every_shipped_closed_config_runs_past_the_rcp_mean_plus_one_standard_deviation(
+        predictions: dict[str, plan.Prediction]) -> None:
+    """Samsung's open-division recipe stops at 4,898,816 samples, below the closed division's RCP mean: no time to
+    train is claimed for it, and it is no error."""
+    for name, p in predictions.items():
+        assert p.limit is not None, name
+        if name == "config_SamsungA100_128x8.sh":
+            assert not p.converges(p.samples) and plan.short_of_convergence(p) is None
+            assert "this open-division recipe's own samples to converge are not modelled" in plan.report(p)
+        else:
+            assert p.converges(p.samples_range[1]) and plan.short_of_convergence(p) is None, name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_run_sub_requeues_a_preempted_run_and_the_next_attempt_resumes_it(tmp_pa
     shutil.copy(REPO / "run.sub", submit)
     shutil.copy(REPO / "config_CPU_1x2.sh", submit)
     (submit / "tools").mkdir()
-    for tool in ("job_exit_code.sh", "launch_checks.sh"):
+    for tool in ("job_exit_code.sh", "launch_checks.sh", "script_args.sh"):
         shutil.copy(REPO / "tools" / tool, submit / "tools")
     _fake_run_and_time(submit)
     for name in ("data", "eval", "phase1"):

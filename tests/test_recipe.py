@@ -34,7 +34,7 @@ def sets() -> list[recipe.HyperparameterSet]:
 
 
 def _write(tmp_path: Path, *args: str) -> tuple[Path, dict[str, str]]:
-    path = tmp_path / "config_T.sh"
+    path = tmp_path / "configs" / "config_T.sh"  # a folder made by --write (was a FileNotFoundError traceback)
     assert recipe.main([*args, "--write", str(path)]) == 0
     return path, config_exports(path)
 
@@ -142,13 +142,19 @@ def test_a_set_is_borrowed_from_its_own_batch_size_else_the_nearest(sets):
     (["--gpus", "8", "--memory_gb", "80", "--gbs", "100"], "--gbs 100: a global batch size must be a multiple of"),
     (["--gpus", "8", "--memory_gb", "8"], "--memory_gb 8: one device needs 7.9 GB for a single sequence"),
     (["--gpus", "8", "--memory_gb", "80", "--write", "x.sh"], "--write x.sh: name the file config_<SYSTEM>.sh"),
+    (["--gpus", "8", "--memory_gb", "80", "--write", "configs/x.sh"],
+     "--write configs/x.sh: name the file config_<SYSTEM>.sh"),  # no folder made for a name it refuses
+    (["--gpus", "8", "--memory_gb", "80", "--write", "config_X_1x8.sh/config_X_1x8.sh"],
+     "--write config_X_1x8.sh/config_X_1x8.sh: cannot make its folder config_X_1x8.sh (File exists)"),
     (["--gpus", "6", "--memory_gb", "80", "--gpus_per_node", "4", "--write", "config_A.sh"],
      "--gpus_per_node 4: 6 devices do not split into nodes of 4")])
 def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "config_X_1x8.sh").write_text("")  # a file where --write wants a folder
     assert recipe.main(args) == 2
     err = capsys.readouterr().err
-    assert message in err and len(err.splitlines()) == 1 and not any(tmp_path.iterdir()), err
+    assert message in err and len(err.splitlines()) == 1 and [p.name for p in tmp_path.iterdir()] == [
+        "config_X_1x8.sh"], err
 
 
 def test_the_script_runs_from_the_command_line():

@@ -128,6 +128,20 @@ def test_what_the_listing_and_records_decide_is_refused_before_run_start(served_
     _refused_before_the_clock(done, tmp_path, says)
 
 
+@pytest.mark.parametrize("edit", [lambda record: [], lambda record: {**record, "files": list(record["files"])},
+                                  lambda record: {**record, "files": {name: [1, 2] for name in record["files"]}}],
+                         ids=["a list", "files a list", "entries lists"])
+def test_a_record_of_the_wrong_shape_is_one_line_naming_it_and_the_verify_command(served_trainer, demo_data, tmp_path,
+                                                                                   edit):
+    """VERIFIED.json edited by hand into valid JSON of another shape ended in an AttributeError traceback."""
+    train = _copy(demo_data / "train", tmp_path / "train")
+    record = train / RECORD_NAME
+    record.write_text(json.dumps(edit(json.loads(record.read_text()))))
+    done = _train(served_trainer, demo_data, tmp_path, train)
+    _refused_before_the_clock(done, tmp_path, f"{record}: not a readable verification record (",
+                              f"run `python data_prep/verify_dataset.py {train}` to verify the folder again")
+
+
 def test_a_folder_not_checked_against_the_eval_set_is_refused_or_checked_after_run_start(served_trainer, demo_data,
                                                                                          tmp_path):
     """Verified without an eval set: no record says the eval samples are held out. Refused with the command

@@ -32,10 +32,18 @@ SMOKE=${SMOKE:-0}
 budget=${BUDGET_S:-510}
 start=$SECONDS
 # shellcheck source=/dev/null
+source "$here/tools/script_args.sh"
+# shellcheck source=/dev/null
 source "$here/tools/budget_steps.sh"
+
+usage_error() { echo "bring_up.sh: $*" >&2; exit 2; }
+
+# Every argument, variable and the device are checked before the folder is touched.
+for arg in "$@"; do
+  [[ $arg != -* ]] || help_or_refuse bring_up.sh "$0" "[SMOKE=1] bash tools/bring_up.sh [FOLDER]" "$arg"
+done
+(($# <= 1)) || usage_error "one argument at most, the output folder (got $#)"
 check_budget bring_up.sh "$budget"
-work="" log="" failed=0 ran_steps=0 precisions=()  # tools/budget_steps.sh sets them, and summary
-open_folder bring_up.sh bring_up.log
 
 numerics() {
   local name=$1
@@ -78,10 +86,19 @@ elif [[ -n ${BRING_UP_DEVICE:-} ]]; then  # the full sequence on another device 
 elif "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   device=cuda
 else
-  echo "bring_up.sh: no CUDA device visible to $PYTHON; SMOKE=1 runs the CPU smoke mode" >&2
-  exit 2
+  usage_error "no CUDA device visible to $PYTHON; SMOKE=1 runs the CPU smoke mode"
+fi
+if [[ $SMOKE != 1 ]]; then
+  [[ -z ${BERT_CONFIG:-} || -f $BERT_CONFIG ]] || usage_error "BERT_CONFIG=$BERT_CONFIG: no such file; give a" \
+    "bert_config.json, or leave it unset for BERT-Large"
+  for config in ${CONFIGS:-}; do
+    [[ -f $config && $config == /* || -f $here/$config ]] || usage_error "CONFIGS: no file $config; name" \
+      "config_<SYSTEM>.sh files of the repository"
+  done
 fi
 
+work="" log="" failed=0 ran_steps=0 precisions=()  # tools/budget_steps.sh sets them, and summary
+open_folder bring_up.sh bring_up.log numerics.json throughput.json pytest_gpu.xml
 machine_lines bring-up "$device"
 
 if [[ $SMOKE == 1 ]]; then

@@ -7,9 +7,20 @@
 #   failed   0; a step that fails sets it to 1
 # Each step's summary line: its name, its status, its seconds and the last line it printed.
 
-# open_folder SCRIPT LOG_NAME: makes the output folder $out (a usage error, exit 2, where it cannot), empties
-# its summary.txt and LOG_NAME, makes $work (removed at exit) and puts this tree first on PYTHONPATH.
+# open_folder SCRIPT LOG_NAME OUTPUT...: makes the output folder $out and in it an empty summary.txt and
+# LOG_NAME, makes $work (removed at exit) and puts this tree first on PYTHONPATH. A usage error (exit 2)
+# where it cannot, or where $out holds an earlier run's summary.txt, LOG_NAME or OUTPUT (the files the
+# script writes): a measurement is never overwritten. The script calls it once every input is checked.
 open_folder() {
+  local name earlier=()
+  for name in summary.txt "${@:2}"; do
+    [[ -e $out/$name ]] && earlier+=("$name")
+  done
+  if ((${#earlier[@]})); then
+    echo "$1: $out holds an earlier run (${earlier[*]}); give a new folder (bash tools/$1 DIR), or move that" \
+      "one away" >&2
+    exit 2
+  fi
   mkdir -p "$out" || { echo "$1: cannot create the output folder $out" >&2; exit 2; }
   out=$(cd "$out" && pwd)
   work=$(mktemp -d)
@@ -53,7 +64,12 @@ fits() {
 
 # step NAME LIMIT_S COMMAND...: runs COMMAND within min(LIMIT_S, the budget left), its output in the log
 # and in $work/step.log (for the caller to read after it); one summary line. A step with under 15 s
-# left is skipped. `ran_steps` counts the steps that ran.
+# left is skipped. `ran_steps` counts the steps that ran. At its limit the command gets SIGTERM, and
+# SIGKILL KILL_AFTER_S later: a step may take STEP_OVER_S past its limit, that grace and its summary
+# lines and the caller's reports after it. A caller that keeps time free for the steps after this one
+# gives it a limit STEP_OVER_S short of what it may spend.
+KILL_AFTER_S=10
+STEP_OVER_S=$((KILL_AFTER_S + 3))
 ran_steps=0
 step() {
   local name=$1 limit=$2 left rc t0 status last
@@ -68,7 +84,7 @@ step() {
   t0=$SECONDS
   ran_steps=$((ran_steps + 1))
   { echo "=== $name: $*"; } >> "$log"
-  (cd "$here" && timeout --kill-after=10 "$limit" "$@") > "$work/step.log" 2>&1
+  (cd "$here" && timeout --kill-after="$KILL_AFTER_S" "$limit" "$@") > "$work/step.log" 2>&1
   rc=$?
   cat "$work/step.log" >> "$log"
   case $rc in

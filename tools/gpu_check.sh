@@ -14,6 +14,17 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-5}
+# shellcheck source=/dev/null
+source "$here/tools/script_args.sh"
+for arg in "$@"; do
+  help_or_refuse gpu_check.sh "$0" "[CONFIGS=\"config_<SYSTEM>.sh ...\"] [STEPS=N] bash tools/gpu_check.sh" "$arg"
+done
+configs=${CONFIGS:-$(cd "$here" && grep -L '^export DEVICE=cpu' config_*.sh)}
+for config in $configs; do
+  [[ $config == /* ]] || config=$here/$config
+  [[ -f $config ]] || { echo "gpu_check.sh: CONFIGS: no file $config; name config_<SYSTEM>.sh files" >&2; exit 2; }
+done
+[[ $STEPS =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: STEPS=$STEPS is not a whole number of steps (1 or more)" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/data" "$work/eval"
@@ -35,16 +46,17 @@ exec "$(command -v "$PYTHON")" -m mlperf_bert.dryrun --real --steps "$STEPS" -- 
 EOF_WRAPPER
 chmod +x "$work/python"
 
-configs=${CONFIGS:-$(cd "$here" && grep -L '^export DEVICE=cpu' config_*.sh)}
 status=0
 for config in $configs; do
   echo "== $config"
   (
+    path=$config
+    [[ $path == /* ]] || path=$here/$config
     # shellcheck source=/dev/null
-    source "$here/$config"
+    source "$path"
     # Random weights and synthetic batches: not a closed-division run (no phase-1 checkpoint).
     export WORLD_SIZE=1 RANK=0 PYTHON=$work/python BERT_CONFIG DATADIR_PHASE2=$work/data EVALDIR=$work/eval \
-      OUTPUT_DIR=$work/out_$config SEED=1 DIVISION=open
+      OUTPUT_DIR=$work/out_${config##*/} SEED=1 DIVISION=open
     bash "$here/run_and_time.sh"
   ) || status=1
 done

@@ -58,10 +58,16 @@ trainer_warmup=${TRAINER_WARMUP:-10}
 trainer_steps=${TRAINER_STEPS:-40}
 report=$here/tools/gpu_perf_report.py
 # shellcheck source=/dev/null
+source "$here/tools/script_args.sh"
+# shellcheck source=/dev/null
 source "$here/tools/budget_steps.sh"
 
 usage_error() { echo "gpu_perf.sh: $*" >&2; exit 2; }
 
+# Every argument, variable, the device and the config are checked before the folder is touched.
+for arg in "$@"; do
+  [[ $arg != -* ]] || help_or_refuse gpu_perf.sh "$0" "[SMOKE=1] [CONFIG=config_<SYSTEM>.sh] bash tools/gpu_perf.sh [FOLDER]" "$arg"
+done
 (($# <= 1)) || usage_error "one argument at most, the output folder (got $#)"
 check_budget gpu_perf.sh "$budget"
 [[ $trainer_warmup =~ ^[0-9]+$ && $trainer_steps =~ ^[0-9]+$ ]] ||
@@ -75,10 +81,6 @@ if [[ -n ${VARIANTS:-} ]]; then
     wanted[$label]=1
   done
 fi
-work="" summary="" log="" failed=0 facts="" precisions=()  # tools/budget_steps.sh sets them
-open_folder gpu_perf.sh gpu_perf.log
-rm -f "$out/throughput.json" "$out/trainer.json" "$out/kernels.txt"  # a file left by an earlier run would lie
-
 # Where this runs, and the seconds each kind of step is expected to take (from the first H200 run:
 # a compiled BERT-Large set-up takes about 35 s to compile and capture, plus 10 s to start).
 if [[ $SMOKE == 1 ]]; then
@@ -88,7 +90,8 @@ if [[ $SMOKE == 1 ]]; then
   bench=(--config tiny --device cpu --rounds 1 --steps 2 --warmup 1)
   smoke_vars=(COMPILE_MODE=none)
   need_variant=15 need_hf=15 need_trainer=15
-elif "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+elif gpu=$("$PYTHON" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name())' \
+    2>/dev/null); then
   device=cuda
   bench=(--config large --device cuda --rounds 3 --steps 10 --warmup 3)
   smoke_vars=()
@@ -106,6 +109,18 @@ config_for() {
     *A100*) echo config_DGXA100_1x8.sh ;;
   esac
 }
+
+if [[ -n ${CONFIG:-} ]]; then
+  config=$CONFIG
+elif [[ $SMOKE == 1 ]]; then
+  config=config_DGXH200_1x8.sh  # the shipped H200 step at toy sizes
+else
+  config=$(config_for "$gpu")
+  [[ -n $config ]] || usage_error "no shipped config for the $gpu; name one: CONFIG=config_<SYSTEM>.sh"
+fi
+config_path=$config
+[[ $config_path == /* ]] || config_path=$here/$config
+[[ -f $config_path ]] || usage_error "CONFIG=$config: no such file; give a config_<SYSTEM>.sh of the repository"
 
 # config_value NAME: the config's value of NAME (sourced as the launchers source it).
 config_value() {
@@ -180,8 +195,10 @@ variant() {
     return
   fi
   smoke_variant=$label
-  fits "variant $label" $((need_variant + reserve)) "${reserve} s kept for packed-hf and the trainer" || return
-  left=$(($(budget_left) - reserve))
+  # The reserve stays free after the variant, whatever it takes past its limit (STEP_OVER_S).
+  fits "variant $label" $((need_variant + reserve + STEP_OVER_S)) "${reserve} s kept for packed-hf and the trainer" ||
+    return
+  left=$(($(budget_left) - reserve - STEP_OVER_S))
   for var in "${smoke_vars[@]}" "${given[@]}"; do from+=(--config_var "$var"); done
   bench_step "variant $label" $((left < 150 ? left : 150)) "$work/tp_variant_${label// /_}.json" "${from[@]}"
 }
@@ -190,7 +207,7 @@ packed_vs_hf() {
   fits "packed-hf bf16" "$need_hf" || return
   local shape=() limit=150 left
   [[ $SMOKE == 1 ]] || shape=(--rounds 3 --steps 5 --warmup 3)  # HF padded is 2-6x slower: fewer steps
-  left=$(($(budget_left) - need_trainer))  # the trainer's time stays free where both fit
+  left=$(($(budget_left) - need_trainer - STEP_OVER_S))  # the trainer's time stays free where both fit
   ((left >= need_hf && left < limit)) && limit=$left
   bench_step "packed-hf bf16" "$limit" "$work/tp_packed_vs_hf.json" --precision bf16 --layouts packed,hf_padded \
     "${shape[@]}"
@@ -252,20 +269,9 @@ trainer() {
     "$work/tp_shipped.json" --warmup "$trainer_warmup" --min_steps "$min_trainer_steps" --json "$out/trainer.json"
 }
 
+work="" summary="" log="" failed=0 precisions=()  # tools/budget_steps.sh sets them
+open_folder gpu_perf.sh gpu_perf.log throughput.json trainer.json kernels.txt
 machine_lines gpu-perf "$device"
-
-if [[ -n ${CONFIG:-} ]]; then
-  config=$CONFIG
-elif [[ $SMOKE == 1 ]]; then
-  config=config_DGXH200_1x8.sh  # the shipped H200 step at toy sizes
-else
-  gpu=$(sed -n 's/.*, device \(.*\), compute capability.*/\1/p' <<< "$facts" | head -n 1)
-  config=$(config_for "$gpu")
-  [[ -n $config ]] || usage_error "no shipped config for the $gpu; name one: CONFIG=config_<SYSTEM>.sh"
-fi
-config_path=$config
-[[ $config_path == /* ]] || config_path=$here/$config
-[[ -f $config_path ]] || usage_error "CONFIG=$config: no such file; give a config_<SYSTEM>.sh of the repository"
 note "config: $config$([[ $SMOKE == 1 ]] && echo " at toy sizes, ${smoke_vars[*]}")"
 log_every=10 min_trainer_steps=30
 if [[ $SMOKE == 1 ]]; then

@@ -4,6 +4,11 @@
 # otherwise the missing ones are named here, and the tests that need them fail saying so.
 set -euo pipefail
 
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/script_args.sh"
+for arg in "$@"; do
+  help_or_refuse install_test_tools.sh "${BASH_SOURCE[0]}" "bash tools/install_test_tools.sh (no arguments)" "$arg"
+done
 missing=()
 command -v shellcheck >/dev/null || missing+=(shellcheck)
 PATH="/usr/sbin:$PATH" command -v slurmctld >/dev/null || missing+=(slurm-wlm)

@@ -10,6 +10,15 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
+# shellcheck source=/dev/null
+source tools/script_args.sh
+data_only=0
+for arg in "$@"; do
+  case "$arg" in
+    --data-only) data_only=1 ;;
+    *) help_or_refuse run_demo.sh "${BASH_SOURCE[0]}" "bash tools/run_demo.sh [--data-only]" "$arg" ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 DEMO_DATA=${DEMO_DATA:-$here/demo_data}
 
@@ -36,7 +45,7 @@ if [[ ! -f "$DEMO_DATA/train/VERIFIED.json" || ! -f "$DEMO_DATA/eval/VERIFIED.js
     --vocab_size "$(wc -l < "$DEMO_DATA/vocab.txt")" --max_seq_length "$MAX_SEQ_LENGTH" \
     --max_predictions "$MAX_PREDICTIONS_PER_SEQ" --workers 1 > /dev/null
 fi
-if [[ "${1:-}" == --data-only ]]; then exit 0; fi
+if ((data_only)); then exit 0; fi
 
 SEED=${SEED:-$RANDOM}
 stamp=$(date +%y%m%d%H%M%S)

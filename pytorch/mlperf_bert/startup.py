@@ -19,6 +19,7 @@ from .config.settings import RESUME_AUTO, ConfigError, TrainConfig
 from .runtime.distributed import DistEnv, launched_by_mpi
 from .runtime.optional import dependency_problem
 from .input.dali_input import dali_problem
+from .hooks.report import curves_problem
 from .model.attention import AttentionNeeds, backend_problem
 from .model.bert import BertConfig
 from .model.compiling import compile_problem
@@ -55,6 +56,9 @@ def check_environment(cfg: TrainConfig, environ: Mapping[str, str], device: torc
     for problem in device_problems(cfg, bert, device):
         _require(problem is None, str(problem))
     _check_output_paths(cfg)
+    if cfg.run.curves == "png":  # drawn after run_stop: a missing matplotlib would end the run without a summary
+        problem = curves_problem()
+        _require(problem is None, str(problem))
     _check_resume_file(cfg.checkpoint.resume_from)
     if cfg.data.balance == "local_presort":
         _check_stratified_input(cfg.data.input_dir)

@@ -41,7 +41,8 @@ def load_length_histogram(path: str | Path | None = None) -> np.ndarray:
         path = _WIKIPEDIA_HISTOGRAM
     else:
         text = Path(path).read_text()
-    counts = json.loads(text).get("counts")
+    raw = json.loads(text)
+    counts = raw.get("counts") if isinstance(raw, dict) else None
     if not isinstance(counts, list) or not counts:
         raise ValueError(f"{path}: expected a JSON object with a non-empty list 'counts' (sequences per length 1..L)")
     return validate_counts(np.array(counts), len(counts))

@@ -95,7 +95,12 @@ def _entry(raw: dict[str, Any]) -> FileEntry:
                      int(raw["sequences"]))
 
 
-def _parse(folder: Path, raw: dict[str, Any]) -> Record:
+def _parse(folder: Path, raw: Any) -> Record:
+    """The record's fields; ValueError, KeyError or TypeError naming what is not as `record_json` writes it."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON {type(raw).__name__}, not the record's object")
+    if not isinstance(raw.get("files"), dict):
+        raise ValueError(f"'files' is a JSON {type(raw.get('files')).__name__}, not a table of file name -> entry")
     if int(raw.get("version", 0)) != RECORD_VERSION:
         raise ValueError(f"version {raw.get('version')}, this trainer reads version {RECORD_VERSION}")
     packed = raw.get("packed")

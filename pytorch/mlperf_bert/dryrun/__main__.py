@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from ..runtime.files import output_file
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -16,7 +17,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                        "WORLD_SIZE/RANK set the ranks, as for the trainer.")
     p.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
     p.add_argument("--real", action="store_true", help="run on the real GPU instead of the fake device")
-    p.add_argument("--cost_json", type=Path, default=None, metavar="FILE",
+    p.add_argument("--cost_json", type=output_file, default=None, metavar="FILE",
                    help="write one device's memory estimate and the traced step's and eval's work here (JSON)")
     split = argv.index("--") if "--" in argv else len(argv)
     return p.parse_args(argv[:split]), argv[split + 1:]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .events import EvalEnd, Hook, RunEnd, RunStart, StepEnd
 from .forecast import predict
 from ..runtime.files import atomic_file, write_text_atomic
+from ..runtime.optional import describe_error, matplotlib_problem
 from .live import TARGET_ACCURACY, TRAIN_LOG
 
 SUMMARY_TXT = "summary.txt"
@@ -40,6 +41,7 @@ class Summary:
     files: dict[str, str] = field(default_factory=dict)  # what -> path
     forecast: str = ""  # what the forecast said after the first evals (and, short of the target, after the last)
     data_check: str = ""  # what --unverified_data checked after run_start, inside `seconds` ("" when nothing)
+    no_curves: str = ""  # why --curves png drew no picture ("" when it drew one, or was not asked to)
 
     def text(self) -> str:
         reason = f" ({self.reason})" if self.reason else ""
@@ -53,6 +55,7 @@ class Summary:
         lines += [f"  {i}: samples {s} mlm_accuracy {a:.4f}" for i, (s, a) in enumerate(self.evals, 1)]
         lines += [f"forecast: {self.forecast}"] if self.forecast else []
         lines += [f"{what}: {path}" for what, path in self.files.items()]
+        lines += [f"curves: none: {self.no_curves}"] if self.no_curves else []
         return "\n".join(lines) + "\n"
 
 
@@ -76,12 +79,27 @@ def forecast_text(evals: Sequence[tuple[int, float]], schedule_samples: int, tar
     return f"{early.line(target)}; now {predict(evals, schedule_samples, target=target).line(target)}"
 
 
+CURVES_FIX = "use --curves none (CURVES=none): the run then draws no curves.png"
+
+
+def curves_problem() -> str | None:
+    """None when matplotlib imports; else the line that refuses --curves png at start-up, before the run it would
+    otherwise end."""
+    return matplotlib_problem("--curves png (the default)", CURVES_FIX)
+
+
+class CurvesUnavailable(Exception):
+    """matplotlib failed at the end of the run: the summary says so instead of a picture."""
+
+
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")  # no display on training nodes
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg")  # no display on training nodes
+        import matplotlib.pyplot as plt
+    except Exception as err:  # a broken install fails however its import code happens to
+        raise CurvesUnavailable(f"matplotlib fails to import ({describe_error(err)}); {CURVES_FIX}") from err
     return plt
 
 
@@ -171,10 +189,14 @@ class RunReport(Hook):
     def run_end(self, event: RunEnd) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         curves = (self.log_dir or self.output_dir) / CURVES_PNG if self.curves else None
+        no_curves = ""
         if curves is not None:
-            plot_curves(self.losses, self.evals, curves, self.target,
-                        f"{event.status}: {event.samples} samples in {event.seconds:.0f} s")
-        self.summary = self._summary(event, curves)
+            try:
+                plot_curves(self.losses, self.evals, curves, self.target,
+                            f"{event.status}: {event.samples} samples in {event.seconds:.0f} s")
+            except CurvesUnavailable as err:  # the run is over: its summary is still written
+                curves, no_curves = None, str(err)
+        self.summary = replace(self._summary(event, curves), no_curves=no_curves)
         write_summary(self.summary, self.output_dir)
         print(self.summary.text(), end="", file=self.stream, flush=True)
 

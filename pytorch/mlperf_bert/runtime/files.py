@@ -12,11 +12,16 @@ The guarantees are parameters, because they cost time:
 - `fsync_dir`: the rename itself is made durable by syncing the folder (checkpoints: the
   run resumes from the newest name it finds).
 
+`json_object` reads the small JSON records the commands keep beside their outputs (a record edited by
+hand into a list fails there, in one line, not deep in the code that reads its fields).
+
 Torch-free: `data_prep` imports it.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -108,7 +113,45 @@ def atomic_file(path: Path | str, mode: str = "w", *, fsync_file: bool = True,
         raise OSError(err.errno, err.strerror or str(err), str(path)) from err
 
 
+def json_object(path: Path | str) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError (one line, naming the file) for a file that cannot be read, is not
+    JSON or holds another JSON value; OSError passes, for a caller to whom a missing file is no error."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def write_text_atomic(path: Path | str, text: str, *, fsync_file: bool = True) -> None:
     """`text` into `path` through `atomic_file`; a failed write names `path`."""
     with atomic_file(path, "w", fsync_file=fsync_file) as f:
         f.write(text)
+
+
+def output_file_problem(path: Path | str) -> str | None:
+    """Why a command cannot write its file `path` at the end of its work, asked before the work (None: it can).
+    The missing folders above it are made now, as a command's output folder is: a check that runs for minutes
+    must not end in FileNotFoundError, its result lost."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder; give the path of a file"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot make its folder {path.parent} ({err.strerror or err}); give another path"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"cannot write in {path.parent}; give another path"
+    return None
+
+
+def output_file(value: str) -> Path:
+    """An argparse `type` for a file the command writes at its end (`output_file_problem`): a path it cannot
+    write is refused with the other bad flags, before any work."""
+    problem = output_file_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(value)

@@ -94,3 +94,12 @@ def require(module: str, package: str, needed_by: str, install: str, alternative
     problem = dependency_problem(module, package, needed_by, install, alternative, root)
     if problem is not None:
         raise DependencyError(problem)
+
+
+MATPLOTLIB_INSTALL = "pip install 'matplotlib>=3.7' (a dependency of this package)"
+
+
+def matplotlib_problem(needed_by: str, alternative: str, module: str = "matplotlib") -> str | None:
+    """`dependency_problem` for the pictures the commands draw at their end (curves.png, plan.py --plot,
+    compare.py's plots), asked at their start; module: `matplotlib.pyplot` where its import is no extra cost."""
+    return dependency_problem(module, "matplotlib", needed_by, MATPLOTLIB_INSTALL, alternative, root="matplotlib")

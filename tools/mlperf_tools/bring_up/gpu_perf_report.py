@@ -24,6 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from mlperf_bert.runtime.files import json_object, output_file
 
 # A trainer progress line (mlperf_bert/hooks/live.py), e.g.
 # `step 10 samples 960/4800 samples/s 612.4 tokens/s ...`; train.log puts a time stamp first.
@@ -87,11 +88,11 @@ def trainer_rate(text: str, warmup: int, min_steps: int) -> TrainerRate:
 
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return json_object(path)
     except FileNotFoundError as err:
         raise ReportError(f"{path}: no such file (the step that writes it did not finish)") from err
-    except json.JSONDecodeError as err:
-        raise ReportError(f"{path}: not JSON ({err})") from err
+    except (OSError, ValueError) as err:  # not JSON, or not an object
+        raise ReportError(str(err)) from err
 
 
 def ms_per_step(result: dict[str, Any]) -> float:
@@ -204,7 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     trainer.add_argument("shipped", type=Path, help="throughput.py --from_config's --json of the same step")
     trainer.add_argument("--warmup", type=int, default=10, help="steps left out first (compile, graph capture)")
     trainer.add_argument("--min_steps", type=int, default=30, help="fewer timed steps after warm-up is a failure")
-    trainer.add_argument("--json", type=Path)
+    trainer.add_argument("--json", type=output_file)
     merged = sub.add_parser("merge", help="several results files as one JSON object")
     merged.add_argument("out", type=Path)
     merged.add_argument("items", nargs="*", metavar="LABEL=FILE")

@@ -133,6 +133,7 @@ from mlperf_bert.optim.loss_scale import DeviceLossScaler
 from mlperf_bert.startup import device_problems
 from mlperf_bert.train.cuda_graphs import capture, copy_batch
 from mlperf_bert.train.step import forward_backward
+from mlperf_bert.runtime.files import output_file
 from mlperf_tools.bring_up.workload import SEQS_PER_ROW, row_strategies, synthetic_sample
 
 # Unit roundoff of each format (half the distance from 1 to the next number).
@@ -771,7 +772,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     own = parser.add_argument_group("numerics check")
     own.add_argument("--rows", type=int, default=2, help="packed rows per batch")
     own.add_argument("--batches", type=int, default=2, help="batches (each compared; the worst counts)")
-    own.add_argument("--json", type=Path, help="also write the rows and the verdict here")
+    own.add_argument("--json", type=output_file, help="also write the rows and the verdict here")
     # Placeholders first: a flag given again later wins (argparse keeps the last value).
     placeholders = ["--eval_dir", "-", "--output_dir", tempfile.gettempdir(), "--max_steps", "1",
                     "--submission_division", "open", "--max_seq_length", "0", "--bert_config_path", ""]

@@ -21,6 +21,12 @@ RCP bound accepts (training_rules.adoc §RCP: the olympic mean may be faster tha
 up to its maximum speed-up) and our step shorter by the calibration's largest leave-one-out miss,
 high at the RCP mean plus one standard deviation and the step longer by it. A forecast from a
 running job's log can replace `samples` (see `Prediction.with_samples`).
+
+The run stops at MAX_STEPS x the global batch or MAX_SAMPLES_TERMINATION, whichever comes first (the
+trainer's limit, `RunLimit`), with an eval there. A closed-division run that stops before the RCP mean
+gets no time to train: the plan says where it stops and exits 2 with the value that reaches the RCP
+mean plus one standard deviation. An open-division recipe may converge sooner (Samsung's): its plan
+says the same and is no error.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from mlperf_bert.dryrun.shipped import exports
 from mlperf_bert.optim.clipping import ClipMode, all_reduce_overlaps_backward
 from mlperf_bert.train.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS
 from mlperf_bert.train.evaluation_interval import EvalSchedule
+from mlperf_bert.runtime.files import output_file
+from mlperf_bert.runtime.optional import matplotlib_problem
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 RULESET = "5.0.0"
@@ -242,6 +250,43 @@ def published() -> dict[str, Published]:
 
 
 @dataclass(frozen=True)
+class RunLimit:
+    """Where the trainer stops a run that has not reached the target (`mlperf_bert.trainer.stop_samples`): at the
+    first step whose samples reach MAX_STEPS x the global batch, or MAX_SAMPLES_TERMINATION."""
+
+    variable: str  # MAX_STEPS or MAX_SAMPLES_TERMINATION, whichever stops the run first
+    value: int
+    gbs: int
+
+    @property
+    def samples(self) -> int:
+        """Samples when the run's last step ends."""
+        steps = self.value if self.variable == "MAX_STEPS" else math.ceil(self.value / self.gbs)
+        return steps * self.gbs
+
+    def words(self) -> str:
+        return f"{self.variable}={self.value}" + (f" x global batch {self.gbs}" if self.variable == "MAX_STEPS" else "")
+
+    def reaching(self, samples: float) -> int:
+        """The value of the variable whose run reaches `samples`."""
+        return math.ceil(samples / self.gbs) if self.variable == "MAX_STEPS" else math.ceil(samples)
+
+
+def run_limit(env: Mapping[str, str], gbs: int, name: str) -> RunLimit | None:
+    """The config's limit (None: it sets neither variable); PlanError for a value the launcher refuses."""
+    limits = []
+    for variable in ("MAX_STEPS", "MAX_SAMPLES_TERMINATION"):
+        value = env.get(variable)
+        if not value:
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise PlanError(f"{name}: {variable}={value} is not a whole number of "
+                            f"{'steps' if variable == 'MAX_STEPS' else 'samples'} (1 or more)")
+        limits.append(RunLimit(variable, int(value), gbs))
+    return min(limits, key=lambda limit: limit.samples, default=None)
+
+
+@dataclass(frozen=True)
 class Prediction:
     name: str
     device: Device
@@ -264,6 +309,7 @@ class Prediction:
     nvidia_work: StepWork  # the step in NVIDIA's precision (`nvidia_env`), which that model reads
     env: Mapping[str, str]  # the config's variables (with any --config_var)
     config_vars: Mapping[str, str]  # the --config_var ones
+    limit: RunLimit | None = None  # where the run stops short of the target
 
     @property
     def throughput(self) -> float:
@@ -284,15 +330,24 @@ class Prediction:
         """The same run, converging after `samples` (a forecast's) within [low, high]."""
         return replace(self, samples=samples, samples_range=(low, high))
 
+    def converges(self, samples: float) -> bool:
+        """Whether a run that needs `samples` reaches them before the trainer's limit stops it (its last eval is
+        at the limit)."""
+        return self.limit is None or samples <= self.limit.samples
+
     def evals(self, samples: float) -> int:
-        """Evals up to the first at or after `samples` (the eval at 0 skipped)."""
+        """Evals up to the first at or after `samples` (the eval at 0 skipped), or up to the limit's, the last."""
         start, every = self.schedule.start_samples, self.schedule.interval_samples
+        if self.limit is not None:
+            samples = min(samples, self.limit.samples)
         return 1 + max(math.ceil((samples - start) / every), 0)
 
     def stop_samples(self, samples: float) -> float:
-        """Samples trained when the run stops: at the eval that first sees `samples`, a whole step's worth."""
+        """Samples trained when the run stops: at the eval that first sees `samples`, a whole step's worth, or at
+        the limit."""
         at = self.schedule.start_samples + (self.evals(samples) - 1) * self.schedule.interval_samples
-        return math.ceil(at / self.gbs) * self.gbs
+        stop = math.ceil(at / self.gbs) * self.gbs
+        return stop if self.limit is None else min(stop, self.limit.samples)
 
     def minutes(self, samples: float, step_s: float) -> float:
         steps = self.stop_samples(samples) / self.gbs
@@ -355,7 +410,7 @@ def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[s
                       step_model.our_eval_seconds(work, device, gpus, per_node, twin), window, schedule, mean,
                       (low, high), init, work, overlaps(env), per_node,
                       step_model.step_time(nvidia, device, gpus, overlaps(env), per_node=per_node), nvidia, env,
-                      dict(config_vars or {}))
+                      dict(config_vars or {}), run_limit(env, gbs, name))
 
 
 def _int(value: str | None) -> int | None:
@@ -434,9 +489,41 @@ def report(p: Prediction, published: Published | None = None, measured: Iterable
         f"  evals: {evals} (every {p.schedule.interval_samples:,} samples from {p.schedule.start_samples:,}), "
         f"{p.eval_s:.1f} s each, {evals * p.eval_s / 60:.2f} min in all",
         f"  init (before run_start, untimed): about {p.init_s:.0f} s",
-        f"  time to train: {ttt:.2f} min (range {low:.2f} - {high:.2f})",
+        "  run stops: " + (f"at {p.limit.samples:,} samples at the latest ({p.limit.words()})" if p.limit else
+                           "at the target only (neither MAX_STEPS nor MAX_SAMPLES_TERMINATION set)"),
+        _time_to_train(p),
     ]
     return "\n".join(lines)
+
+
+def _time_to_train(p: Prediction) -> str:
+    """The time to train and its range, where the run gets that far before its limit stops it."""
+    ttt, low, high = p.ttt
+    if p.limit is not None and not p.converges(p.samples):
+        why = (" (the closed division's; this open-division recipe's own samples to converge are not modelled)"
+               if _open_division(p) else ": it ends aborted, short of the target")
+        return (f"  time to train: none: the run stops at {p.limit.samples:,} samples, before the {p.samples:,.0f} of "
+                f"the RCP mean{why}")
+    if p.limit is not None and not p.converges(p.samples_range[1]):
+        return (f"  time to train: {ttt:.2f} min (range {low:.2f} - over {high:.2f}: a run that needs more than "
+                f"{p.limit.samples:,} samples stops there, short of the target)")
+    return f"  time to train: {ttt:.2f} min (range {low:.2f} - {high:.2f})"
+
+
+def _open_division(p: Prediction) -> bool:
+    return p.env.get("DIVISION", "closed") == "open"
+
+
+def short_of_convergence(p: Prediction) -> str | None:
+    """One line for a closed-division plan whose run stops before the samples it needs to converge (the RCP mean),
+    naming the variable and the value that reaches the RCP mean plus one standard deviation; None for the others
+    (an open-division recipe may converge in fewer samples than the RCP mean: Samsung's)."""
+    if p.limit is None or p.converges(p.samples) or _open_division(p):
+        return None
+    given = ", ".join(f"{k}={v}" for k, v in p.config_vars.items())
+    return (f"{p.name}{f' [{given}]' if given else ''}: the run stops at {p.limit.samples:,} samples "
+            f"({p.limit.words()}), before the {p.samples:,.0f} samples it needs to converge (RCP mean): no time to "
+            f"train; give {p.limit.variable}={p.limit.reaching(p.samples_range[1])} or more")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,9 +617,10 @@ def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, ax = plt.subplots(figsize=(6, 5))
-    shown = [(p, pubs[p.name]) for p in preds if p.name in pubs and pubs[p.name].minutes]
+    shown = [(p, pubs[p.name]) for p in preds if p.name in pubs and pubs[p.name].minutes and p.converges(p.samples)]
     for p, pub in shown:
         ttt, low, high = p.ttt
         published_minutes = pub.minutes or 0.0  # `shown` holds only those with minutes
@@ -543,7 +631,11 @@ def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) 
     ends = [min(values) / 1.5, max(values) * 1.5]
     ax.plot(ends, ends, "k--", linewidth=0.8, label="predicted = published")
     ax.set_xscale("log")
-    ax.set_yscale("log")  # 0.4 to 20 minutes on one picture
+    ax.set_yscale("log")  # 0.4 to 60 minutes on one picture
+    for axis in (ax.xaxis, ax.yaxis):  # minutes as plain numbers, at 1, 2 and 5 of each power of ten
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("published time to train (min, olympic mean)")
     ax.set_ylabel("predicted time to train of this code (min)")
     ax.set_title("tools/plan.py: this code predicted against the published runs")
@@ -569,7 +661,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, help="plan the config's recipe on this many devices (a hypothetical system)")
     p.add_argument("--device", choices=sorted(DEVICES), help="the device (default: the config's DGXSYSTEM's)")
     p.add_argument("--all", action="store_true", help="every shipped GPU config")
-    p.add_argument("--plot", type=Path, metavar="FILE", help="draw predicted against published time to train")
+    p.add_argument("--plot", type=output_file, metavar="FILE", help="draw predicted against published time to train")
     p.add_argument("--config_var", action="append", default=[], metavar="NAME=VALUE",
                    help="set a config variable on top of the config (repeatable), e.g. PRECISION=fp8")
     p.add_argument("--calibrate", action="store_true", help="refit our step's constants to tools/measurements and "
@@ -604,7 +696,8 @@ def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: 
             raise PlanError(f"{config}: no such config file (give a config_*.sh)")
         devices[config.name] = device or device_of(exports(config), config)
         envs[config.name] = {**config_env(config, gpus, devices[config.name]), **(variables or {})}
-        config_batch_shape(envs[config.name], config.name)  # a batch the trainer refuses, before tracing it
+        batch = config_batch_shape(envs[config.name], config.name)  # a batch the trainer refuses, before tracing it
+        run_limit(envs[config.name], batch.global_batch_size, config.name)
     extra = {}  # the bf16 twin of a compiled FP8 step (our step's casts), the step in NVIDIA's precision
     for name, env in envs.items():
         for suffix, other in (("in bf16", step_calibration.bf16_twin(env)),
@@ -618,6 +711,10 @@ def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    problem = args.plot and matplotlib_problem("--plot", "leave out --plot", "matplotlib.pyplot")
+    if problem:  # before the traces, which take minutes
+        print(f"plan.py: {problem}", file=sys.stderr)
+        return 2
     try:
         many = args.all or args.plot or args.calibrate
         configs = shipped_gpu_configs() if many and args.config is None else [args.config]
@@ -640,7 +737,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PlanError, scoring.ScoringError) as err:
         print(f"plan.py: {err}", file=sys.stderr)
         return 2
-    return 0
+    short = [line for p in preds if (line := short_of_convergence(p))]
+    for line in short:
+        print(f"plan.py: {line}", file=sys.stderr)
+    return 2 if short else 0
 
 
 if __name__ == "__main__":

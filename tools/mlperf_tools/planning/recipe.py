@@ -36,6 +36,7 @@ from mlperf_tools.results.scoring import ABOVE, BELOW, COVERED, INTERPOLATED, Rc
 
 from mlperf_bert.config.batch_size import config_batch
 from mlperf_bert.config.closed_division import eval_interval_samples
+from mlperf_bert.runtime.files import output_file_problem
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 
@@ -333,8 +334,12 @@ def config_text(chosen: Candidate, system: str, device: str, memory_gb: float, r
 
 
 def system_name(path: Path) -> str:
+    """The system of a --write path, whose folders are made now (RecipeError where it cannot be written)."""
     if not (path.name.startswith("config_") and path.name.endswith(".sh")) or len(path.name) <= len("config_.sh"):
         raise RecipeError(f"--write {path}: name the file config_<SYSTEM>.sh (the launchers find it by that name)")
+    problem = output_file_problem(path)
+    if problem is not None:
+        raise RecipeError(f"--write {path}: {problem}")
     return path.name[len("config_"):-len(".sh")]
 
 

@@ -186,7 +186,10 @@ def validate(args: argparse.Namespace, counts: np.ndarray) -> Setup:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    counts = load_length_histogram(args.histogram)
+    try:
+        counts = load_length_histogram(args.histogram)
+    except (OSError, ValueError) as err:  # not there, not JSON, or not {"counts": [...]}
+        raise SystemExit(f"simulate_balance.py: --histogram: {err}") from err
     setup = validate(args, counts)
     k = args.max_sequences_per_pack or None
     report = simulate(counts, setup, args.seed, args.packers, k)

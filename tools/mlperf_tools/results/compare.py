@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from mlperf_bert.runtime.files import json_object
+from mlperf_bert.runtime.optional import matplotlib_problem
+
 MLLOG_TOKEN = ":::MLLOG "
 SYSJSON_TOKEN = ":::SYSJSON "
 TARGET_ACCURACY = 0.720  # masked-LM accuracy that ends a BERT run
@@ -219,10 +222,13 @@ def natural_key(path: Path) -> list[Any]:
 
 
 def _load_json(path: Path) -> dict[str, Any] | None:
+    """A system's description, None where there is none; one line for one that is not a JSON object."""
     if not path.is_file():
         return None
-    with path.open() as f:
-        return json.load(f)
+    try:
+        return json_object(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"compare.py: {err}: a system description is a JSON object (MLPerf's systems/*.json)") from err
 
 
 def _package_systems(package: Path) -> list[SystemResults]:
@@ -417,12 +423,15 @@ def markdown_report(rows: Sequence[SystemSummary], images: Sequence[str]) -> str
     return "\n".join(parts) + "\n"
 
 
+def plots_problem() -> str | None:
+    """None when matplotlib draws; else the line that refuses --out's plots before the logs are read: not
+    installed, or installed but failing to import, each said as such."""
+    return matplotlib_problem("compare.py --out (its PNG plots)", "pass --no-plots", "matplotlib.pyplot")
+
+
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise SystemExit("compare.py: plots need matplotlib (pip install matplotlib) "
-                         "or pass --no-plots") from err
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -526,6 +535,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out is not None and not args.no_plots and (problem := plots_problem()) is not None:
+        raise SystemExit(f"compare.py: {problem}")
     with ExitStack() as stack:
         systems = [system for path in args.dirs for system in discover(resolve_input(path, stack))]
     rows = [summarize(system) for system in systems]

@@ -65,6 +65,7 @@ from typing import Any, Mapping, Sequence
 from mlperf_tools.results.compare import MLLOG_TOKEN, SYSJSON_TOKEN, RunLog, is_run_log, natural_key, olympic_mean, read_run
 from mlperf_bert.config.batch_size import SEQUENCES_PER_PACK, config_batch
 from mlperf_bert.config.closed_division import broken_rules, init_overrun, unchecked_keys
+from mlperf_bert.runtime.files import json_object
 from mlperf_tools.results.scoring import (RcpVerdict, ScoringError, Selection, hyperparameter_mismatches, quiet_logging,
                      rcp_verdict, rcp_window, run_minutes, select_consecutive)
 
@@ -560,8 +561,12 @@ def run_package_checker(package: Path, ruleset: str, logs: Path, verdict: Verdic
 
 
 def _division(package: Path, system: str) -> str:
-    with (package / "systems" / f"{system}.json").open() as f:
-        return str(json.load(f).get("division", ""))
+    path = package / "systems" / f"{system}.json"
+    try:
+        return str(json_object(path).get("division", ""))
+    except (OSError, ValueError) as err:
+        raise PackageError(f"{err}: systems/{system}.json is the system's description, a JSON object with its "
+                           "\"division\" (package_results.py pack writes one)") from err
 
 
 def run_rcp_checker(package: Path, ruleset: str, logs: Path, verdict: Verdict) -> None:
@@ -612,7 +617,13 @@ def _score(cell: str) -> float | None:
 def _scaling_factor(bert_dir: Path) -> float:
     """The factor the result summarizer multiplies the olympic mean by (scaling.json, else 1)."""
     scaling = bert_dir / "scaling.json"
-    return float(json.loads(scaling.read_text())["scaling_factor"]) if scaling.is_file() else 1.0
+    if not scaling.is_file():
+        return 1.0
+    try:
+        return float(json_object(scaling)["scaling_factor"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PackageError(f"{scaling}: no number under \"scaling_factor\" ({err}); give "
+                           "{\"scaling_factor\": F} or remove the file") from err
 
 
 def run_summarizer(package: Path, ruleset: str, logs: Path, verdict: Verdict) -> None:

@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mlperf_bert.config.batch_size import config_batch
+from mlperf_bert.runtime.files import output_file
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 MLLOG_TOKEN = ":::MLLOG "
@@ -609,7 +610,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="a config variable for both runs (repeatable), e.g. --set BATCHSIZE=8")
     parser.add_argument("--seed", type=int, default=1, help="seed of the kill plan and its delays")
     parser.add_argument("--attempt_timeout", type=float, default=900.0, help="seconds one attempt may take")
-    parser.add_argument("--report", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--report", type=output_file, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if args.kills < 0:
         parser.error("--kills must be >= 0")

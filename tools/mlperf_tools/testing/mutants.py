@@ -41,6 +41,7 @@ from typing import Iterable
 
 from mlperf_tools.testing import mutant_list, mutant_list_tools
 from mlperf_tools.testing.mutant_list import Mutant
+from mlperf_bert.runtime.files import output_file
 
 # The trainer's and data preparation's mutants, then the tools' (planner, recipe, forecast, scoring, bands).
 MUTANTS: list[Mutant] = mutant_list.MUTANTS + mutant_list_tools.TOOL_MUTANTS
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="check the list against the source and print it")
     parser.add_argument("--no-baseline", action="store_true", help="skip running the tests on the unchanged tree")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per mutant's tests")
-    parser.add_argument("--json", type=Path, help="also write the outcomes here")
+    parser.add_argument("--json", type=output_file, help="also write the outcomes here")
     args = parser.parse_args(argv)
     try:
         check_list(MUTANTS)
