@@ -83,19 +83,20 @@ def test_a_missing_package_a_broken_one_and_a_working_one_are_told_apart(tmp_pat
 
 def test_only_the_package_itself_not_found_is_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A module missing inside an installed package is a broken install, whatever its name shares with the
-    package's: `half` importing `ha` (a prefix of its name, not a parent), `withext` importing its own extension
+    package's: `hamper` importing `ham` (a prefix of its name, not a parent), `withext` importing its own extension
     `withext._C`, `torchao` importing `torchao.float8` of another release. A package under a namespace folder that
     is not there at all (`nvidia` for `nvidia.dali`) is not installed."""
-    monkeypatch.syspath_prepend(str(write_package(tmp_path / "a", "half", "import ha")))
+    # names no other test imports: a package imported once stays in sys.modules, whatever the path says after
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "a", "hamper", "import ham")))
     monkeypatch.syspath_prepend(str(write_package(tmp_path / "b", "withext", "import withext._C")))
     monkeypatch.syspath_prepend(str(write_package(tmp_path / "c", "newer", "")))
-    assert "installed but fails to import (ModuleNotFoundError: No module named 'ha')" in (problem_of("half") or "")
+    assert "installed but fails to import (ModuleNotFoundError: No module named 'ham')" in (problem_of("hamper") or "")
     assert "installed but fails to import (ModuleNotFoundError: No module named 'withext._C')" in (
         problem_of("withext") or "")
     assert "installed but fails to import (ModuleNotFoundError: No module named 'newer.float8')" in (
         problem_of("newer.float8") or "")
     assert "which is not installed" in (problem_of("no_namespace_here.dali", root="no_namespace_here.dali") or "")
-    for module in ("half", "withext", "newer.float8"):
+    for module in ("hamper", "withext", "newer.float8"):
         with pytest.raises(DependencyError, match="installed but fails to import"):
             optional_import(module, "p", "f", "i", "a")
 

@@ -6,14 +6,19 @@
 #   shipped     the config's own step (packed rows, its precision, compile mode, CUDA graph), and a
 #               profile of it: the top 30 kernels by device time
 #   variants    the same step with config variables changed (the table below): bf16, FP8 recipes and
-#               layers, cuDNN's varlen attention, eager bf16, fp16; each as a multiple of the shipped step's time
+#               layers, cuDNN's varlen attention, eager bf16, fp16; each as a multiple of the shipped step's time;
+#               the FP8 delayed step profiled too (its top 30 kernels)
+#   compiled    beside the GPU steps, on the CPU: the Inductor code of the shipped step and of the FP8 delayed
+#               one, generated on the fake device and counted (python -m mlperf_bert.dryrun.compiled: graphs,
+#               kernels by kind and the bytes Inductor counts), to lay beside the two profiles' kernel times
 #   packed-hf   our packed model against HuggingFace's BertForPreTraining padded to 512, bf16
 #   trainer     run_pretraining.py itself with the config's flags (run_and_time.sh, one GPU) on packed
 #               shards of the config's shape (data_prep, BERT-Large, random weights) for TRAINER_WARMUP +
 #               TRAINER_STEPS steps: its samples/s after the warm-up beside the benchmark's step time
 # One folder: summary.txt (one line per step, the verdict last), gpu_perf.log (everything printed),
 # throughput.json (every benchmark run's results), trainer.json (the trainer against the benchmark),
-# kernels.txt (the profile table of the shipped step).
+# kernels.txt and kernels_fp8_delayed.txt (the profile tables of the shipped and FP8 delayed steps),
+# compiled_shipped.json and compiled_fp8_delayed.json (the compiled-step reports): 8 files.
 #
 #   bash tools/gpu_perf.sh [FOLDER]      # FOLDER: default $OUT, else ./gpu_perf_out
 #   SMOKE=1 bash tools/gpu_perf.sh DIR   # CPU smoke mode (tiny sizes, eager, seconds): what `make test` runs
@@ -158,12 +163,7 @@ shipped() {
   local from=(--from_config "$config")
   for var in "${smoke_vars[@]}"; do from+=(--config_var "$var"); done
   bench_step "shipped $config" 150 "$work/tp_shipped.json" "${from[@]}" --profile_dir "$work/profile"
-  local table
-  table=$(find "$work/profile" -name '*.txt' 2>/dev/null | head -n 1)
-  if [[ -n $table ]]; then
-    cp "$table" "$out/kernels.txt"
-    note "    $("$PYTHON" "$report" kernels "$table" 2>&1); kernels.txt: the top 30"
-  fi
+  keep_kernels "$work/profile" kernels.txt
 }
 
 # variant LABEL VARS: the shipped step with VARS on top, unless the launcher or the device lacks them, or
@@ -200,7 +200,56 @@ variant() {
     return
   left=$(($(budget_left) - reserve - STEP_OVER_S))
   for var in "${smoke_vars[@]}" "${given[@]}"; do from+=(--config_var "$var"); done
-  bench_step "variant $label" $((left < 150 ? left : 150)) "$work/tp_variant_${label// /_}.json" "${from[@]}"
+  local slug=${label// /_} profile=()
+  [[ $label == "$profiled_variant" ]] && profile=(--profile_dir "$work/profile_$slug")
+  bench_step "variant $label" $((left < 150 ? left : 150)) "$work/tp_variant_$slug.json" "${from[@]}" "${profile[@]}"
+  ((${#profile[@]})) && keep_kernels "$work/profile_$slug" "kernels_$slug.txt"
+}
+
+# keep_kernels PROFILE_DIR NAME: the profile's kernel table into the folder as NAME, and its summary line.
+keep_kernels() {
+  local table
+  table=$(find "$1" -name '*.txt' 2>/dev/null | head -n 1)
+  if [[ -n $table ]]; then
+    cp "$table" "$out/$2"
+    note "    $("$PYTHON" "$report" kernels "$table" 2>&1); $2: the top 30"
+  fi
+}
+
+# The compiled-step reports (CPU only, `nice`d beside the GPU steps): the shipped step and the FP8 delayed one.
+# Started first, collected last (compiled_wait). Not in the smoke mode: tests/test_compiled_step.py runs the
+# command, and a CPU-only machine has no GPU step to run it beside.
+compiled_start() {
+  if [[ $SMOKE == 1 ]]; then
+    note "$(printf '%-26s %s' "compiled reports" "skipped: the smoke mode (tests/test_compiled_step.py runs the command)")"
+    return
+  fi
+  local name vars
+  for name in shipped fp8_delayed; do
+    vars=()
+    [[ $name == fp8_delayed ]] && vars=(--config_var PRECISION=fp8 --config_var FP8_RECIPE=delayed)
+    echo "=== compiled $name (background): python -m mlperf_bert.dryrun.compiled $config ${vars[*]}" >> "$log"
+    (cd "$here" && nice -n 19 timeout --kill-after="$KILL_AFTER_S" "$budget" "$PYTHON" -m mlperf_bert.dryrun.compiled \
+      "$config" "${vars[@]}" --json "$out/compiled_$name.json" > "$work/compiled_$name.log" 2>&1
+      echo $? > "$work/compiled_$name.rc") &
+  done
+}
+
+compiled_wait() {
+  [[ $SMOKE == 1 ]] && return
+  wait
+  local name rc status
+  for name in shipped fp8_delayed; do
+    cat "$work/compiled_$name.log" >> "$log"
+    rc=$(cat "$work/compiled_$name.rc" 2>/dev/null || echo "?")
+    ran_steps=$((ran_steps + 1))
+    case $rc in
+      0) status=passed ;;
+      *) status="FAILED (exit $rc)"; failed=1 ;;
+    esac
+    note "$(printf '%-26s %-24s %s' "compiled $name" "$status" \
+      "$(grep -E '^one step|^graph breaks' "$work/compiled_$name.log" | tr '\n' ';' | sed 's/;$//')")"
+  done
 }
 
 packed_vs_hf() {
@@ -270,7 +319,8 @@ trainer() {
 }
 
 work="" summary="" log="" failed=0 precisions=()  # tools/budget_steps.sh sets them
-open_folder gpu_perf.sh gpu_perf.log throughput.json trainer.json kernels.txt
+open_folder gpu_perf.sh gpu_perf.log throughput.json trainer.json kernels.txt kernels_fp8_delayed.txt \
+  compiled_shipped.json compiled_fp8_delayed.json
 machine_lines gpu-perf "$device"
 note "config: $config$([[ $SMOKE == 1 ]] && echo " at toy sizes, ${smoke_vars[*]}")"
 log_every=10 min_trainer_steps=30
@@ -278,13 +328,15 @@ if [[ $SMOKE == 1 ]]; then
   trainer_warmup=${TRAINER_WARMUP:-2} trainer_steps=${TRAINER_STEPS:-6} log_every=2 min_trainer_steps=4
 fi
 
+compiled_start
 shipped
-smoke_variant=""
+smoke_variant="" profiled_variant="fp8 delayed"
 for entry in "${variants[@]}"; do
   [[ -z ${VARIANTS:-} || -n ${wanted[${entry%%|*}]:-} ]] && variant "${entry%%|*}" "${entry#*|}"
 done
 packed_vs_hf
 trainer
+compiled_wait
 
 # shellcheck disable=SC2154  # counted by step() (tools/budget_steps.sh)
 if ((ran_steps == 0)); then

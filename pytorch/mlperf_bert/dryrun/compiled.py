@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..runtime.files import output_file
+
 LAYERS = 24  # BERT-Large
 STEPS = 3  # a graphed config captures its second step; an eager one runs its third as its second
 TOP = 12
@@ -267,7 +269,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None,
                    help="trace this many encoder layers (default: 1 and 2, scaled to BERT-Large's 24)")
     p.add_argument("--gpu", default=None, help="the GPU to generate code for (default: the config's DGXSYSTEM's)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report here as JSON too")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE",
+                   help="write the report here as JSON too (its folder is made)")
     p.add_argument("--top", type=int, default=TOP, help=f"largest kernels listed (default {TOP})")
     p.add_argument("--sources", type=Path, default=None, metavar="DIR",
                    help="write each generated module's code here (module_N_KIND.py), to read its kernels")
@@ -297,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--layers {opts.layers}: trace at least one layer")
     if opts.gpu is not None and opts.gpu not in GPUS:
         problems.append(f"--gpu {opts.gpu}: one of {sorted(GPUS)}")
-    for folder in (opts.json.parent if opts.json else None, opts.sources):
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
+    if opts.sources is not None:
+        opts.sources.mkdir(parents=True, exist_ok=True)
     try:
         env = _config_env(opts.config, _variables(opts.config_var))
     except ValueError as err:

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _HERE = str(Path(__file__).parent)
 _READ = torch.ops.aten._local_scalar_dense.default
+_SCALED_MM = torch.ops.aten._scaled_mm.default
 # Page-locking is a host-memory matter the fake mode does not model: the tensor stands as is.
 _PIN = (torch.ops.aten._pin_memory.default,)
 _NONZERO = torch.ops.aten.nonzero.default
@@ -100,7 +101,8 @@ class Recorder(TorchDispatchMode):
     phase: str = "build"
     capturing: bool = False  # set by the cuda stand-ins' capture (fake runs)
     fake: bool = True  # False on a real GPU: reads return the device's values, pinning is real
-    fp8_gemms: Counter[str] = field(default_factory=Counter)  # phase (and CAPTURE) -> aten._scaled_mm calls
+    called_fp8: Counter[str] = field(default_factory=Counter)  # torch._scaled_mm called from Python, eagerly
+    dispatched_fp8: Counter[str] = field(default_factory=Counter)  # aten._scaled_mm seen by this mode
     _reading: bool = False  # the last op seen was a host read
 
     def __post_init__(self) -> None:
@@ -113,8 +115,21 @@ class Recorder(TorchDispatchMode):
         compiled layers' ops, as this mode does, changes nothing they compute."""
         return True
 
+    @property
+    def fp8_gemms(self) -> Counter[str]:
+        """Phase (and CAPTURE) -> FP8 GEMMs: each phase's larger count of the two ways of seeing them
+        (`counting_fp8_gemms`), which see the same GEMMs where both see them."""
+        return Counter({key: max(self.called_fp8[key], self.dispatched_fp8[key])
+                        for key in set(self.called_fp8) | set(self.dispatched_fp8)})
+
+    def count_fp8(self, counter: Counter[str]) -> None:
+        counter[self.phase] += 1
+        counter[CAPTURE] += self.in_capture_now()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is _SCALED_MM:
+            self.count_fp8(self.dispatched_fp8)
         if func is _READ:
             self._note_read(args[0])
             if self.fake:
@@ -182,15 +197,18 @@ class Recorder(TorchDispatchMode):
 def counting_fp8_gemms(recorder: Recorder) -> Iterator[None]:
     """Counts `torch._scaled_mm` calls into `recorder.fp8_gemms` (by phase, and CAPTURE inside a capture).
 
-    Counted at the Python function, not as a dispatched op: torchao calls it from its FP8 tensor
-    subclass's own `__torch_dispatch__`, which runs below the Recorder's mode (the Recorder sees
-    the subclass's `aten.mm`; the `_scaled_mm` inside it goes straight to the fake mode).
+    Two ways, as neither sees every GEMM: eagerly, torchao calls it from its FP8 tensor subclass's own
+    `__torch_dispatch__`, which runs below the Recorder's mode (the Recorder sees the subclass's
+    `aten.mm`; the `_scaled_mm` inside it goes straight to the fake mode), so the Python function is
+    counted; a compiled layer's graph calls `aten._scaled_mm` itself (AOTAutograd takes the subclass
+    apart), which the Recorder sees, and the Python function only runs while Dynamo traces it (not
+    counted then). Where both see a GEMM (the delayed recipe, eager) they count it once each.
     """
     original = torch._scaled_mm
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        recorder.fp8_gemms[recorder.phase] += 1
-        recorder.fp8_gemms[CAPTURE] += recorder.in_capture_now()
+        if not torch.compiler.is_compiling():
+            recorder.count_fp8(recorder.called_fp8)
         return original(*args, **kwargs)
 
     with mock.patch.object(torch, "_scaled_mm", counted):

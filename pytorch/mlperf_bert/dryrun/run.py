@@ -262,6 +262,9 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     """Builds the configured run on 'cuda', runs `steps` steps and an eval; the report lists the findings."""
     denv = dist_env_from(os.environ if env is None else env)
     cfg = parse_config(trainer_argv, denv.world_size)
+    # A run of its own, as a trainer process is: nothing compiled for an earlier run in this process (the planner
+    # traces every config in one) is reused, or recompiled with shapes marked dynamic because they changed.
+    torch._dynamo.reset()
     if cfg.run.precision == "fp8" and not fake:  # the trainer's start-up check (the fake device is 9.0)
         problem = fp8_unavailable(torch.device("cuda", 0))
         if problem is not None:
