@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..model.varlen_flash import NAMESPACE, VARLEN_OPS
+from .record import WatchingMode
 
 MATMUL, FP8, OTHER = "matmul", "fp8", "other"
 OWN_NAMESPACE = NAMESPACE  # the package's custom ops (model/varlen_flash.py)
@@ -128,7 +129,7 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 @dataclass
-class CostTracer(TorchDispatchMode):
+class CostTracer(WatchingMode):
     """Counts live device memory and each op's work per phase (see the module docstring).
 
     phase / capturing: callables giving the current phase label and whether a CUDA graph is
@@ -149,13 +150,6 @@ class CostTracer(TorchDispatchMode):
 
     def __post_init__(self) -> None:
         super().__init__()
-
-    @classmethod
-    def is_infra_mode(cls) -> bool:
-        """True: Dynamo compiles no frame while a user's dispatch mode is active (it would trace through the
-        mode), but it does under infrastructure modes, as it does under FakeTensorMode. Watching the
-        compiled layers' ops, as this mode does, changes nothing they compute."""
-        return True
 
     @property
     def device_bytes(self) -> int:

@@ -93,8 +93,18 @@ def healthy_value(dtype: torch.dtype) -> bool | int | float:
     return 0.0 if dtype.is_floating_point else 0
 
 
+class WatchingMode(TorchDispatchMode):
+    """A dispatch mode that watches the ops of a run and changes nothing they compute (the Recorder, the cost
+    tracer). It declares itself an infrastructure mode, as FakeTensorMode does: Dynamo compiles no frame while a
+    user's dispatch mode is active, so under a plain one every compiled layer of a dry run would run eagerly."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+
 @dataclass
-class Recorder(TorchDispatchMode):
+class Recorder(WatchingMode):
     """Records host reads and host<->device copies; `phase` labels what runs now."""
 
     events: list[Event] = field(default_factory=list)
@@ -107,13 +117,6 @@ class Recorder(TorchDispatchMode):
 
     def __post_init__(self) -> None:
         super().__init__()
-
-    @classmethod
-    def is_infra_mode(cls) -> bool:
-        """True: Dynamo compiles no frame while a user's dispatch mode is active (it would trace through the
-        mode), but it does under infrastructure modes, as it does under FakeTensorMode. Watching the
-        compiled layers' ops, as this mode does, changes nothing they compute."""
-        return True
 
     @property
     def fp8_gemms(self) -> Counter[str]:

@@ -14,7 +14,7 @@ def print_report(report: DryRunReport) -> None:
           f"cuda_graphs {cfg.run.cuda_graphs}, optimizer {cfg.optim.optimizer}/{cfg.optim.implementation} "
           f"({report.optimizer_class}), "
           f"clip {cfg.optim.clip_mode}, sync_every {cfg.run.sync_every}, eval_cuda_graph {cfg.run.eval_cuda_graph}, "
-          f"compile {cfg.run.compile_mode}, attention {report.attention}; "
+          f"compile {cfg.run.compile_mode} ({report.compiled_graphs} graph(s) compiled), attention {report.attention}; "
           f"{report.captures} capture(s), {report.replays} replay(s)")
     if report.streams or report.event_records:  # counted by the fake device's stand-ins only
         print(f"  streams: {report.streams} side stream(s) made, {report.event_records} event record(s), "

@@ -75,6 +75,7 @@ class DryRunReport:
     failures: list[str] = field(default_factory=list)
     peak_step_bytes: int | None = None  # real GPU only: the allocator's peak over the build and the steps
     memory: MemoryEstimate | None = None  # one device's peaks (estimate.py)
+    compiled_graphs: int = 0  # graphs Dynamo compiled (--compile_mode other than none: at least the layers')
     work: StepWork | None = None  # one step's and one eval's ops and collectives
 
 
@@ -265,6 +266,7 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
     # A run of its own, as a trainer process is: nothing compiled for an earlier run in this process (the planner
     # traces every config in one) is reused, or recompiled with shapes marked dynamic because they changed.
     torch._dynamo.reset()
+    compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if cfg.run.precision == "fp8" and not fake:  # the trainer's start-up check (the fake device is 9.0)
         problem = fp8_unavailable(torch.device("cuda", 0))
         if problem is not None:
@@ -286,6 +288,7 @@ def dry_run(trainer_argv: list[str], steps: int = 3, fake: bool = True,
                           log.captures, log.replays, dict(recorder.fp8_gemms), stepped, dict(log.phase_replays),
                           log.streams, log.event_records, log.stream_waits, peak_step_bytes=peak or None,
                           memory=memory, work=work)
+    report.compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before
     report.failures = findings(report)
     return report
 
