@@ -1,11 +1,25 @@
-"""The LAMB / AdamW update in at most three passes (optim/fused.py).
+"""The LAMB / AdamW update in at most three passes (optim/fused.py, optim/fused_kernels.py).
 
 - The passes of one step, counted as torch dispatches them (each op weighted by the share of the
   parameters' elements it sweeps): at most 3 for LAMB, unsharded, capturable or sharded; 17 before.
+- The Triton kernels themselves, run on the CPU through Triton's interpreter in a process of its own
+  (`_fused_kernels_worker.py`, whose docstring lists the cases): each pass against the multi-tensor
+  ops, and LAMB / AdamW / the capturable twin / the sharded LAMB stepped by them against
+  `ReferenceLamb` / `ReferenceAdamW` and the unsharded optimizer.
+- The kernels compiled for an H100/H200 (sm_90) here, with Triton's own ptxas: that they compile, that
+  their divisions and square roots are IEEE-rounded, and that aligned tensors get 128-bit accesses.
+- The host-built tables' guard against a CUDA-graph capture, and the alignment check.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -15,8 +29,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import test_sharded_ranks as ranks
+from conftest import REPO, require_tool
 from mlperf_bert.optim.capturable import capturable
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
+
+WORKER = REPO / "tests" / "_fused_kernels_worker.py"
+# Relative to the largest value compared: the kernels round every product, quotient and root as the
+# multi-tensor ops do; sums (the norms) are added in another order.
+TOLERANCE = 1e-6
+SM90 = ("cuda", 90, 32)
+
+
+def needs_triton() -> None:
+    """Triton is a test dependency on x86-64 Linux (pyproject.toml), where `make test` installs it."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip("Triton's wheels are for x86-64 Linux")
+    require_tool(importlib.util.find_spec("triton") is not None, "Triton is not installed")
 
 
 # ---------------------------------------------------------------- passes over the parameters
@@ -116,3 +144,111 @@ def _uncounted(collective: Any) -> Any:
         finally:
             COLLECTIVE.on = False
     return call
+
+
+# ---------------------------------------------------------------- the kernels, interpreted
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict[str, Any]:
+    needs_triton()
+    out = tmp_path_factory.mktemp("fused") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text())
+
+
+def test_each_kernel_pass_equals_the_multi_tensor_ops(interpreted):
+    assert len(interpreted["kernels"]) == 8
+    for case, difference in interpreted["kernels"].items():
+        assert difference <= TOLERANCE, case
+
+
+def test_optimizers_stepped_by_the_kernels_equal_the_reference(interpreted):
+    """LAMB unclipped, clipped, clipped hard and capturable (device step count and lr), AdamW, and the
+    sharded LAMB at 3 ranks, each stepped by the kernels, against the reference optimizers."""
+    assert len(interpreted["optimizers"]) == 6
+    for case, difference in interpreted["optimizers"].items():
+        assert difference <= TOLERANCE, case
+
+
+def test_a_step_is_one_or_two_kernel_passes_plus_the_clip_norm(interpreted):
+    """LAMB: one pass advances every group's moments (the decayed group with its norms, the other
+    applying too), one more applies the decayed group; AdamW: one pass. The gradient norm of the
+    clip is torch's `_foreach_norm` (pass 1). Each group's addresses are described in launches of
+    CHUNK (3) tensors, and LAMB's per-tensor sums take one more small launch."""
+    lamb, adam = interpreted["launches"]["lamb"], interpreted["launches"]["adam"]
+    assert lamb["passes"]["advance"] == pytest.approx(1.0) and 0.5 < lamb["passes"]["apply"] < 1.0
+    assert lamb["launches"] == {"describe": 6, "step": 3, "sums": 1}  # 5 and 4 tensors: 2 launches each, + 2 more
+    assert adam["passes"] == {"advance": pytest.approx(1.0)} and adam["launches"] == {"describe": 4, "step": 2}
+
+
+# ---------------------------------------------------------------- the kernels, compiled
+
+
+def compiled_ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], **options: Any) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget(*SM90), options=options).asm["ptx"]
+
+
+PASS_SIGNATURE = {"addresses": "*i64", "layout": "*i64", "owner": "*i32", "partials": "*fp32", "scales": "*fp32",
+                  "divisor": "*fp32", "corrections": "*fp32",
+                  **{name: "fp32" for name in ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps",
+                                               "weight_decay", "bias_correction1", "bias_correction2")}}
+
+
+def test_the_kernels_compile_for_the_gpu_with_rounded_arithmetic_and_wide_accesses():
+    """Compiled for sm_90 (no GPU needed: Triton brings ptxas): every kernel; the passes divide and take
+    roots IEEE-rounded, fuse no multiply-add, and read and write 128 bits at a time when ALIGNED."""
+    needs_triton()
+    from mlperf_bert.optim import fused_kernels
+
+    k = fused_kernels.kernels()
+    accesses = {}
+    for aligned in (False, True):
+        constants = dict(ADVANCE=True, NORMS=True, APPLY=False, HAS_DIVISOR=True, DEVICE_CORRECTIONS=False,
+                         ALIGNED=aligned, BLOCK=fused_kernels.BLOCK)
+        ptx = compiled_ptx(k.step, PASS_SIGNATURE, constants, num_warps=8, **k.options)
+        assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx and "fma" not in ptx
+        accesses[aligned] = set(re.findall(r"(?:ld|st)\.global\.(?:v4\.)?b32", ptx))
+    # The scalars (a tensor's scale, its partial sums) are 32-bit either way.
+    assert not any(".v4." in access for access in accesses[False])
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses[True]
+    apply = compiled_ptx(k.step, PASS_SIGNATURE, dict(ADVANCE=True, NORMS=False, APPLY=True, HAS_DIVISOR=False,
+                                                      DEVICE_CORRECTIONS=True, ALIGNED=True, BLOCK=fused_kernels.BLOCK),
+                         num_warps=8, **k.options)
+    assert "st.global.v4.b32" in apply
+    chunk = ("*fp32",) * 4
+    compiled_ptx(k.describe, {"addresses": "*i64", "first": "i32", "count": "i32", "params": chunk, "grads": chunk,
+                              "exp_avg": chunk, "exp_avg_sq": chunk}, {"CHUNK": 4}, num_warps=1, **k.options)
+    compiled_ptx(k.sums, {"layout": "*i64", "partials": "*fp32", "sums": "*fp32"},
+                 {"BLOCK": fused_kernels.BLOCK, "REDUCE_BLOCK": fused_kernels.REDUCE_BLOCK}, num_warps=4, **k.options)
+
+
+def test_aligned_needs_every_address_and_length_aligned():
+    needs_triton()
+    from mlperf_bert.optim.fused_kernels import aligned
+
+    assert aligned([0, 16, 4096], [4, 8, 1024])
+    assert not aligned([0, 20], [4, 8])  # a view 5 floats into its buffer
+    assert not aligned([0, 16], [4, 6])  # a length that leaves a partial 128-bit access at the end
+
+
+def test_host_tables_are_never_built_inside_a_capture(monkeypatch):
+    """A table missing inside a CUDA-graph capture raises instead of copying from the host there."""
+    needs_triton()
+    from mlperf_bert.optim import fused_kernels
+
+    built = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before the CUDA-graph capture"):
+        fused_kernels._host_table(lambda: built.append(1) or torch.zeros(1), torch.device("cuda"))
+    assert not built
+    assert fused_kernels._host_table(lambda: torch.ones(1), torch.device("cpu")).item() == 1.0

@@ -16,7 +16,10 @@ costs no more memory traffic than storing it in step 2 and reading it back (per 
 read and 4 written, against 4 written in step 2 and 12 read in step 3), and needs no buffer.
 
 Each op runs, per device:
-- every device: the multi-tensor code, `torch._foreach_*` as before, in the order of the passes;
+- CUDA: the Triton kernels of `fused_kernels.py`, one launch per pass over a whole list of tensors;
+  tensors that are not all float32 and contiguous, or no Triton, take the multi-tensor code instead;
+- CPU (and any other device): the multi-tensor code, `torch._foreach_*` as before: the reference the
+  kernels are tested against (`tests/test_fused_optim.py`, through Triton's interpreter on the CPU);
 - the fake device of the dry run: shapes only (`register_fake`).
 
 Why these, and not another library's:
@@ -27,15 +30,20 @@ Why these, and not another library's:
 - apex's `FusedLAMB` stays what `--optimizer_impl auto` picks for eager steps where it imports
   (`optimizers._auto_implementation`); it keeps its step count and lr on the host, so no CUDA graph
   can replay it, and it cannot be sharded (`sharded.py`).
+- `torch.library.triton_op`: it exists so that `torch.compile` can trace into the Triton kernels;
+  nothing compiles the optimizer step, and this op's CPU implementation is the multi-tensor code, not
+  a kernel. A `custom_op` with a CUDA kernel, as `model/varlen_flash.py`'s, keeps the two apart.
 
-The ops never read the device on the host, so a CUDA graph replays them. Optimizer state is
-untouched in layout: exp_avg / exp_avg_sq per parameter, in place.
+The ops never read the device on the host, and their kernels' tables are built so that a CUDA graph
+replays them (`fused_kernels.py`). Optimizer state is untouched in layout: exp_avg / exp_avg_sq per
+parameter, in place.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -164,6 +172,18 @@ def _moments_fake(params: list[torch.Tensor], *_: Any, **__: Any) -> torch.Tenso
     return params[0].new_empty((len(params), 2), dtype=torch.float32)
 
 
+@_moments_op.register_kernel("cuda")
+def _moments_cuda(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                  exp_avg_sq: list[torch.Tensor], divisor: torch.Tensor | None, corrections: torch.Tensor | None,
+                  beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction1: float,
+                  bias_correction2: float, static: bool) -> torch.Tensor:
+    args = (divisor, corrections, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2)
+    kernels = triton_kernels(params, grads, exp_avg, exp_avg_sq)
+    if kernels is None:
+        return multi_tensor_moments(params, grads, exp_avg, exp_avg_sq, *args)
+    return triton_moments(kernels, params, grads, exp_avg, exp_avg_sq, *args, static=static)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::{OP_PREFIX}apply", mutates_args=("params", "exp_avg", "exp_avg_sq"))
 def _apply_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
               exp_avg_sq: list[torch.Tensor], scales: torch.Tensor, divisor: torch.Tensor | None,
@@ -179,6 +199,59 @@ def _apply_fake(*_: Any, **__: Any) -> None:
     return None
 
 
+@_apply_op.register_kernel("cuda")
+def _apply_cuda(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                exp_avg_sq: list[torch.Tensor], scales: torch.Tensor, divisor: torch.Tensor | None,
+                corrections: torch.Tensor | None, beta1: float, beta2: float, eps: float, weight_decay: float,
+                bias_correction1: float, bias_correction2: float, static: bool) -> None:
+    args = (divisor, corrections, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2)
+    kernels = triton_kernels(params, grads, exp_avg, exp_avg_sq)
+    if kernels is None:
+        multi_tensor_apply(params, grads or None, exp_avg, exp_avg_sq, scales, *args)
+    else:
+        triton_apply(kernels, params, grads or None, exp_avg, exp_avg_sq, scales, *args, static=static)
+
+
+@functools.cache
+def _triton_module() -> Any:
+    """`fused_kernels`, or None where Triton does not import (torch's CPU wheels come without it)."""
+    try:
+        from . import fused_kernels
+    except ImportError:
+        return None
+    return fused_kernels
+
+
+def triton_kernels(*lists: Sequence[torch.Tensor]) -> Any:
+    """The compiled kernels when they can take these tensors (float32, contiguous); else None."""
+    module = _triton_module()
+    fits = all(t.dtype == torch.float32 and t.is_contiguous() for ts in lists for t in ts)
+    return module.kernels() if module is not None and fits else None
+
+
+def _scalars(corrections: torch.Tensor | None, beta1: float, beta2: float, eps: float, weight_decay: float,
+             bias_correction1: float, bias_correction2: float) -> Any:
+    return _triton_module().Scalars(beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
+                                    corrections)
+
+
+def triton_moments(kernels: Any, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                   exp_avg_sq: list[torch.Tensor], divisor: torch.Tensor | None, corrections: torch.Tensor | None,
+                   *numbers: float, static: bool = False) -> torch.Tensor:
+    """`moments_and_norms` by the Triton kernels `kernels` (compiled, or interpreted in the tests)."""
+    return _triton_module().run_pass(kernels, params, grads, exp_avg, exp_avg_sq, _scalars(corrections, *numbers),
+                                     divisor, norms=True, static=static)
+
+
+def triton_apply(kernels: Any, params: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                 exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], scales: torch.Tensor,
+                 divisor: torch.Tensor | None, corrections: torch.Tensor | None, *numbers: float,
+                 static: bool = False) -> None:
+    """`apply_update` by the Triton kernels `kernels` (compiled, or interpreted in the tests)."""
+    _triton_module().run_pass(kernels, params, grads, exp_avg, exp_avg_sq, _scalars(corrections, *numbers),
+                              divisor, scales=scales, static=static)
+
+
 # ---------------------------------------------------------------- what the optimizers call
 
 
@@ -187,7 +260,7 @@ def moments_and_norms(params: list[torch.Tensor], grads: list[torch.Tensor], exp
                       static: bool = False) -> torch.Tensor:
     """Pass 2: advances the moments (g = grad / divisor) and returns [T, 2] float32, each tensor's
     sum of p * p and of update * update (this rank's part of them, for a shard's pieces).
-    static: the tensors never move (views of fixed buffers)."""
+    static: the tensors never move (views of fixed buffers): their kernel tables are built once."""
     return _moments_op(params, grads, exp_avg, exp_avg_sq, divisor, static=static, **hyper.op_args())
 
 
