@@ -252,3 +252,56 @@ def test_host_tables_are_never_built_inside_a_capture(monkeypatch):
         fused_kernels._host_table(lambda: built.append(1) or torch.zeros(1), torch.device("cuda"))
     assert not built
     assert fused_kernels._host_table(lambda: torch.ones(1), torch.device("cpu")).item() == 1.0
+
+
+# ---------------------------------------------------------------- on a GPU (make bring-up: pytest -m gpu)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _no_multi_tensor(*_: Any) -> None:
+    raise AssertionError("the multi-tensor code ran on the GPU: the Triton kernels were not taken")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name,max_grad_norm", [("lamb", 1.0), ("lamb", None), ("adam", 1.0)])
+def test_on_the_gpu_the_kernels_step_like_the_reference(name, max_grad_norm, monkeypatch):
+    from mlperf_bert.optim import fused
+    import test_optim
+
+    monkeypatch.setattr(fused, "multi_tensor_moments", _no_multi_tensor)
+    monkeypatch.setattr(fused, "multi_tensor_apply", _no_multi_tensor)
+    test_optim.assert_same_parameters(test_optim.run(name, "reference", max_grad_norm),
+                                      test_optim.run(name, "foreach", max_grad_norm, device="cuda"),
+                                      rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_a_captured_step_replays_the_eager_one():
+    """The capturable LAMB's step (clipped, device step count and lr) captured in a CUDA graph: its replays
+    equal as many eager steps of a twin (the kernels' address tables are written inside the graph)."""
+    def build() -> tuple[torch.nn.Module, Any]:
+        model = layers().cuda()
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).cuda()
+        return model, capturable(build_optimizer(parameter_groups(model, 0.01), "lamb", 1e-2, (0.9, 0.999), 1e-6,
+                                                 0.01, 1.0, "foreach"))
+
+    (graphed, graphed_opt), (eager, eager_opt) = build(), build()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: compiles the kernels, builds the host tables
+            graphed_opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed_opt.step()
+    for _ in range(3):
+        graph.replay()
+    for _ in range(6):
+        eager_opt.step()
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
