@@ -53,6 +53,9 @@ NCCL_PREFLIGHT = "pytorch/nccl_preflight.py"
 STARTUP = "pytorch/mlperf_bert/startup.py"
 PRECISION = "pytorch/mlperf_bert/model/precision.py"  # the capability thresholds startup.device_problems asks
 ATTENTION = "pytorch/mlperf_bert/model/attention.py"
+# round 3: the fused optimizer's bugs, each planted by hand and seen to fail its test before the code was committed
+FUSED_KERNELS = "pytorch/mlperf_bert/optim/fused_kernels.py"
+OPTIMIZERS = "pytorch/mlperf_bert/optim/optimizers.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     CLOSED: ("tests/test_closed_division.py", "-k",
@@ -92,6 +95,9 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     PRECISION: ("tests/test_device_choices.py", "tests/test_fast_path.py"),
     ATTENTION: ("tests/test_device_choices.py", "tests/test_fast_path.py", "tests/test_optional_dependencies.py",
                 "tests/test_grouped_attention.py", "-k", "not trainer"),
+    # round 3
+    FUSED_KERNELS: ("tests/test_fused_optim.py",),
+    OPTIMIZERS: ("tests/test_fused_optim.py", "tests/test_optim.py"),
 }
 
 
@@ -101,6 +107,10 @@ def _m(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> 
 
 def _m2(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> Mutant:
     return Mutant(id, module, find, replace, bug, tuple(tests), round=2)
+
+
+def _m3(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> Mutant:
+    return Mutant(id, module, find, replace, bug, tuple(tests), round=3)
 
 
 MUTANTS: list[Mutant] = [
@@ -626,4 +636,39 @@ MUTANTS: list[Mutant] = [
         "dist.all_reduce(sums, group=self.shards.replica_group)",
         "LAMB's weight and update norms reduced over this shard's replicas, not its shard group (one piece per "
         "tensor)"),
+    # ------------------------------------------------------------ optim/fused_kernels.py, optim/optimizers.py
+    _m3("fused-01", FUSED_KERNELS, "tl.sum(tl.where(inside, p * p, 0.0), axis=0))",
+        "tl.sum(tl.where(inside, (p - update) * (p - update), 0.0), axis=0))",
+        "the trust ratio from the weights' norm after the update"),
+    _m3("fused-02", FUSED_KERNELS, "update = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(",
+        "update = tl.div_rn(m, tl.sqrt_rn(", "the first moment's bias correction dropped"),
+    _m3("fused-03", FUSED_KERNELS, "weights += tl.load(partials + (first + index) * 2, mask=mine, other=0.0)",
+        "weights += tl.load(partials + (first + index + 1) * 2, mask=mine, other=0.0)",
+        "a tensor's partial sums read one program off (its segment offset off by one)"),
+    _m3("fused-04", FUSED_KERNELS, "        starts[i] = starts[i - 1] + programs[i - 1]\n",
+        "        starts[i] = starts[i - 1] + programs[i - 1] - 1\n",
+        "a tensor's first program off by one in the layout (two tensors share a program)"),
+    _m3("fused-05", FUSED_KERNELS, "            row = addresses + (first + i) * 4\n", "            row = addresses + i * 4\n",
+        "every describe launch writes its rows from row 0 (the chunk's offset dropped)"),
+    _m3("fused-06", FUSED_KERNELS, "        bc1 = tl.load(corrections)\n        bc2 = tl.load(corrections + 1)\n",
+        "        bc1 = bias_correction1\n        bc2 = bias_correction2\n",
+        "the capturable optimizer's device bias corrections ignored (the host's unused floats taken)"),
+    _m3("fused-07", FUSED_KERNELS, "            g = tl.div_rn(g, tl.load(divisor))\n", "            g = g\n",
+        "the clip divisor ignored by the kernel"),
+    _m3("fused-08", FUSED_KERNELS, "    pointers = tuple(t.data_ptr() for row in zip(*lists) for t in row)\n",
+        "    pointers = tuple(t.data_ptr() for ts in lists for t in ts)\n",
+        "the host-built addresses laid out kind by kind instead of tensor by tensor"),
+    _m3("fused-09", FUSED_KERNELS,
+        "    return all(p % 16 == 0 for p in pointers) and all(n % 4 == 0 for n in numels)\n",
+        "    return all(p % 16 == 0 for p in pointers)\n",
+        "a length that is no multiple of 4 taken as aligned (a 128-bit access past its tensor's end)"),
+    _m3("fused-10", FUSED_KERNELS, "        numel = tl.multiple_of(numel, 4)\n", "",
+        "the length's alignment hint dropped: every access 32 bits wide"),
+    _m3("fused-11", FUSED_KERNELS, '    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():\n',
+        "    if False:\n", "a host table built (a host-to-device copy) inside a CUDA-graph capture"),
+    _m3("fused-12", OPTIMIZERS,
+        "        sums = fused.moments_and_norms(params, grads, exp_avg, exp_avg_sq, hyper, divisor)\n",
+        "        sums = fused.moments_and_norms(params, grads, exp_avg, exp_avg_sq, hyper, divisor)\n"
+        "        sums = torch.stack([fused.squared_norms(params), sums[:, 1]], dim=1)\n",
+        "the weights' norms taken in a pass of their own (four passes)"),
 ]
