@@ -3,7 +3,7 @@
 - `device_lr`: each group's learning rate as a 0-dim device tensor that `schedule.set_lr`
   fills in place, so a replayed graph reads the new value.
 - `capturable`: the graph-safe twin of a `ForeachLamb` / `ForeachAdamW`, sharded or not (the same
-  multi-tensor arithmetic) whose step counter and bias corrections live on the device too.
+  fused passes, `fused.py`) whose step counter and bias corrections live on the device too.
   Given the run's schedule it also computes its learning rate from that device step count,
   so an fp16 step skipped on the device (`loss_scale.DeviceLossScaler`) advances neither.
 
@@ -49,7 +49,7 @@ class DeviceStepCount(ForeachKernels):
     schedule: LRSchedule | None = None
 
     # The bias corrections as device tensors where the host version returns floats: the
-    # foreach arithmetic takes either.
+    # fused passes take either (`fused.Hyper.op_args`).
     def _advance(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         step = self._step_tensor(group)
         if self.schedule is not None:

@@ -5,8 +5,9 @@ Closed-division BERT must train with LAMB as apex FusedLAMB computes it; the ope
 
 * `ReferenceLamb` / `ReferenceAdamW`: one Python loop over tensors, written to be read and
   to be the ground truth in tests;
-* `ForeachLamb` / `ForeachAdamW`: the same arithmetic as a handful of multi-tensor
-  (`torch._foreach_*`) launches, with no device-to-host synchronisation.
+* `ForeachLamb` / `ForeachAdamW`: the same arithmetic in at most three passes over the
+  parameters (`fused.py`: Triton kernels on a GPU, multi-tensor `torch._foreach_*` ops on the
+  CPU), with no device-to-host synchronisation.
 
 `build_optimizer` picks one of them, or apex itself when it is installed.
 
@@ -44,6 +45,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence, cast
 import torch
 
 from ..runtime.optional import DependencyError, dependency_problem, optional_import, require
+from . import fused
 
 LAMB_NAMES = ("lamb",)
 ADAM_NAMES = ("adam", "adamw")
@@ -256,7 +258,14 @@ class ReferenceAdamW(_ReferenceLoop):
 
 
 class ForeachKernels(_ApexSemantics):
-    """The fast form: a few multi-tensor launches per group, no host synchronisation.
+    """The fast form: the update in at most three passes over the parameters (`fused.py`), no host
+    synchronisation.
+
+    Pass 1, with clipping: the global gradient norm (`torch._foreach_norm`). Then per group: with the
+    trust ratio, pass 2 advances the moments and sums each tensor's p * p and update * update, and
+    pass 3 applies lr * ratio * update; without it, one pass advances and applies. On a GPU each
+    pass is one Triton kernel over the group; on the CPU the same ops run multi-tensor
+    (`torch._foreach_*`) arithmetic.
 
     `lr` may be a float or a 0-dim tensor on the parameters' device (a device-resident
     learning rate the schedule writes in place, so neither a host sync nor a graph
@@ -264,79 +273,44 @@ class ForeachKernels(_ApexSemantics):
     """
 
     def _update(self) -> None:
-        grads = self._all_grads()
-        divisor = None
-        if self.max_grad_norm is not None and grads:
-            norms = torch._foreach_norm(grads, dtype=torch.float32)
-            divisor = clip_divisor(torch.linalg.vector_norm(torch.stack(norms)), self.max_grad_norm)
+        divisor = self._clip_divisor()
         for group in self.param_groups:
             corrections = self._advance(group)
             params = self._with_grad(group)
-            if not params:
-                continue
-            param_norms = torch._foreach_norm(params) if self._uses_trust_ratio(group) else None
-            updates = self._updates(group, params, divisor, corrections)
-            scales: torch.Tensor | float = group["lr"]
-            if param_norms is not None:
-                ratios = lamb_trust_ratio(torch.stack(param_norms), torch.stack(torch._foreach_norm(updates)))
-                scales = ratios * group["lr"]
-            apply_updates(params, updates, scales)
+            if params:
+                self._step_group(group, params, divisor, fused.Hyper.of(group, corrections))
 
-    def _updates(self, group: dict[str, Any], params: list[torch.Tensor], divisor: torch.Tensor | None,
-                 corrections: tuple[float, float]) -> list[torch.Tensor]:
-        """Advances the moments of `params`; returns m_hat / (sqrt(v_hat) + eps) + wd * p."""
+    def _clip_divisor(self) -> torch.Tensor | None:
+        """Pass 1: what every gradient is divided by (global clipping), or None without clipping."""
+        grads = self._all_grads()
+        if self.max_grad_norm is None or not grads:
+            return None
+        norms = torch._foreach_norm(grads, dtype=torch.float32)
+        return clip_divisor(torch.linalg.vector_norm(torch.stack(norms)), self.max_grad_norm)
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], divisor: torch.Tensor | None,
+                    hyper: fused.Hyper) -> None:
+        """Passes 2 and 3 of one group (one pass without the trust ratio)."""
         exp_avg = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
         grads = [cast(torch.Tensor, p.grad) for p in params]  # parameters with a gradient only
-        return adam_updates(group, params, grads, exp_avg, exp_avg_sq, divisor, corrections)
-
-
-def adam_updates(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                 exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], divisor: torch.Tensor | None,
-                 corrections: tuple[Any, Any]) -> list[torch.Tensor]:
-    """The multi-tensor moments and update of one group, on any tensors: whole parameters, or
-    the slices of them a rank owns (`sharded.py`). Advances `exp_avg` / `exp_avg_sq` in place;
-    returns m_hat / (sqrt(v_hat) + eps) + weight_decay * p, with g = grad / divisor.
-    corrections: (1 - beta1^t, 1 - beta2^t), floats or device tensors.
-    """
-    (beta1, beta2), (bc1, bc2) = group["betas"], corrections
-    scratch = torch._foreach_div(grads, divisor) if divisor is not None else torch._foreach_mul(grads, 1.0)
-    torch._foreach_mul_(exp_avg, beta1)
-    torch._foreach_add_(exp_avg, scratch, alpha=1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sq, beta2)
-    torch._foreach_addcmul_(exp_avg_sq, scratch, scratch, value=1.0 - beta2)
-    # The scaled gradients are no longer needed: reuse their memory for the denominator.
-    torch._foreach_copy_(scratch, exp_avg_sq)
-    torch._foreach_div_(scratch, bc2)
-    torch._foreach_sqrt_(scratch)
-    torch._foreach_add_(scratch, group["eps"])
-    updates = torch._foreach_div(exp_avg, bc1)
-    torch._foreach_div_(updates, scratch)
-    if group["weight_decay"] != 0:
-        torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-    return list(updates)
-
-
-def apply_updates(params: list[torch.Tensor], updates: list[torch.Tensor], scales: torch.Tensor | float) -> None:
-    """p -= scale * update, with `scales` a float, a 0-dim tensor or one value per tensor.
-
-    Always multiply-then-subtract, so a float lr and an equal tensor lr give the same bits.
-    """
-    if isinstance(scales, torch.Tensor) and scales.ndim == 1:
-        torch._foreach_mul_(updates, list(scales.to(updates[0].dtype).unbind()))
-    else:
-        torch._foreach_mul_(updates, scales)
-    torch._foreach_sub_(params, updates)
+        if not self._uses_trust_ratio(group):
+            scales = fused.per_tensor(group["lr"], len(params), params[0])
+            fused.apply_update(params, exp_avg, exp_avg_sq, scales, hyper, grads, divisor)
+            return
+        sums = fused.moments_and_norms(params, grads, exp_avg, exp_avg_sq, hyper, divisor)
+        ratios = lamb_trust_ratio(sums[:, 0].sqrt(), sums[:, 1].sqrt())
+        fused.apply_update(params, exp_avg, exp_avg_sq, ratios * group["lr"], hyper)
 
 
 class ForeachLamb(ForeachKernels):
-    """LAMB with multi-tensor kernels; the arithmetic of `ReferenceLamb`."""
+    """LAMB in three passes (`fused.py`); the arithmetic of `ReferenceLamb`."""
 
     trust_ratio = True
 
 
 class ForeachAdamW(ForeachKernels):
-    """AdamW with multi-tensor kernels; the arithmetic of `ReferenceAdamW`."""
+    """AdamW in one pass per group (two with clipping, `fused.py`); the arithmetic of `ReferenceAdamW`."""
 
     trust_ratio = False
 

@@ -16,15 +16,17 @@ every GPU. Here, per step:
    runs while the backward computes the first layers' gradients. The step waits for them all;
    blocks no bucket completed (no hook installed, or a parameter outside the DDP model) are
    copied from `.grad` and reduce-scattered then.
-3. One all-reduce of partial sums: per tensor, the squared norms of this rank's piece of the
-   gradient and (LAMB) of the weights, plus the folded non-finite flags. From it every rank
-   knows the global gradient norm (clipping `after_allreduce`, and the fp16 overflow check:
-   an inf/nan anywhere in any rank's local gradient reaches the reduced shard that owns it, so
-   the summed norm is not finite on every rank) and each tensor's weight norm.
-4. The moments and the update of the shard: the multi-tensor arithmetic of `ForeachLamb` /
-   `ForeachAdamW` (`optimizers.adam_updates`), on the slices of the parameters the shard holds.
-5. LAMB only: one all-reduce of the per-tensor squared norms of the update's pieces, then the
-   trust ratios; `optimizers.apply_updates` applies lr * ratio * update to the shard.
+3. One all-reduce of partial sums: per tensor, the squared norm of this rank's piece of the
+   gradient, plus the folded non-finite flags. From it every rank knows the global gradient norm
+   (clipping `after_allreduce`, and the fp16 overflow check: an inf/nan anywhere in any rank's
+   local gradient reaches the reduced shard that owns it, so the summed norm is not finite on
+   every rank). Reading the gradient shard for it is the update's first pass over the shard.
+4. LAMB's groups with the trust ratio: the second pass (`fused.moments_and_norms`, the arithmetic
+   of `ForeachLamb` on the slices of the parameters the shard holds) advances the moments and
+   sums each piece's weights and update squared; one all-reduce of those per-tensor sums (2T
+   floats), then the trust ratios.
+5. The third pass (`fused.apply_update`) applies lr * ratio * update to the shard; a group
+   without trust ratio (every ADAM group) advances its moments in this same pass.
 6. The update is applied block by block, and each block's all-gather (into the flat parameter
    buffer, which the model's parameters are views of) is issued as soon as its pieces are
    applied, so it runs during the later blocks' updates; the step waits for all of them before
@@ -48,11 +50,12 @@ shard in the other groups (issued when the next block's reduce-scatter is, or in
 for the last), and all-gathered within the group: the all-gather stays on the node's links,
 and the traffic across nodes is the all-reduce of 1/N of the gradient. The partial-norm
 all-reduce then runs over every rank (so a folded flag reaches them all) and divides the sums
-by W/N (each shard is counted once per group); LAMB's second one stays within the group.
+by W/N (each shard is counted once per group); LAMB's second one (the weights' and the updates'
+norms) stays within the group.
 
 Collectives per step: 1 reduce-scatter + 1 all-gather per block (the bytes of the all-reduce
 they replace), with shard groups 1 all-reduce across groups per block, + 1 small all-reduce
-(ADAM) or 2 (LAMB) of 2T+1 and T floats (T = number of parameter tensors, 398 for
+(ADAM) or 2 (LAMB) of T+1 and 2T floats (T = number of parameter tensors, 398 for
 BERT-Large): `tests/test_sharded_optimizer.py` counts them, `tests/test_sharded_overlap.py`
 checks when they are issued relative to the backward.
 
@@ -119,8 +122,9 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .optimizers import (ForeachAdamW, ForeachKernels, ForeachLamb, LAMB_NAMES, LearningRate, adam_updates,
-                         apply_updates, check_state_fits, clip_divisor, lamb_trust_ratio, _check_hyperparameters,
+from . import fused
+from .optimizers import (ForeachAdamW, ForeachKernels, ForeachLamb, LAMB_NAMES, LearningRate, check_state_fits,
+                         clip_divisor, lamb_trust_ratio, _check_hyperparameters,
                          MOMENTS, _resolve_implementation)
 
 # Elements per block when none is given: DDP's default bucket (25 MiB of fp32), so a block is
@@ -373,7 +377,7 @@ def _check_flattenable(params: list[torch.nn.Parameter]) -> None:
 
 @dataclass(frozen=True)
 class _GroupSlices:
-    """One group's pieces as the lists the multi-tensor kernels take."""
+    """One group's pieces as the lists the fused passes take (`fused.py`)."""
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -381,13 +385,6 @@ class _GroupSlices:
     exp_avg_sq: list[torch.Tensor]
     tensors: torch.Tensor  # int64 [pieces]: each piece's parameter index
     blocks: list[slice]  # per block, its pieces in these lists
-
-
-def _sliced(scales: torch.Tensor | float, pieces: slice) -> torch.Tensor | float:
-    """A group's scale for some of its pieces: one per piece, or one for all."""
-    if isinstance(scales, torch.Tensor) and scales.ndim == 1:
-        return scales[pieces]
-    return scales
 
 
 class ShardedKernels(ForeachKernels):
@@ -462,75 +459,84 @@ class ShardedKernels(ForeachKernels):
             s.grad_shard.mul_(self._unscale)
             self._unscale = None
         count = len(self._params)
-        param_sq, grad_norms, flags = self._first_sums(count)
+        grad_norms, flags = self._first_sums(count)
         global_norm = torch.linalg.vector_norm(grad_norms)
         self.agreed_nonfinite.copy_(((~torch.isfinite(global_norm)) | (flags > 0)).to(torch.float32))
         divisor = clip_divisor(global_norm, self.max_grad_norm) if self.max_grad_norm is not None else None
-        updates = []
-        for group, slices in zip(self.param_groups, self._slices):
+        hypers = []
+        for group in self.param_groups:
             corrections = self._advance(group)  # every rank counts every group, pieces or not
-            updates.append(adam_updates(group, slices.params, slices.grads, slices.exp_avg, slices.exp_avg_sq,
-                                        divisor, corrections) if slices.params else [])
-        ratios = self._trust_ratios(updates, param_sq, count) if self._any_trust_ratio() else None
-        scales: list[torch.Tensor | float] = []
+            hypers.append(fused.Hyper.of(group, corrections))
+        ratios = self._trust_ratios(hypers, divisor, count) if self._any_trust_ratio() else None
+        scales: list[torch.Tensor | None] = []
         for group, slices in zip(self.param_groups, self._slices):
-            scale: torch.Tensor | float = group["lr"]
-            if ratios is not None and self._uses_trust_ratio(group):
-                scale = ratios[slices.tensors] * group["lr"]
+            scale = None
+            if slices.params:
+                scale = fused.per_tensor(group["lr"], len(slices.params), slices.params[0])
+                if ratios is not None and self._uses_trust_ratio(group):
+                    scale = ratios[slices.tensors] * group["lr"]
             scales.append(scale)
-        self._apply_and_gather(updates, scales)
+        self._apply_and_gather(hypers, scales, divisor)
 
-    def _apply_and_gather(self, updates: list[list[torch.Tensor]], scales: list[torch.Tensor | float]) -> None:
-        """The update, block by block; each block's all-gather is issued as soon as its pieces are
-        applied, so it runs while the later blocks are updated. All are waited for before the step
-        returns: whatever reads the weights next (the forward, a skipped step's undo, a snapshot,
-        a checkpoint) reads them gathered."""
+    def _apply_and_gather(self, hypers: list[fused.Hyper], scales: list[torch.Tensor | None],
+                          divisor: torch.Tensor | None) -> None:
+        """The update (the third pass), block by block; each block's all-gather is issued as soon as its
+        pieces are applied, so it runs while the later blocks are updated. A group without trust ratio
+        advances its moments in this pass too. All are waited for before the step returns: whatever
+        reads the weights next (the forward, a skipped step's undo, a snapshot, a checkpoint) reads
+        them gathered."""
         gathers = []
         for b in range(len(self.shards.blocks)):
-            for slices, update, scale in zip(self._slices, updates, scales):
+            for group, slices, hyper, scale in zip(self.param_groups, self._slices, hypers, scales):
                 pieces = slices.blocks[b]
-                if pieces.start < pieces.stop:
-                    apply_updates(slices.params[pieces], update[pieces], _sliced(scale, pieces))
+                if scale is None or pieces.start == pieces.stop:
+                    continue
+                advances = not self._uses_trust_ratio(group)
+                fused.apply_update(slices.params[pieces], slices.exp_avg[pieces], slices.exp_avg_sq[pieces],
+                                   scale[pieces], hyper, slices.grads[pieces] if advances else None, divisor,
+                                   static=True)
             gathers.append(self.shards.gather(b))
         _wait_all(gathers)
 
-    def _first_sums(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One all-reduce: per-tensor squared norms of the gradient and (LAMB) the weights, and the
-        folded flags. Returns (the weights' squared norms [T], the gradient's norms [T], the flags' sum).
+    def _first_sums(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One all-reduce: per-tensor squared norms of the gradient and the folded flags. Returns (the
+        gradient's norms [T], the flags' sum).
 
         Over every rank (the default group) when there are shard groups, so a flag reaches them all:
         each shard is then counted once per replica, and the partial sums are divided by that count.
         """
-        sums = self.agreed_nonfinite.new_zeros(2 * count + 1)
-        for group, slices in zip(self.param_groups, self._slices):
-            if not slices.params:
-                continue
-            sums.index_add_(0, slices.tensors, _squares(slices.grads))
-            if self._uses_trust_ratio(group):
-                sums.index_add_(0, slices.tensors + count, _squares(slices.params))
+        sums = self.agreed_nonfinite.new_zeros(count + 1)
+        for slices in self._slices:
+            if slices.params:
+                sums.index_add_(0, slices.tensors, fused.squared_norms(slices.grads))
         if self._folded is not None:
-            sums[2 * count] = self._folded.to(sums.dtype)
+            sums[count] = self._folded.to(sums.dtype)
             self._folded = None  # one step's flag
         s = self.shards
         if s.replica_group is None:
             dist.all_reduce(sums, group=s.process_group)
         else:
             dist.all_reduce(sums)
-            sums[: 2 * count] /= s.replicas
-        return sums[count : 2 * count], sums[:count].sqrt(), sums[2 * count]
+            sums[:count] /= s.replicas
+        return sums[:count].sqrt(), sums[count]
 
     def _any_trust_ratio(self) -> bool:
         """Whether LAMB's second all-reduce runs: decided by the groups alone, the same on every rank."""
         return any(self._uses_trust_ratio(group) for group in self.param_groups)
 
-    def _trust_ratios(self, updates: list[list[torch.Tensor]], param_sq: torch.Tensor, count: int) -> torch.Tensor:
-        """LAMB's second all-reduce: the updates' per-tensor norms; ||p|| / ||update|| per tensor [T]."""
-        update_sq = param_sq.new_zeros(count)
-        for group, slices, update in zip(self.param_groups, self._slices, updates):
-            if update and self._uses_trust_ratio(group):
-                update_sq.index_add_(0, slices.tensors, _squares(update))
-        dist.all_reduce(update_sq, group=self.shards.process_group)
-        return lamb_trust_ratio(param_sq.sqrt(), update_sq.sqrt())
+    def _trust_ratios(self, hypers: list[fused.Hyper], divisor: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The second pass for the groups with the trust ratio (moments advanced, each piece's p * p and
+        update * update summed), LAMB's second all-reduce of those sums [2T] within the shard group,
+        and ||p|| / ||update|| per tensor [T]."""
+        sums = self.agreed_nonfinite.new_zeros(2 * count)
+        for group, slices, hyper in zip(self.param_groups, self._slices, hypers):
+            if slices.params and self._uses_trust_ratio(group):
+                pieces = fused.moments_and_norms(slices.params, slices.grads, slices.exp_avg, slices.exp_avg_sq,
+                                                 hyper, divisor, static=True)
+                sums.index_add_(0, slices.tensors, pieces[:, 0])
+                sums.index_add_(0, slices.tensors + count, pieces[:, 1])
+        dist.all_reduce(sums, group=self.shards.process_group)
+        return lamb_trust_ratio(sums[:count].sqrt(), sums[count:].sqrt())
 
     # -- state: the unsharded layout ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -565,11 +571,6 @@ class ShardedKernels(ForeachKernels):
                             live.zero_()  # never stepped when saved: the unsharded optimizer's zeros
                         else:
                             live.copy_(entry[name].reshape(-1)[piece.source])
-
-
-def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norms of the tensors, float32 [len]."""
-    return torch.stack(torch._foreach_norm(tensors, dtype=torch.float32)).square()
 
 
 def _set_live(group: dict[str, Any], key: str, value: Any) -> None:

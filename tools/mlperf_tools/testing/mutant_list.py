@@ -53,6 +53,9 @@ NCCL_PREFLIGHT = "pytorch/nccl_preflight.py"
 STARTUP = "pytorch/mlperf_bert/startup.py"
 PRECISION = "pytorch/mlperf_bert/model/precision.py"  # the capability thresholds startup.device_problems asks
 ATTENTION = "pytorch/mlperf_bert/model/attention.py"
+# round 3: the fused optimizer's bugs, each planted by hand and seen to fail its test before the code was committed
+FUSED_KERNELS = "pytorch/mlperf_bert/optim/fused_kernels.py"
+OPTIMIZERS = "pytorch/mlperf_bert/optim/optimizers.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     CLOSED: ("tests/test_closed_division.py", "-k",
@@ -92,6 +95,9 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     PRECISION: ("tests/test_device_choices.py", "tests/test_fast_path.py"),
     ATTENTION: ("tests/test_device_choices.py", "tests/test_fast_path.py", "tests/test_optional_dependencies.py",
                 "tests/test_grouped_attention.py", "-k", "not trainer"),
+    # round 3
+    FUSED_KERNELS: ("tests/test_fused_optim.py",),
+    OPTIMIZERS: ("tests/test_fused_optim.py", "tests/test_optim.py"),
 }
 
 
@@ -101,6 +107,10 @@ def _m(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> 
 
 def _m2(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> Mutant:
     return Mutant(id, module, find, replace, bug, tuple(tests), round=2)
+
+
+def _m3(id: str, module: str, find: str, replace: str, bug: str, *tests: str) -> Mutant:
+    return Mutant(id, module, find, replace, bug, tuple(tests), round=3)
 
 
 MUTANTS: list[Mutant] = [
@@ -162,26 +172,27 @@ MUTANTS: list[Mutant] = [
        "Piece(index, p, _slice(a + to_shard, z + to_shard), _slice(a - offset, z - offset),",
        "Piece(index, p, _slice(a - offset, z - offset), _slice(a + to_shard, z + to_shard),",
        "a piece's place in the shard and in its parameter swapped"),
-    _m("sharded-03", SHARDED, "sums.index_add_(0, slices.tensors + count, _squares(slices.params))",
-       "sums.index_add_(0, slices.tensors, _squares(slices.params))",
-       "the weights' squared norms summed into the gradient's slots (index off by T)"),
-    _m("sharded-04", SHARDED, "            sums[2 * count] = self._folded.to(sums.dtype)\n", "            pass\n",
+    _m("sharded-03", SHARDED, "sums.index_add_(0, slices.tensors + count, pieces[:, 1])",
+       "sums.index_add_(0, slices.tensors, pieces[:, 1])",
+       "the updates' squared norms summed into the weights' slots (index off by T)"),
+    _m("sharded-04", SHARDED, "            sums[count] = self._folded.to(sums.dtype)\n", "            pass\n",
        "a clipping hook's non-finite flag left out of the agreed sums"),
     _m("sharded-05", SHARDED, "            self._folded = None  # one step's flag\n", "",
        "a folded flag is never cleared: one overflow skips every later step"),
     _m("sharded-06", SHARDED, "global_norm = torch.linalg.vector_norm(grad_norms)", "global_norm = grad_norms.sum()",
        "the global gradient norm taken as the sum of the per-tensor norms"),
-    _m("sharded-07", SHARDED, "        dist.all_reduce(update_sq, group=self.shards.process_group)\n", "",
-       "LAMB's update norms not reduced over the ranks (trust ratio from this rank's piece)"),
+    _m("sharded-07", SHARDED, "        dist.all_reduce(sums, group=self.shards.process_group)\n", "",
+       "LAMB's weight and update norms not reduced over the ranks (trust ratio from this rank's piece)"),
     _m("sharded-08", SHARDED, "if ratios is not None and self._uses_trust_ratio(group):", "if ratios is not None:",
        "the trust ratio applied to the groups without weight decay too"),
     _m("sharded-09", SHARDED, "return any(self._uses_trust_ratio(group) for group in self.param_groups)",
        "return all(self._uses_trust_ratio(group) for group in self.param_groups)",
        "LAMB's trust ratio only when every group uses it (never with a no-decay group)"),
     _m("sharded-10", SHARDED,
+       "        for group in self.param_groups:\n"
        "            corrections = self._advance(group)  # every rank counts every group, pieces or not\n",
-       "            if not slices.params:\n                updates.append([])\n                continue\n"
-       "            corrections = self._advance(group)\n",
+       "        for group, slices in zip(self.param_groups, self._slices):\n"
+       "            corrections = self._advance(group) if slices.params else (1.0, 1.0)\n",
        "a rank whose shard holds no piece of a group does not count that group's step"),
     _m("sharded-11", SHARDED, "live.copy_(entry[name].reshape(-1)[piece.source])",
        "live.copy_(entry[name].reshape(-1)[piece.shard])",
@@ -205,7 +216,7 @@ MUTANTS: list[Mutant] = [
        "a block completed by the backward's buckets waits for the step to be reduce-scattered (no overlap)"),
     _m("sharded-18", SHARDED, "            dist.all_reduce(sums)\n", "            dist.all_reduce(sums, group=s.process_group)\n",
        "with shard groups the partial sums and flags are agreed within the group only"),
-    _m("sharded-19", SHARDED, "            sums[: 2 * count] /= s.replicas\n", "",
+    _m("sharded-19", SHARDED, "            sums[:count] /= s.replicas\n", "",
        "with shard groups each shard's partial sums are counted once per group (norms too large)"),
     _m("sharded-20", SHARDED, "        self._send_across()\n        self.discard_round()\n",
        "        self.discard_round()\n", "the last block's all-reduce across shard groups is never issued"),
@@ -613,12 +624,50 @@ MUTANTS: list[Mutant] = [
     _m2("shardgrp-01", SHARDED, "replicas = [list(range(i, world, group_size)) for i in range(group_size)]",
         "replicas = [list(range(i * group_size, (i + 1) * group_size)) for i in range(world // group_size)]",
         "replica groups built as the shard groups (consecutive ranks): shards summed within a node only"),
-    _m2("shardgrp-02", SHARDED, "            sums[: 2 * count] /= s.replicas\n", "            sums[:count] /= s.replicas\n",
-        "with shard groups the weights' squared norms counted once per group (LAMB's trust ratio too large)"),
+    _m2("shardgrp-02", SHARDED, "            sums[:count] /= s.replicas\n", "            sums[count:] /= s.replicas\n",
+        "with shard groups the replica count divides the flag's slot, not the gradient's squared norms (norms "
+        "too large)"),
     _m2("shardgrp-03", SHARDED, "else dist.get_world_size(replica_group)", "else dist.get_world_size()",
         "the replica count taken as the world size: partial sums divided by W, not W/N"),
     _m2("shardgrp-04", SHARDED, "self.rank = dist.get_rank(process_group)", "self.rank = dist.get_rank()",
         "the global rank used as the rank within the shard group"),
-    _m2("shardgrp-05", SHARDED, "dist.all_reduce(update_sq, group=self.shards.process_group)",
-        "dist.all_reduce(update_sq)", "LAMB's update norms reduced over every rank (N-fold with shard groups)"),
+    _m2("shardgrp-05", SHARDED, "dist.all_reduce(sums, group=self.shards.process_group)",
+        "dist.all_reduce(sums, group=self.shards.replica_group)",
+        "LAMB's weight and update norms reduced over this shard's replicas, not its shard group (one piece per "
+        "tensor)"),
+    # ------------------------------------------------------------ optim/fused_kernels.py, optim/optimizers.py
+    _m3("fused-01", FUSED_KERNELS, "tl.sum(tl.where(inside, p * p, 0.0), axis=0))",
+        "tl.sum(tl.where(inside, (p - update) * (p - update), 0.0), axis=0))",
+        "the trust ratio from the weights' norm after the update"),
+    _m3("fused-02", FUSED_KERNELS, "update = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(",
+        "update = tl.div_rn(m, tl.sqrt_rn(", "the first moment's bias correction dropped"),
+    _m3("fused-03", FUSED_KERNELS, "weights += tl.load(partials + (first + index) * 2, mask=mine, other=0.0)",
+        "weights += tl.load(partials + (first + index + 1) * 2, mask=mine, other=0.0)",
+        "a tensor's partial sums read one program off (its segment offset off by one)"),
+    _m3("fused-04", FUSED_KERNELS, "        starts[i] = starts[i - 1] + programs[i - 1]\n",
+        "        starts[i] = starts[i - 1] + programs[i - 1] - 1\n",
+        "a tensor's first program off by one in the layout (two tensors share a program)"),
+    _m3("fused-05", FUSED_KERNELS, "            row = addresses + (first + i) * 4\n", "            row = addresses + i * 4\n",
+        "every describe launch writes its rows from row 0 (the chunk's offset dropped)"),
+    _m3("fused-06", FUSED_KERNELS, "        bc1 = tl.load(corrections)\n        bc2 = tl.load(corrections + 1)\n",
+        "        bc1 = bias_correction1\n        bc2 = bias_correction2\n",
+        "the capturable optimizer's device bias corrections ignored (the host's unused floats taken)"),
+    _m3("fused-07", FUSED_KERNELS, "            g = tl.div_rn(g, tl.load(divisor))\n", "            g = g\n",
+        "the clip divisor ignored by the kernel"),
+    _m3("fused-08", FUSED_KERNELS, "    pointers = tuple(t.data_ptr() for row in zip(*lists) for t in row)\n",
+        "    pointers = tuple(t.data_ptr() for ts in lists for t in ts)\n",
+        "the host-built addresses laid out kind by kind instead of tensor by tensor"),
+    _m3("fused-09", FUSED_KERNELS,
+        "    return all(p % 16 == 0 for p in pointers) and all(n % 4 == 0 for n in numels)\n",
+        "    return all(p % 16 == 0 for p in pointers)\n",
+        "a length that is no multiple of 4 taken as aligned (a 128-bit access past its tensor's end)"),
+    _m3("fused-10", FUSED_KERNELS, "        numel = tl.multiple_of(numel, 4)\n", "",
+        "the length's alignment hint dropped: every access 32 bits wide"),
+    _m3("fused-11", FUSED_KERNELS, '    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():\n',
+        "    if False:\n", "a host table built (a host-to-device copy) inside a CUDA-graph capture"),
+    _m3("fused-12", OPTIMIZERS,
+        "        sums = fused.moments_and_norms(params, grads, exp_avg, exp_avg_sq, hyper, divisor)\n",
+        "        sums = fused.moments_and_norms(params, grads, exp_avg, exp_avg_sq, hyper, divisor)\n"
+        "        sums = torch.stack([fused.squared_norms(params), sums[:, 1]], dim=1)\n",
+        "the weights' norms taken in a pass of their own (four passes)"),
 ]
