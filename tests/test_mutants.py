@@ -93,4 +93,4 @@ def test_round_selects_the_mutants_of_that_round_only_and_an_unknown_round_is_re
         assert chosen and {m.round for m in chosen} == {n}
     assert mutants.select("closed_division", None, 2) == []
     assert mutants.main(["--round", "99", "--list"]) == 2
-    assert "--round 99: no mutant of that round; the list has rounds 1, 2" in capsys.readouterr().err
+    assert "--round 99: no mutant of that round; the list has rounds 1, 2, 3" in capsys.readouterr().err

@@ -45,7 +45,7 @@ TOOL_MUTANTS: list[Mutant] = [
     _m("plan-r2-05", PLAN, "return 1 + max(math.ceil((samples - start) / every), 0)",
        "return 1 + max(math.floor((samples - start) / every), 0)",
        "evals counted up to the last eval BEFORE the samples (floor), not the first at or after them"),
-    _m("plan-r2-06", PLAN, "return math.ceil(at / self.gbs) * self.gbs", "return at // self.gbs * self.gbs",
+    _m("plan-r2-06", PLAN, "stop = math.ceil(at / self.gbs) * self.gbs", "stop = at // self.gbs * self.gbs",
        "the stop rounded down to a whole step: an interval the batch does not divide loses its last step"),
     # ------------------------------------------------------------ planning/step_model.py
     _m("sm-r2-01", STEP_MODEL, "needed = memory.peak * (1 + constant(\"memory_margin\"))",
