@@ -59,6 +59,18 @@ def test_traced_dry_runs_raise_no_findings(traced: dict[str, dict[str, Any]]) ->
     assert {name: t["failures"] for name, t in traced.items() if t["failures"]} == {}
 
 
+def test_fp8_traces_after_bf16_ones_in_one_process_raise_no_findings() -> None:
+    """The configs in NVIDIA's precision (FP8 on the Hopper and Blackwell devices), as `plans` traces them: in the
+    dry-run process of the bf16 configs, one after another. Dynamo's code of an earlier build once ran in the next
+    one: an FP8 model's backward failed ("self must be row_major"), a second FP8 build counted no FP8 GEMM."""
+    envs = {c.name: exports(c) for c in CONFIGS}
+    fp8 = {f"{name} in NVIDIA's precision": other for name, env in envs.items() if (other := plan.nvidia_env(
+        env, step_model.DEVICES[plan.device_of(env, REPO / name)])) is not None}
+    assert len(fp8) == 4
+    traced = plan.traces({"config_DGXH200_1x8.sh": envs["config_DGXH200_1x8.sh"], **fp8})
+    assert {name: t["failures"] for name, t in traced.items() if t["failures"]} == {}
+
+
 def test_weights_are_the_bert_large_parameters_on_every_config(traced: dict[str, dict[str, Any]]) -> None:
     with torch.device("meta"):
         numel = sum(p.numel() for p in BertForPreTraining(BertConfig(**BERT_LARGE)).parameters())

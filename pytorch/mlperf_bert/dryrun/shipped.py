@@ -97,8 +97,15 @@ def quick_build() -> Iterator[None]:
 
 
 def _dry_run(config_env: Mapping[str, str], bert: Mapping[str, Any]) -> Any:
+    """One dry run, its layers compiled afresh: Dynamo's code for an earlier build in this process is dropped
+    first. Reused, an FP8 model's graphs ran the bf16 model's backward (torch._scaled_mm refused its operands'
+    layout), and a second FP8 build ran the first's graphs, whose torch._scaled_mm calls no longer pass the
+    counter of `record.counting_fp8_gemms` (a false "ran no FP8 GEMM")."""
+    import torch
+
     from .run import dry_run
 
+    torch._dynamo.reset()
     with tempfile.TemporaryDirectory(prefix="plan_") as scratch:
         folder = Path(scratch)
         argv = trainer_argv(config_env, folder)
