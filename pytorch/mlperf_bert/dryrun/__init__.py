@@ -10,8 +10,9 @@ host<->device copy inside a CUDA-graph capture or on more host reads per sync wi
 the config promises. With `--real` the same code runs on a real GPU (`make gpu-check`), its
 graphs' captures and replays counted as the stand-in's are (`cuda_standins.counted`). It also prints one
 device's memory estimate (`cost` counts live device bytes and each op's work per phase,
-`estimate` reads the peaks off it); `shipped` traces config_*.sh files at BERT-Large shapes for
-tools/plan.py.
+`estimate` reads the peaks off it; the ops of compiled regions are marked); `shipped` traces
+config_*.sh files at BERT-Large shapes, `compiled` has Inductor generate a config's compiled step
+for its GPU (nothing launched), and `planned` runs both for tools/plan.py.
 
 Nothing in this package may import torch at import time: `__main__` loads the fake device
 first.
