@@ -52,7 +52,7 @@ def shipped_step(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_shipped_h200_step_compiles_to_one_graph_per_layer(shipped_step: dict) -> None:
     step = shipped_step["step"]
-    assert shipped_step["gpu"] == "H200" and shipped_step["precision"] == "bf16"
+    assert (shipped_step["gpu"], shipped_step["precision"], shipped_step["attention"]) == ("H200", "bf16", "varlen")
     assert shipped_step["graph_breaks"] == []
     # one encoder layer and the MLM transform: one Dynamo graph each, forward and backward modules
     assert step["dynamo_graphs"] == 2 and step["inductor_modules"] == 4

@@ -1,9 +1,11 @@
 """The dry run's memory and work accounting (mlperf_bert.dryrun.cost), checked where it can be on the CPU:
 its live-bytes peak of a real training step against the CPU allocator's own count (the profiler's
-allocation events), and the same step on fake tensors against the real one."""
+allocation events), the same step on fake tensors against the real one, and the ops of a compiled
+region told from those around it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items
-from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, CostTracer, OpCost
+from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, CostTracer, OpCost, PhaseCost, regions_marked
+from mlperf_bert.dryrun.estimate import StepWork, extrapolate, memory_from_dict
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 from mlperf_bert.train.step import forward_backward
@@ -179,3 +182,61 @@ def test_op_work_counts_flops_and_operand_bytes_in_each_dtype() -> None:
     assert ops == {OpCost("mm", MATMUL, 2 * 8 * 16 * 4, 2 * (8 * 16 + 16 * 4 + 8 * 4)): 1,
                    OpCost("add", OTHER, 0, 8 * 3 * 100): 1,
                    OpCost("_scaled_mm", FP8, 2 * 16 * 32 * 16, 16 * 32 + 32 * 16 + 4 + 4 + 2 * 16 * 16): 1}
+
+
+class _Region(torch.nn.Module):
+    """A compiled region of the model's kind: a user module (Dynamo leaves torch.nn's own modules to run eagerly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(x))
+
+
+def _region_step(compiled: bool) -> PhaseCost:
+    """A scale, the region, the loss and its backward, traced after a first step (which compiles the region)."""
+    torch.manual_seed(0)
+    region = _Region()
+    if compiled:
+        region.compile(backend=regions_marked)
+    x = torch.randn(4, 8)
+    phase = "warm-up"
+    tracer = CostTracer(phase=lambda: phase, device_type="cpu")
+    with tracer:
+        for phase in ("warm-up", "step"):
+            (region(x * 2.0) ** 2).sum().backward()
+    return tracer.phases["step"]
+
+
+def test_ops_inside_a_compiled_region_are_marked_forward_and_backward_and_counted_once() -> None:
+    """The dry run's back-end (`regions_marked`: "aot_eager"): the region's forward (addmm, gelu) and backward
+    (gelu_backward, the weight's mm, the bias's sum) count as compiled; the scale before it, the loss after it,
+    the loss's backward and autograd's gradient accumulation do not. Each op is counted once: flags aside, the
+    compiled step's ops are the eager step's."""
+    eager, compiled = _region_step(False), _region_step(True)
+    assert not any(op.compiled for op in eager.ops)
+    assert Counter({op._replace(compiled=False): n for op, n in compiled.ops.items()}) == eager.ops
+    inside = sorted(op.name for op, n in compiled.ops.items() for _ in range(n) if op.compiled)
+    assert inside == ["addmm", "gelu", "gelu_backward", "mm", "sum"]
+    outside = {op.name for op in compiled.ops if not op.compiled}
+    assert {"mul", "pow", "sum", "ones_like", "add_"} == outside
+
+
+def test_the_compiled_flag_survives_the_cache_and_the_extrapolation_to_24_layers() -> None:
+    """A trace's ops keep their region through `to_dict` / `from_dict` (the planner's cache) and through
+    `estimate.extrapolate`, which keeps an op inside and the same op outside apart."""
+    inside, outside = OpCost("add", OTHER, 0, 100, True), OpCost("add", OTHER, 0, 10)
+
+    def traced(layers: int) -> tuple[Any, StepWork]:
+        phase = PhaseCost(ops=Counter({inside: 2 * layers, outside: 1}))
+        memory = memory_from_dict({name: 0 for name in ("weights", "optimizer_state", "persistent", "graph_pool",
+                                                        "train_peak", "eval_set", "eval_peak")})
+        return memory, StepWork(phase, PhaseCost(), 1.0, True, compiled=True)
+
+    assert PhaseCost.from_dict(traced(1)[1].step.to_dict()).ops == traced(1)[1].step.ops
+    assert PhaseCost.from_dict({"peak_bytes": 0, "start_bytes": 0, "ops": [["add", OTHER, 0, 10, 3]],
+                                "collectives": []}).ops == Counter({outside: 3})  # a cache written before the flag
+    _, work = extrapolate(traced(1), traced(2), 24)
+    assert work.step.ops == Counter({inside: 48, outside: 1})

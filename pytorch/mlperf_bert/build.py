@@ -30,7 +30,7 @@ from .model.attention import resolve_backend
 from .data.batch import Item, pad_items, unpad
 from .model.init_checkpoint import load_init_checkpoint
 from .optim.clipping import ClipConfig, ClipHandle, ClipMode, apply_clip_mode, optimizer_clip_norm
-from .model.compiling import compile_model
+from .model.compiling import CompileBackend, compile_model
 from .model.fp8 import Fp8Recipe, convert_to_fp8
 from .config.closed_division import EVAL_ITER_KEY, EVAL_ITER_START_KEY, INIT_CHECKPOINT_KEY, TARGET_KEY
 from .config.settings import TrainConfig
@@ -103,7 +103,7 @@ class Supplied:
     ddp: DDPFactory = distributed_data_parallel  # wraps the model on more than one rank
     # torch.compile's back-end under --compile_mode: Inductor writes kernels; the dry run's fake device
     # has none to run, so it traces with "aot_eager" (Dynamo and AOTAutograd, no code generation).
-    compile_backend: str = "inductor"
+    compile_backend: CompileBackend = "inductor"
 
 
 @dataclass
@@ -247,7 +247,7 @@ def cpu_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
 
 
 def build_model(cfg: TrainConfig, device: torch.device, model: BertForPreTraining | None = None,
-                compile_backend: str = "inductor") -> BertForPreTraining:
+                compile_backend: CompileBackend = "inductor") -> BertForPreTraining:
     """The model (`cpu_model`'s, or the one given) on `device`, compiled as --compile_mode asks."""
     model = model if model is not None else cpu_model(cfg, device)
     # dynamic=None: the first shape compiles static (all of training under --cuda_graphs); the

@@ -10,10 +10,11 @@ host<->device copy inside a CUDA-graph capture or on more host reads per sync wi
 the config promises. With `--real` the same code runs on a real GPU (`make gpu-check`), its
 graphs' captures and replays counted as the stand-in's are (`cuda_standins.counted`). It also prints one
 device's memory estimate (`cost` counts live device bytes and each op's work per phase,
-`estimate` reads the peaks off it); `shipped` traces config_*.sh files at BERT-Large shapes for
-tools/plan.py. `compiled` (`python -m mlperf_bert.dryrun.compiled CONFIG`) generates Inductor's CUDA
-code for a config's step on the fake device presenting the config's GPU (`gpus`, `inductor`), nothing
-compiled or launched, and counts its graphs, graph breaks, kernels and their bytes (`kernels`).
+`estimate` reads the peaks off it; the ops of compiled regions are marked); `shipped` traces
+config_*.sh files at BERT-Large shapes, `compiled` (`python -m mlperf_bert.dryrun.compiled CONFIG`) has
+Inductor generate a config's compiled step for its GPU on the fake device presenting that GPU (`gpus`,
+`inductor`), nothing compiled or launched, and counts its graphs, graph breaks, kernels and their bytes
+(`kernels`), and `planned` runs both for tools/plan.py.
 
 Nothing in this package may import torch at import time: `__main__` loads the fake device
 first.

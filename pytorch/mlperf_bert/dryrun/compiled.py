@@ -150,6 +150,7 @@ class Report:
     gpu: str
     precision: str
     fp8_recipe: str | None
+    attention: str  # the resolved attention back-end
     layers: int  # of the step reported
     traced_layers: list[int]
     phase: str
@@ -167,7 +168,7 @@ class Report:
                     "unknown_bytes_launches": k.unknown_bytes, "largest": [asdict(line) for line in largest]}
 
         return {"config": self.config, "gpu": self.gpu, "precision": self.precision, "fp8_recipe": self.fp8_recipe,
-                "layers": self.layers, "traced_layers": self.traced_layers, "phase": self.phase,
+                "attention": self.attention, "layers": self.layers, "traced_layers": self.traced_layers, "phase": self.phase,
                 "graph_breaks": self.breaks, "modules_compiled": self.modules_compiled,
                 "step": part(self.step), "layer": part(self.layer) if self.layer is not None else None}
 
@@ -188,7 +189,7 @@ def format_report(report: Report, top: int) -> list[str]:
 
     lines = [f"compiled step of {report.config} on a fake {report.gpu}: {report.precision}"
              + (f" ({report.fp8_recipe})" if report.precision == "fp8" else "")
-             + f", {report.layers} encoder layers" + (f" (scaled from traces at {report.traced_layers})"
+             + f", attention {report.attention}, {report.layers} encoder layers" + (f" (scaled from traces at {report.traced_layers})"
                                                       if report.traced_layers != [report.layers] else "")
              + f", {report.phase}; {report.modules_compiled} modules compiled"]
     lines += [f"graph breaks: {sum(b['count'] for b in report.breaks)}"]
@@ -241,6 +242,7 @@ def trace(env: Mapping[str, str], layer_counts: list[int], gpu_name: str | None,
             with quick_build(), built_run(cfg, denv, recorder, compile_backend="inductor",
                                                   gpu=gpu) as (run, _):
                 run_steps(run, recorder, STEPS)
+                attention = run.eval.model.bert.backend
             steps.append(step_kernels(log, steady_phase(log, STEPS)))
         phase = steady_phase(log, STEPS)
         breaks = [{"where": where, "reason": reason, "count": n}
@@ -255,8 +257,8 @@ def trace(env: Mapping[str, str], layer_counts: list[int], gpu_name: str | None,
         step, layers = one.scaled(layer, LAYERS - layer_counts[0]), LAYERS
     else:
         layer, step, layers = None, steps[0], layer_counts[0]
-    return Report(config_name, gpu.name, cfg.run.precision, cfg.run.fp8_recipe, layers, layer_counts, phase, step,
-                  layer, breaks, modules)
+    return Report(config_name, gpu.name, cfg.run.precision, cfg.run.fp8_recipe, attention, layers, layer_counts,
+                  phase, step, layer, breaks, modules)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -17,6 +17,11 @@ is checked against the CPU allocator (tests/test_cost.py):
   and results (what it reads and writes once; a view moves nothing). Identical ops are merged
   with a count, so a 24-layer model keeps one entry per distinct op.
 - Collectives (`c10d` ops on the process group): kind and bytes of the largest buffer.
+- Compiled regions: an op that runs inside a graph `torch.compile` built with `regions_marked` (the
+  dry run's back-end: "aot_eager", whose forward, backward and inference graphs mark the tracer
+  watching them while they run) is counted as `compiled`. On a GPU Inductor fuses those ops into
+  kernels of its own, which the planner counts from Inductor's generated code instead
+  (`mlperf_bert.dryrun.compiled`); the ops outside (embeddings, loss, optimizer) run as traced.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class OpCost(NamedTuple):
     kind: str  # MATMUL, FP8 or OTHER
     flops: int
     bytes: int  # bytes read and written once
+    compiled: bool = False  # it ran inside a compiled region (`regions_marked`)
 
 
 @dataclass
@@ -72,12 +78,12 @@ class PhaseCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "start_bytes": self.start_bytes,
-                "ops": [[*op, n] for op, n in self.ops.items()],
+                "ops": [[*op, n] for op, n in self.ops.items()],  # [name, kind, flops, bytes, compiled, count]
                 "collectives": [[kind, size, n] for (kind, size), n in self.collectives.items()]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PhaseCost":
-        ops: Counter[OpCost] = Counter({OpCost(*op[:4]): op[4] for op in data["ops"]})
+        ops: Counter[OpCost] = Counter({OpCost(*op[:-1]): op[-1] for op in data["ops"]})
         comms: Counter[tuple[str, int]] = Counter({(k, s): n for k, s, n in data["collectives"]})
         return cls(data["peak_bytes"], data["start_bytes"], ops, comms)
 
@@ -146,6 +152,7 @@ class CostTracer(WatchingMode):
     pool_reserved: int = 0  # the pool's high-water mark: held from the capture on
     _live: dict[int, tuple[weakref.ref, int, bool]] = field(default_factory=dict)
     captures: int = 0  # captures begun: the first's ops go under CAPTURE_PHASE, the n-th's under capture_phase(n)
+    compiled_depth: int = 0  # compiled graphs running now (`regions_marked`); above 0, ops are `compiled`
     _in_capture: bool = False
 
     def __post_init__(self) -> None:
@@ -211,7 +218,7 @@ class CostTracer(WatchingMode):
         flops = _flops(func, args, kwargs, out)
         kind = OTHER if flops == 0 else FP8 if any(_is_fp8(t) for t in operands) else MATMUL
         moved = sum(_nbytes(t) for t in operands + results)
-        cost.ops[OpCost(func._overloadpacket.__name__, kind, flops, moved)] += 1
+        cost.ops[OpCost(func._overloadpacket.__name__, kind, flops, moved, self.compiled_depth > 0)] += 1
 
     @staticmethod
     def _collective(cost: PhaseCost, func: Any, args: tuple) -> None:
@@ -221,3 +228,37 @@ class CostTracer(WatchingMode):
 
     def to_dict(self) -> dict[str, Any]:
         return {"pool_reserved": self.pool_reserved, "phases": {k: v.to_dict() for k, v in self.phases.items()}}
+
+
+def _marking(compiler: Callable[..., Any]) -> Callable[..., Any]:
+    """AOTAutograd's compiler `compiler` (a boxed one), whose graphs mark every CostTracer watching them while
+    they run: its dispatch mode stack is the running thread's (autograd's device threads inherit it)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def compile_graph(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        run = compiler(graph, example_inputs)
+
+        def marked(args: list[Any]) -> Any:
+            tracers = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CostTracer)]
+            for tracer in tracers:
+                tracer.compiled_depth += 1
+            try:
+                return run(args)
+            finally:
+                for tracer in tracers:
+                    tracer.compiled_depth -= 1
+
+        marked._boxed_call = True  # type: ignore[attr-defined]
+        return marked
+
+    return compile_graph
+
+
+def regions_marked(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor], **kwargs: Any) -> Any:
+    """A `torch.compile` back-end: "aot_eager" (Dynamo's graph, AOTAutograd's forward and backward, each run op by
+    op), whose graphs mark the CostTracer watching them as inside a compiled region while they run. One function
+    for every run, so Dynamo's compiled code serves the next build as it does under "aot_eager"."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    return aot_eager(graph, example_inputs, fw_compiler=_marking(boxed_nop), bw_compiler=_marking(boxed_nop),
+                     **kwargs)

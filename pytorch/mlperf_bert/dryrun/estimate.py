@@ -10,9 +10,10 @@ The step's work is its capture's (a graphed step, `--cuda_graphs`: the replays r
 or the last eager step's (the first one also builds the optimizer state). An eval's is the eval
 phase's ops for its traced batches, plus, under `--eval_cuda_graph`, the eval forward's capture
 once per batch (each batch is one replay; the build captures the step first, the eval forward
-last), scaled by the share in the same way. `--compile_mode` is noted, not traced differently:
-the fake device runs each compiled layer's aten ops one by one ("aot_eager"), where a GPU runs
-Inductor's fused kernels (`tools/mlperf_tools/planning/step_model.py` counts them).
+last), scaled by the share in the same way. `--compile_mode` is noted, and the ops of compiled
+layers are marked (`OpCost.compiled`): the fake device runs them one by one ("aot_eager"), where a
+GPU runs Inductor's fused kernels, which the planner counts from Inductor's own code
+(`mlperf_bert.dryrun.compiled`, `tools/mlperf_tools/planning/step_model.py`).
 """
 
 from __future__ import annotations
@@ -168,16 +169,16 @@ def _linear(one: float, two: float, layers: int) -> float:
 
 
 def _extrapolate_phase(one: PhaseCost, two: PhaseCost, layers: int) -> PhaseCost:
-    """Ops and collectives of `layers` layers: per op name and kind (per collective kind), the count, FLOPs and
-    bytes grow linearly; each op of a group gets the group's mean FLOPs and bytes."""
+    """Ops and collectives of `layers` layers: per op name, kind and region (compiled or not; per collective kind),
+    the count, FLOPs and bytes grow linearly; each op of a group gets the group's mean FLOPs and bytes."""
     out = PhaseCost(round(_linear(one.peak_bytes, two.peak_bytes, layers)),
                     round(_linear(one.start_bytes, two.start_bytes, layers)))
 
-    def totals(cost: PhaseCost) -> dict[tuple[str, str], tuple[int, int, int]]:
-        found: dict[tuple[str, str], tuple[int, int, int]] = {}
+    def totals(cost: PhaseCost) -> dict[tuple[str, str, bool], tuple[int, int, int]]:
+        found: dict[tuple[str, str, bool], tuple[int, int, int]] = {}
         for op, n in cost.ops.items():
-            count, flops, moved = found.get((op.name, op.kind), (0, 0, 0))
-            found[(op.name, op.kind)] = (count + n, flops + n * op.flops, moved + n * op.bytes)
+            count, flops, moved = found.get((op.name, op.kind, op.compiled), (0, 0, 0))
+            found[(op.name, op.kind, op.compiled)] = (count + n, flops + n * op.flops, moved + n * op.bytes)
         return found
 
     a, b = totals(one), totals(two)
@@ -185,7 +186,7 @@ def _extrapolate_phase(one: PhaseCost, two: PhaseCost, layers: int) -> PhaseCost
         count, flops, moved = (_linear(x, y, layers) for x, y in zip(a.get(key, (0, 0, 0)), b.get(key, (0, 0, 0))))
         if round(count) > 0:
             n = round(count)
-            out.ops[OpCost(key[0], key[1], round(max(flops, 0) / n), round(max(moved, 0) / n))] += n
+            out.ops[OpCost(key[0], key[1], round(max(flops, 0) / n), round(max(moved, 0) / n), key[2])] += n
     for kind in {k for k, _ in one.collectives} | {k for k, _ in two.collectives}:
         calls = [sum(n for (k, _), n in c.collectives.items() if k == kind) for c in (one, two)]
         sizes = [sum(n * size for (k, size), n in c.collectives.items() if k == kind) for c in (one, two)]

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .. import trainer
 from ..data.batch import Item, Sample, flatten_items
 from ..build import Run, Supplied, build_run, cpu_model
+from ..model.compiling import CompileBackend
 from ..config.cli import parse_config
 from ..config.settings import ConfigError, TrainConfig
 from ..model.fp8 import fp8_unavailable
@@ -43,7 +44,7 @@ from ..input.sources import TokenImbalance
 from ..data.static_batch import StaticShape
 from . import cuda_standins
 from .bucketed import BucketedDataParallel
-from .cost import CostTracer
+from .cost import CostTracer, regions_marked
 from .estimate import MemoryEstimate, StepWork, estimate
 from .gpus import DRY_RUN_GPU, Gpu
 from .record import Event, Recorder, counting_fp8_gemms
@@ -145,20 +146,22 @@ def bucketed_ddp(model: torch.nn.Module, device: torch.device) -> BucketedDataPa
     return BucketedDataParallel(model)
 
 
-def supplied(cfg: TrainConfig, device: torch.device, fake: bool = True, compile_backend: str | None = None) -> Supplied:
+def supplied(cfg: TrainConfig, device: torch.device, fake: bool = True,
+             compile_backend: CompileBackend | None = None) -> Supplied:
     """What the dry run hands `build_run` (see the module docstring); built before the fake mode starts.
 
-    --compile_mode on the fake device traces with the "aot_eager" back-end by default: Dynamo captures each
-    compiled layer's graph and AOTAutograd derives its backward on fake tensors, but Inductor writes no
-    kernel; the real device (`--real`) compiles with Inductor, and so does `compiled.py` on the fake one
-    (`inductor.codegen_only`: its code generated, nothing launched).
+    --compile_mode on the fake device traces with "aot_eager" by default (`cost.regions_marked`, which marks the
+    cost tracer's ops inside the compiled graphs): Dynamo captures each compiled layer's graph and AOTAutograd
+    derives its backward on fake tensors, but Inductor writes no kernel; the real device (`--real`) compiles
+    with Inductor, and so does `compiled.py` on the fake one (`inductor.codegen_only`: its code generated,
+    nothing launched).
     """
     model = cpu_model(cfg, device)
     vocab = model.config.vocab_size
     return Supplied(model=model, source=SyntheticSource(cfg, vocab),
                     eval_items=SyntheticSource(cfg, vocab, seed=1).next_batch(), shape=static_shape(cfg),
                     ddp=bucketed_ddp,
-                    compile_backend=compile_backend or ("aot_eager" if fake else "inductor"))
+                    compile_backend=compile_backend or (regions_marked if fake else "inductor"))
 
 
 class _DoneWork:
@@ -238,7 +241,7 @@ def fake_warmup() -> Iterator[None]:
 @contextlib.contextmanager
 def built_run(cfg: TrainConfig, denv: DistEnv, recorder: Recorder, fake: bool = True,
               tracer: CostTracer | None = None,
-              compile_backend: str | None = None, gpu: Gpu = DRY_RUN_GPU) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
+              compile_backend: CompileBackend | None = None, gpu: Gpu = DRY_RUN_GPU) -> Iterator[tuple[Run, cuda_standins.CudaLog]]:
     """The trainer's run of `cfg` on 'cuda' (fake or real), `recorder` (and `tracer`) watching, and the log of
     CUDA calls. compile_backend: the compiled layers' back-end (`supplied`); "inductor" on the fake device
     needs `inductor.codegen_only` around the run. gpu: what the fake device presents itself as."""

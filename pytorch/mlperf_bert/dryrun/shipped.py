@@ -4,14 +4,7 @@
 bert_config.json, one process as rank 0 of the config's world). `trainer_argv` runs the script
 with a stand-in Python that only writes down its arguments, so the flags are exactly the ones a
 real run gets. `trace` dry-runs them (`run.dry_run`) and returns the memory estimate and the
-traced work as JSON-ready data.
-
-    python -m mlperf_bert.dryrun.shipped REQUEST.json RESULT.json
-
-REQUEST holds {key: {variable: value}} (a config's exports, changed as the caller likes);
-RESULT gets {key: {"memory": ..., "work": ..., "world_size": N}}. Its own process: the fake CUDA
-device loads before torch. MLPERF_BERT_TRACE_LAYERS=24 traces the whole model instead of extrapolating
-from one and two layers (the check of `estimate.extrapolate`, docs/PERFORMANCE.md).
+traced work as JSON-ready data; tools/plan.py runs it in a process of its own (`planned`).
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ import os
 import re
 import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -97,8 +89,15 @@ def quick_build() -> Iterator[None]:
 
 
 def _dry_run(config_env: Mapping[str, str], bert: Mapping[str, Any]) -> Any:
+    """One dry run, its layers compiled afresh: Dynamo's code for an earlier build in this process is dropped
+    first. Reused, an FP8 model's graphs ran the bf16 model's backward (torch._scaled_mm refused its operands'
+    layout), and a second FP8 build ran the first's graphs, whose torch._scaled_mm calls no longer pass the
+    counter of `record.counting_fp8_gemms` (a false "ran no FP8 GEMM")."""
+    import torch
+
     from .run import dry_run
 
+    torch._dynamo.reset()
     with tempfile.TemporaryDirectory(prefix="plan_") as scratch:
         folder = Path(scratch)
         argv = trainer_argv(config_env, folder)
@@ -125,20 +124,3 @@ def trace(config_env: Mapping[str, str], layers: int | None = None) -> dict[str,
         failures = [f for r in reports for f in r.failures]
     return {"memory": vars(memory), "work": work.to_dict(), "world_size": world_size(config_env),
             "failures": failures}
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m mlperf_bert.dryrun.shipped REQUEST.json RESULT.json", file=sys.stderr)
-        return 2
-    from .native import load
-
-    load()
-    request = json.loads(Path(argv[0]).read_text())
-    layers = int(os.environ["MLPERF_BERT_TRACE_LAYERS"]) if os.environ.get("MLPERF_BERT_TRACE_LAYERS") else None
-    Path(argv[1]).write_text(json.dumps({key: trace(env, layers) for key, env in request.items()}) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

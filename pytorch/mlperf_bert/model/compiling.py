@@ -7,7 +7,7 @@ projection. The model file stays free of compile code.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Union
 
 import torch
 
@@ -17,10 +17,12 @@ from .bert import BertForPreTraining
 from .grouped_attention import keep_out_of_compiled_graphs
 
 TRITON_INSTALL = "pip install triton (torch's CUDA wheels bring the release that fits them)"
+# torch.compile's back-end: a registered name ("inductor") or a compiler function (the dry run's)
+CompileBackend = Union[str, Callable[..., Any]]
 
 
 def compile_model(model: BertForPreTraining, mode: str = "default", dynamic: bool | None = None,
-                  backend: str = "inductor") -> BertForPreTraining:
+                  backend: CompileBackend = "inductor") -> BertForPreTraining:
     """Compiles each encoder layer and the MLM transform in place (regional compile).
 
     All layers share one compiled graph, so compile time does not grow with depth.

@@ -7,8 +7,10 @@
     python tools/plan.py --calibrate              # refit our step's constants and NVIDIA's two efficiencies
 
 Memory and work come from the config's own training step, traced at BERT-Large shapes under the
-fake CUDA device (`mlperf_bert.dryrun.shipped`; about 5-15 s per config, cached by the config's
-variables and the trainer's source). Step and eval times come from `step_model`'s model of our step,
+fake CUDA device (`mlperf_bert.dryrun.shipped`; about 5-15 s per config), and for a compiled config
+from Inductor's code for its compiled regions, generated for the config's GPU on the fake device
+(`mlperf_bert.dryrun.compiled`; about 20-40 s more); both cached by the config's variables, the
+trainer's source and the torch and Triton releases. Step and eval times come from `step_model`'s model of our step,
 calibrated on measurements of this repository's step (tools/measurements, `step_calibration`); the
 terms of a prediction no measurement reaches yet are named as such. NVIDIA's code on this system (the
 model calibrated on NVIDIA's published rates) is a separate line. Samples to converge from the RCP
@@ -43,6 +45,7 @@ import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, NoReturn, Sequence
 
@@ -120,11 +123,17 @@ def config_batch_shape(env: Mapping[str, str], name: str) -> BatchShape:
 
 
 def _source_digest() -> str:
+    """The trainer's source and the releases its traces depend on (torch's ops, Inductor's and Triton's code)."""
     digest = hashlib.sha256()
     files = sorted((REPO / "pytorch" / "mlperf_bert").rglob("*.py")) + \
         [REPO / "run_and_time.sh", REPO / "tools" / "launch_checks.sh", REPO / "pytorch/mlperf_bert/dryrun/fake_cuda.cpp"]
     for path in files:
         digest.update(path.read_bytes())
+    for package in ("torch", "triton"):
+        try:
+            digest.update(f"{package} {metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package} none".encode())
     return digest.hexdigest()
 
 
@@ -132,33 +141,58 @@ def _key(env: Mapping[str, str], source: str) -> str:
     return hashlib.sha256((json.dumps(sorted(env.items())) + source).encode()).hexdigest()[:20]
 
 
-def traces(envs: Mapping[str, Mapping[str, str]], cache: bool = True) -> dict[str, dict[str, Any]]:
-    """Each config's traced memory and work (`mlperf_bert.dryrun.shipped`); untraced ones in one process."""
+# What the dry-run process returns per config: its trace (`shipped.trace`) and Inductor's count of its compiled
+# step (`planned.compiled_step`), each kept in the cache as a file of its own.
+KINDS = {"trace": "{key}.json", "inductor": "{key}.inductor.json"}
+
+
+def dry_runs(envs: Mapping[str, Mapping[str, str]], inductor: Iterable[str] = (), cache: bool = True
+             ) -> dict[str, dict[str, Any]]:
+    """Each config's traced memory and work, with Inductor's count of its compiled step under "inductor" for the
+    names in `inductor` that compile; what no cache holds is run in one process (`mlperf_bert.dryrun.planned`)."""
     folder = build_dir().parent / "plan"
     folder.mkdir(parents=True, exist_ok=True)
     source = _source_digest()
     keys = {name: _key(env, source) for name, env in envs.items()}
-    found = {name: json.loads((folder / f"{key}.json").read_text()) for name, key in keys.items()
-             if cache and (folder / f"{key}.json").exists()}
-    todo = {name: dict(env) for name, env in envs.items() if name not in found}
-    if todo:
-        with tempfile.TemporaryDirectory(prefix="plan_") as scratch:
-            request, result = Path(scratch) / "request.json", Path(scratch) / "result.json"
-            request.write_text(json.dumps(todo))
-            done = subprocess.run([sys.executable, "-m", "mlperf_bert.dryrun.shipped", str(request), str(result)],
-                                  env={**os.environ, "PYTHONPATH": os.pathsep.join([
-                                      str(REPO / "pytorch"), os.environ.get("PYTHONPATH", "")])},
-                                  capture_output=True, text=True)
-            if done.returncode != 0 or not result.exists():
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                raise PlanError(f"the dry run of {', '.join(todo)} failed: {lines[-1] if lines else done.returncode}")
-            for name, traced in json.loads(result.read_text()).items():
+    wanted = {"trace": set(envs), "inductor": {name for name in inductor if step_calibration.compiles(envs[name])}}
+    files = {(kind, name): folder / KINDS[kind].format(key=keys[name]) for kind, names in wanted.items()
+             for name in names}
+    found = {job: json.loads(path.read_text()) for job, path in files.items() if cache and path.exists()}
+    todo = {kind: {name: dict(envs[name]) for name in names if (kind, name) not in found}
+            for kind, names in wanted.items()}
+    if any(todo.values()):
+        for kind, done in _dry_run_process(todo).items():
+            for name, result in done.items():
                 # Whole or not at all: test files in other workers read the cache while it is written.
-                partial = folder / f"{keys[name]}.json.{os.getpid()}"
-                partial.write_text(json.dumps(traced))
-                partial.replace(folder / f"{keys[name]}.json")
-                found[name] = traced
-    return found
+                partial = files[(kind, name)].with_name(f"{files[(kind, name)].name}.{os.getpid()}")
+                partial.write_text(json.dumps(result))
+                partial.replace(files[(kind, name)])
+                found[(kind, name)] = result
+    return {name: {**found[("trace", name)], **({"inductor": found[("inductor", name)]}
+                                                if ("inductor", name) in found else {})} for name in envs}
+
+
+def _dry_run_process(todo: Mapping[str, Mapping[str, Mapping[str, str]]]) -> dict[str, dict[str, Any]]:
+    """{"trace": {name: env}, "inductor": {name: env}} run in one process of `mlperf_bert.dryrun.planned`."""
+    names = sorted({name for jobs in todo.values() for name in jobs})
+    with tempfile.TemporaryDirectory(prefix="plan_") as scratch:
+        request, result = Path(scratch) / "request.json", Path(scratch) / "result.json"
+        request.write_text(json.dumps(todo))
+        done = subprocess.run([sys.executable, "-m", "mlperf_bert.dryrun.planned", str(request), str(result)],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([
+                                  str(REPO / "pytorch"), os.environ.get("PYTHONPATH", "")])},
+                              capture_output=True, text=True)
+        if done.returncode != 0 or not result.exists():
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise PlanError(f"the dry run of {', '.join(names)} failed: {lines[-1] if lines else done.returncode}")
+        return json.loads(result.read_text())
+
+
+def traces(envs: Mapping[str, Mapping[str, str]], cache: bool = True, compiled: bool = False
+           ) -> dict[str, dict[str, Any]]:
+    """Each config's traced memory and work (`mlperf_bert.dryrun.shipped`); compiled: with Inductor's count of each
+    compiled config's step ("inductor"), which our step's time needs (`dry_runs`)."""
+    return dry_runs(envs, envs if compiled else (), cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,18 +417,24 @@ def nvidia_env(env: Mapping[str, str], device: Device) -> dict[str, str] | None:
     return {k: v for k, v in env.items() if k not in step_calibration.FP8_VARIABLES} | {"PRECISION": "fp8"}
 
 
+def inductor_bytes(traced: Mapping[str, Any]) -> float | None:
+    """The bytes Inductor's kernels for a traced config's compiled step move (`dry_runs`' "inductor"), if counted."""
+    report = traced.get("inductor")
+    return float(report["step"]["elementwise_bytes"]) if report else None
+
+
 def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[str, Any],
-            bf16_twin: Mapping[str, Any] | None = None, config_vars: Mapping[str, str] | None = None,
-            nvidia_traced: Mapping[str, Any] | None = None) -> Prediction:
-    """bf16_twin: a compiled FP8 config's trace in bf16 (`step_calibration.bf16_twin`), which its casts' bytes
-    need; nvidia_traced: its trace in NVIDIA's precision (`nvidia_env`) where that differs."""
+            config_vars: Mapping[str, str] | None = None, nvidia_traced: Mapping[str, Any] | None = None
+            ) -> Prediction:
+    """traced: the config's dry run, with Inductor's count of a compiled config's step (`dry_runs`); nvidia_traced:
+    its trace in NVIDIA's precision (`nvidia_env`) where that differs."""
     memory = memory_from_dict(traced["memory"])
     work = StepWork.from_dict(traced["work"])
-    twin = StepWork.from_dict(bf16_twin["work"]) if bf16_twin else None
+    compiled = inductor_bytes(traced)
     nvidia = StepWork.from_dict(nvidia_traced["work"]) if nvidia_traced else work
     batch = config_batch_shape(env, name)
     gpus, per_node, gbs = batch.world_size, int(env["DGXNGPU"]), batch.global_batch_size
-    step = step_model.our_step_time(work, device, gpus, overlaps(env), per_node, twin)
+    step = step_model.our_step_time(work, device, gpus, overlaps(env), per_node, compiled)
     spread = math.exp(step_model.OURS["step_time_spread"].value)
     window = scoring.rcp_window(gbs, RULESET)
     if window.record is None:
@@ -407,7 +447,7 @@ def predict(name: str, env: Mapping[str, str], device: Device, traced: Mapping[s
     init = step_model.constant("init_fixed_s") + ((warmups + 1) * step.seconds if env.get("CUDA_GRAPHS") == "1" else 0.0)
     return Prediction(name, device, gpus, gbs, memory, step_model.memory_fit(memory, device), step,
                       (step.seconds / spread, step.seconds * spread),
-                      step_model.our_eval_seconds(work, device, gpus, per_node, twin), window, schedule, mean,
+                      step_model.our_eval_seconds(work, device, gpus, per_node, compiled), window, schedule, mean,
                       (low, high), init, work, overlaps(env), per_node,
                       step_model.step_time(nvidia, device, gpus, overlaps(env), per_node=per_node), nvidia, env,
                       dict(config_vars or {}), run_limit(env, gbs, name))
@@ -435,8 +475,8 @@ def unmeasured(p: Prediction, measured: Iterable[Mapping[str, str]]) -> list[str
     recipes = {r for env in measured if (r := fp8_recipe(env)) is not None}
     recipe = fp8_recipe(p.env)
     if recipe is not None and recipe not in recipes:
-        notes.append(f"FP8 casts of recipe {'/'.join(recipe)}: at the rate measured for "
-                     f"{', '.join('/'.join(r) for r in sorted(recipes)) or 'no recipe'}")
+        notes.append(f"FP8 recipe {'/'.join(recipe)}: its casts' Inductor bytes at the bandwidth measured for "
+                     f"bf16 and {', '.join('/'.join(r) for r in sorted(recipes)) or 'no recipe'}")
     if p.device.name != step_model.REFERENCE_DEVICE:
         notes.append(f"every term: measured on the {step_model.REFERENCE_DEVICE}, scaled to the {p.device.name} "
                      "by the datasheets' peak and bandwidth ratios")
@@ -568,28 +608,15 @@ def measurements() -> step_calibration.Measurements:
 
 def trace_setups(setups: Iterable[step_calibration.SetUp], cache: bool = True
                  ) -> dict[step_calibration.SetUp, tuple[step_calibration.Traced, MemoryEstimate]]:
-    """Each measured set-up's work (today's code, with a compiled FP8 set-up's bf16 twin for its casts) and
-    memory; a set-up that is another's twin (the bf16 step of an FP8 one) is traced once."""
-    names: dict[str, str] = {}  # each distinct set of variables -> the name it is traced under
-    envs: dict[str, dict[str, str]] = {}
-
-    def name_of(label: str, env: dict[str, str]) -> str:
-        name = names.setdefault(json.dumps(sorted(env.items())), label)
-        envs[name] = env
-        return name
-
-    wanted: dict[step_calibration.SetUp, tuple[str, str | None]] = {}
-    for setup in setups:
-        env = setup_env(setup)
-        bf16 = step_calibration.bf16_twin(env)
-        wanted[setup] = (name_of(setup.label, env), name_of(f"{setup.label} in bf16", bf16) if bf16 else None)
-    traced = traces(envs, cache)
+    """Each measured set-up's work (today's code; Inductor's count of a compiled one's step) and memory."""
+    envs = {setup.label: setup_env(setup) for setup in setups}
+    traced = dry_runs(envs, envs, cache)
     found = {}
-    for setup, (name, twin_name) in wanted.items():
-        work = StepWork.from_dict(traced[name]["work"])
-        twin = StepWork.from_dict(traced[twin_name]["work"]).step if twin_name else None
-        found[setup] = (step_calibration.Traced(step_model.features(work.step, work.compiled, twin), work.captured,
-                                                work.compiled), memory_from_dict(traced[name]["memory"]))
+    for setup in setups:
+        done = traced[setup.label]
+        work = StepWork.from_dict(done["work"])
+        features = step_model.features(work.step, work.compiled, inductor_bytes(done))
+        found[setup] = (step_calibration.Traced(features, work.captured), memory_from_dict(done["memory"]))
     return found
 
 
@@ -599,17 +626,21 @@ class OurCalibration:
     traced: Mapping[step_calibration.SetUp, tuple[step_calibration.Traced, MemoryEstimate]]
     fit: step_calibration.Fit
     checks: list[step_calibration.Check]
+    ranges: list[step_calibration.ElementwiseRange]  # each profile's element-wise time against the fit's
 
 
 def calibrate_ours(cache: bool = True) -> OurCalibration:
-    """Our step's constants fitted to tools/measurements (step_calibration), and each set-up fitted and left out."""
+    """Our step's constants fitted to tools/measurements (step_calibration), each set-up fitted and left out, and
+    each profile's element-wise range against the fit."""
     m = measurements()
     traced = trace_setups({t.setup for t in m.timed} | {p.setup for p in m.profiles} | {x.setup for x in m.memory},
                           cache)
-    profiled = step_calibration.profile_constants([(p, traced[p.setup][0]) for p in m.profiles])
+    profiles = [(p, traced[p.setup][0]) for p in m.profiles]
+    profiled = step_calibration.profile_constants(profiles)
     observations = [step_calibration.Observation(t, traced[t.setup][0]) for t in m.timed]
-    return OurCalibration(m, traced, step_calibration.fit(observations, profiled),
-                          step_calibration.checks(observations, profiled))
+    fitted = step_calibration.fit(observations, profiled)
+    return OurCalibration(m, traced, fitted, step_calibration.checks(observations, profiled),
+                          step_calibration.elementwise_ranges(profiles, fitted.constants))
 
 
 def plot(preds: Sequence[Prediction], pubs: Mapping[str, Published], out: Path) -> None:
@@ -698,14 +729,13 @@ def plans(configs: Sequence[Path], gpus: int | None, device: str | None, cache: 
         envs[config.name] = {**config_env(config, gpus, devices[config.name]), **(variables or {})}
         batch = config_batch_shape(envs[config.name], config.name)  # a batch the trainer refuses, before tracing it
         run_limit(envs[config.name], batch.global_batch_size, config.name)
-    extra = {}  # the bf16 twin of a compiled FP8 step (our step's casts), the step in NVIDIA's precision
+    extra = {}  # the step in NVIDIA's precision, which NVIDIA's model reads
     for name, env in envs.items():
-        for suffix, other in (("in bf16", step_calibration.bf16_twin(env)),
-                              ("in NVIDIA's precision", nvidia_env(env, DEVICES[devices[name]]))):
-            if other is not None:
-                extra[f"{name} {suffix}"] = other
-    traced = traces({**envs, **extra}, cache)
-    return [predict(name, envs[name], DEVICES[devices[name]], traced[name], traced.get(f"{name} in bf16"), variables,
+        other = nvidia_env(env, DEVICES[devices[name]])
+        if other is not None:
+            extra[f"{name} in NVIDIA's precision"] = other
+    traced = dry_runs({**envs, **extra}, envs, cache)
+    return [predict(name, envs[name], DEVICES[devices[name]], traced[name], variables,
                     traced.get(f"{name} in NVIDIA's precision")) for name in envs]
 
 
@@ -727,7 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.calibrate:
             ours = calibrate_ours(not args.no_cache)
             print("our step, calibrated on tools/measurements (step_model.OURS):")
-            print("\n".join(step_calibration.table(ours.fit, ours.checks)))
+            print("\n".join(step_calibration.table(ours.fit, ours.checks, ours.ranges)))
             fitted, spread = calibrate(preds, pubs)
             print(f"NVIDIA's code, calibrated on the published rates (step_model.CALIBRATION): {fitted}; largest "
                   f"|log(predicted / published)| {spread:.3f}")

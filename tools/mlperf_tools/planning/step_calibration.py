@@ -9,12 +9,15 @@ top of it (those `benchmarks/throughput.py --config_var` takes). Three kinds of 
   ({step label: such a file}). Each result of the config's own layout is a step of our code; its
   set-up is the entry's, then the file's and the result's `config_vars`, then its precision.
 - profiles: the kernel table of `--profile_dir` (`steps` profiled steps). Its GEMM, attention and
-  optimizer kernels give those kinds' rates directly.
+  optimizer kernels give those kinds' rates directly. The table lists the largest kernels only:
+  its element-wise kernels and its device time left unlisted bound the step's element-wise time
+  (`ElementwiseRange`), which the fit's must fall within.
 - memory: a measured peak (torch.cuda.max_memory_allocated of a real dry run) of a set-up.
 
 The fit: the work of each measured set-up comes from the dry run's trace of that set-up with
-today's code (`step_model.features`), the profile gives `gemm_efficiency`, `attention_efficiency`
-and `optimizer_bandwidth`, and the step times give the constants in `step_model.FITTED`. The model
+today's code and, for a compiled set-up, from Inductor's count of its compiled regions' kernels
+(`step_model.features`); the profile gives `gemm_efficiency`, `attention_efficiency` and
+`optimizer_bandwidth`, and the step times give the constants in `step_model.FITTED`. The model
 is linear in the inverse of each of those, so they are one least-squares solve of the relative
 errors, with a weak pull (`PULL`) towards each constant's prior: a constant that no measured set-up
 exercises stays at its prior and is reported as not measured. Leave-one-out: each set-up's step
@@ -99,9 +102,15 @@ class Profiled:
     """A profile's per-step device time by kind of kernel."""
 
     setup: SetUp
-    ms_per_step: Mapping[str, float]  # KERNEL_KINDS' kinds and "element-wise"
+    ms_per_step: Mapping[str, float]  # KERNEL_KINDS' kinds and "element-wise", of the kernels the table lists
     session: Session
     file: str
+    device_ms_per_step: float | None = None  # every kernel's (the table's "Self CUDA time total"), listed or not
+
+    @property
+    def unlisted_ms(self) -> float:
+        """Device time per step of the kernels the table leaves out (0 without its total)."""
+        return max((self.device_ms_per_step or 0.0) - sum(self.ms_per_step.values()), 0.0)
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,13 @@ def kernel_times(table: str) -> list[tuple[str, float]]:
     return times
 
 
+def total_device_seconds(table: str) -> float | None:
+    """The profiler table's "Self CUDA time total" (every kernel, listed or not), in seconds; None without it."""
+    found = re.search(r"Self CUDA time total:\s*([\d.]+)(s|ms|us|ns)\b", table)
+    unit = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+    return float(found.group(1)) * unit[found.group(2)] if found else None
+
+
 def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS.items() if any(m in name for m in marks)), "element-wise")
 
@@ -184,14 +200,16 @@ def kernel_kind(name: str) -> str:
 def _profiled(entry: Mapping[str, Any], session: Session) -> Profiled:
     path = session.folder / entry["file"]
     try:
-        times = kernel_times(path.read_text())
+        table = path.read_text()
+        times = kernel_times(table)
     except (OSError, ValueError) as err:
         raise MeasurementError(f"{path}: {err}") from err
     by_kind: defaultdict[str, float] = defaultdict(float)
     for name, seconds in times:
         by_kind[kernel_kind(name)] += 1e3 * seconds / entry["steps"]
+    total = total_device_seconds(table)
     return Profiled(SetUp.of(session.device, entry["config"], entry.get("setup", {})), dict(by_kind), session,
-                    entry["file"])
+                    entry["file"], None if total is None else 1e3 * total / entry["steps"])
 
 
 def load(root: Path = MEASUREMENTS, layout_of: Callable[[str], str] = lambda config: "packed") -> Measurements:
@@ -209,12 +227,9 @@ def load(root: Path = MEASUREMENTS, layout_of: Callable[[str], str] = lambda con
     return found
 
 
-def bf16_twin(env: Mapping[str, str]) -> dict[str, str] | None:
-    """A compiled FP8 step's set-up in bf16: the same step without its casts, whose bytes the model times apart
-    from the others in compiled steps only (None for a step that is not FP8, or not compiled)."""
-    if env.get("PRECISION") != "fp8" or env.get("COMPILE_MODE", "none") == "none":
-        return None
-    return {k: v for k, v in env.items() if k not in FP8_VARIABLES} | {"PRECISION": "bf16"}
+def compiles(env: Mapping[str, str]) -> bool:
+    """Whether a set-up's layers run compiled (the trainer's default, without COMPILE_MODE, is eager)."""
+    return env.get("COMPILE_MODE", "none") != "none"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,11 +238,10 @@ def bf16_twin(env: Mapping[str, str]) -> dict[str, str] | None:
 
 @dataclass(frozen=True)
 class Traced:
-    """A set-up's work as the dry run traces it with today's code."""
+    """A set-up's work as the dry run traces it with today's code (and Inductor counts its compiled kernels)."""
 
     features: StepFeatures
     captured: bool
-    compiled: bool
 
 
 @dataclass(frozen=True)
@@ -242,8 +256,7 @@ class Observation:
     def predict(self, c: Mapping[str, float]) -> float:
         """Milliseconds of compute for the step, one device (every measured set-up ran on one)."""
         t = self.traced
-        return 1e3 * sum(term.seconds for term in step_model.our_terms(t.features, self.device, t.captured,
-                                                                      t.compiled, c))
+        return 1e3 * sum(term.seconds for term in step_model.our_terms(t.features, self.device, t.captured, c))
 
 
 def profile_constants(profiles: Sequence[tuple[Profiled, Traced]]) -> dict[str, float]:
@@ -265,19 +278,47 @@ def profile_constants(profiles: Sequence[tuple[Profiled, Traced]]) -> dict[str, 
     return {name: sum(values) / len(values) for name, values in found.items()}
 
 
+ELEMENTWISE_TERMS = ("compiled element-wise", "element-wise")  # step_model.our_terms' element-wise work
+
+
+@dataclass(frozen=True)
+class ElementwiseRange:
+    """A profiled step's element-wise time: at least the element-wise kernels its table lists, at most those and
+    every kernel it leaves out; against the model's for that step (`fitted_ms`)."""
+
+    setup: SetUp
+    listed_ms: float
+    unlisted_ms: float
+    fitted_ms: float
+
+    @property
+    def holds(self) -> bool:
+        return self.listed_ms <= self.fitted_ms <= self.listed_ms + self.unlisted_ms
+
+
+def elementwise_ranges(profiles: Sequence[tuple[Profiled, Traced]], c: Mapping[str, float]) -> list[ElementwiseRange]:
+    """Each profile's element-wise range, against the element-wise terms of its set-up with the constants `c`."""
+    found = []
+    for profiled, traced in profiles:
+        terms = step_model.our_terms(traced.features, DEVICES[profiled.setup.device], traced.captured, c)
+        fitted = 1e3 * sum(t.seconds for t in terms if t.name in ELEMENTWISE_TERMS)
+        found.append(ElementwiseRange(profiled.setup, profiled.ms_per_step.get("element-wise", 0.0),
+                                      profiled.unlisted_ms, fitted))
+    return found
+
+
 @dataclass(frozen=True)
 class Fit:
     constants: dict[str, float]  # step_model.OURS's names
     measured: frozenset[str]  # the constants a measurement reached (the rest are priors)
 
 
-def fit(observations: Sequence[Observation], profiled: Mapping[str, float]) -> Fit:
-    """The fitted constants (`step_model.FITTED`) by least squares of the steps' relative errors, each pulled
-    weakly towards its prior; the profile's constants as given."""
-    known = step_model.ours(profiled)
-    base = known | step_model.priors(known) | dict(profiled)
-    names = [n for n in step_model.FITTED if n not in profiled]
-    # Linear in u = 1 / constant: a constant at infinity takes its term away.
+def _solve(observations: Sequence[Observation], base: dict[str, float], names: Sequence[str]) -> dict[str, float]:
+    """The constants `names` the steps reach, by least squares of their relative errors, each pulled weakly towards
+    its value in `base` (the prior); the rest of `base` held. The model is linear in u = 1 / constant (a constant
+    at infinity takes its term away)."""
+    if not observations or not names:
+        return {}
     fixed = [o.predict(base | {n: math.inf for n in names}) for o in observations]
     design = np.array([[o.predict(base | {m: (1.0 if m == n else math.inf) for m in names}) - f0 for n in names]
                        for o, f0 in zip(observations, fixed)]).reshape(len(observations), len(names))
@@ -288,10 +329,23 @@ def fit(observations: Sequence[Observation], profiled: Mapping[str, float]) -> F
     inverse = np.linalg.lstsq(rows, target, rcond=None)[0]
     reached = {n for j, n in enumerate(names) if np.any(design[:, j] > 0)}
     if any(u <= 0 for n, u in zip(names, inverse) if n in reached):
-        raise MeasurementError(f"the measured steps leave no time for {', '.join(names)}: each is shorter than its "
-                               "measured kernels alone (a profile or a step of another set-up?)")
-    fitted = {n: 1 / float(u) if n in reached else base[n] for n, u in zip(names, inverse)}
-    return Fit(base | fitted, frozenset(reached | set(profiled)))
+        raise MeasurementError(f"the measured steps leave no time for {', '.join(sorted(reached))}: each is shorter "
+                               "than its measured kernels alone (a profile or a step of another set-up?)")
+    return {n: 1 / float(u) for n, u in zip(names, inverse) if n in reached}
+
+
+def fit(observations: Sequence[Observation], profiled: Mapping[str, float]) -> Fit:
+    """The fitted constants (`step_model.FITTED`), each pulled weakly towards its prior; the profile's constants as
+    given. The eager steps first, on the constants they reach; then the compiled steps, on the rest but
+    `step_model.EAGER_STEPS_ONLY`, which they take from the eager steps (or the prior)."""
+    known = step_model.ours(profiled)
+    base = known | step_model.priors(known) | dict(profiled)
+    names = [n for n in step_model.FITTED if n not in profiled]
+    eager = [o for o in observations if not o.traced.features.inductor_bytes]
+    first = _solve(eager, base, names)
+    rest = [n for n in names if n not in first and n not in step_model.EAGER_STEPS_ONLY]
+    second = _solve([o for o in observations if o not in eager], base | first, rest)
+    return Fit(base | first | second, frozenset(first.keys() | second.keys() | set(profiled)))
 
 
 @dataclass(frozen=True)
@@ -326,8 +380,9 @@ def spread(found: Iterable[Check]) -> float:
     return max((abs(Check.miss(c.left_out_ms, c.measured_ms)) for c in found), default=0.0)
 
 
-def table(result: Fit, found: Sequence[Check]) -> list[str]:
-    """`--calibrate`'s report: the constants, and each set-up fitted and left out."""
+def table(result: Fit, found: Sequence[Check], ranges: Sequence[ElementwiseRange] = ()) -> list[str]:
+    """`--calibrate`'s report: the constants, each set-up fitted and left out, and each profile's element-wise
+    range."""
     shown = [n for n in step_model.OURS if n in result.measured or n in step_model.FITTED]
     status = {True: "measured", False: "its prior: no measurement reaches it"}
     lines = [f"  {name} = {result.constants[name]:.4g} ({status[name in result.measured]})" for name in shown]
@@ -335,5 +390,9 @@ def table(result: Fit, found: Sequence[Check]) -> list[str]:
         lines.append(f"  {c.setup.label}: measured {c.measured_ms:.1f} ms, fitted {c.fitted_ms:.1f} "
                      f"({c.fitted_ms / c.measured_ms - 1:+.1%}), left out {c.left_out_ms:.1f} "
                      f"({c.left_out_ms / c.measured_ms - 1:+.1%})")
+    for r in ranges:
+        lines.append(f"  {r.setup.label}: element-wise {r.fitted_ms:.1f} ms fitted, the profile's "
+                     f"{r.listed_ms:.1f} ms listed to {r.listed_ms + r.unlisted_ms:.1f} with every unlisted kernel "
+                     f"({'within' if r.holds else 'OUTSIDE'})")
     lines.append(f"  step_time_spread = {spread(found):.3f} (the largest leave-one-out |log miss|)")
     return lines

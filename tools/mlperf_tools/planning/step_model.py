@@ -9,13 +9,14 @@ Two models of a step's compute share the communication model below:
   of work has its own measured rate: matrix products at `gemm_efficiency` of the device's peak for
   their dtype; attention at `attention_efficiency` of the bf16 peak over its traced FLOPs (a
   kernel over masked rows computes its whole grid), per-sequence (varlen) attention at
-  `varlen_efficiency` over the grid it bounds (`cost.varlen_grid_flops`); element-wise bytes at a
-  share of HBM bandwidth that depends on how they run: eager ops (`eager_bandwidth`), compiled
-  ones (`compiled_bandwidth`), and under FP8 the casts' bytes (those beyond the same step traced
-  in bf16, `cast_bandwidth`); the optimizer's ops (`is_optimizer_op`) at `optimizer_bandwidth`; a launch
-  gap per kernel. The shares are of the traced bytes (each op's reads and writes as eager
-  PyTorch runs it), so a fused kernel that moves less shows as a share above 1. On other devices
-  than the measured one (`REFERENCE_DEVICE`) every term scales by the datasheet ratios.
+  `varlen_efficiency` over the grid it bounds (`cost.varlen_grid_flops`); element-wise work by
+  how it runs: inside the compiled regions (the encoder layers, the MLM transform) as Inductor's
+  generated kernels, the bytes Inductor counts for them (`mlperf_bert.dryrun.compiled`, FP8 casts
+  included) at `inductor_bandwidth` of HBM; every element-wise op outside them (embeddings, loss,
+  clipping; all of them in an eager step) at its traced bytes (reads and writes as eager PyTorch
+  runs it) at `eager_bandwidth`; the optimizer's ops (`is_optimizer_op`) at `optimizer_bandwidth`; a
+  launch gap per kernel. On other devices than the measured one (`REFERENCE_DEVICE`) every term
+  scales by the datasheet ratios.
 - NVIDIA's code on this system (`step_time`, constants `CALIBRATION`): a roofline per traced op,
   calibrated on NVIDIA's published per-GPU rates, that is, on NVIDIA's kernels; kept as the
   separate line it is, not as the time this code takes (its 88.0 ms for the H200 FP8 step
@@ -114,9 +115,9 @@ class Constant:
 # Every number the models do not read off a datasheet or a trace, but our step's measured rates (OURS below):
 # NVIDIA's code's two fitted efficiencies, and the priors both models share (launches, collectives, memory, run).
 CALIBRATION: dict[str, Constant] = {
-    "matmul_efficiency": Constant(0.74, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published), "
+    "matmul_efficiency": Constant(0.86, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published), "
                                         "on each config's step traced in NVIDIA's precision (plan.nvidia_env)"),
-    "fused_traffic_share": Constant(0.20, "fitted by `tools/plan.py --calibrate`: the share of the traced element-wise "
+    "fused_traffic_share": Constant(0.30, "fitted by `tools/plan.py --calibrate`: the share of the traced element-wise "
                                           "bytes a fused implementation still moves (1.0: this trainer, eager); the "
                                           "same for compiled layers, whose trace is op by op (compile changes the "
                                           "kernel count, `launched_kernels`, not this share nor the matmuls)"),
@@ -131,7 +132,7 @@ CALIBRATION: dict[str, Constant] = {
     "network_efficiency": Constant(0.80, "NCCL bus bandwidth over the link's rate (nccl-tests all_reduce_perf)"),
     "eval_fixed_s": Constant(0.5, "per eval: the accuracy all-reduce, its host read and the MLPerf log lines"),
     "run_fixed_s": Constant(5.0, "after run_start, outside steps and evals: first batches, the eval set's read"),
-    "step_time_spread": Constant(0.242, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
+    "step_time_spread": Constant(0.288, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
                                         "left by the fit of NVIDIA's code to the published rates"),
     "init_fixed_s": Constant(30.0, "before run_start, besides graph warm-up and capture: processes, model and "
                                    "optimizer on the device (NVIDIA v2.0 A100 logs: init_start to run_start 17 s)"),
@@ -375,7 +376,7 @@ def eval_seconds(work: StepWork, device: Device, ranks: int, k: Mapping[str, flo
 REFERENCE_DEVICE = "H200"  # the device of the measurements; on others each term scales by the datasheet ratios
 
 # Fitted by `tools/plan.py --calibrate` (tools/mlperf_tools/planning/step_calibration.py) to tools/measurements: the profile gives the
-# first three, the step times of the measured set-ups the three bandwidths, by least squares with a pull towards
+# first three, the step times of the measured set-ups the two bandwidths, by least squares with a pull towards
 # the prior that leaves a constant no measurement reaches at its prior (varlen_efficiency, for now).
 OURS: dict[str, Constant] = {
     "gemm_efficiency": Constant(0.6808, "profile of the H200 FP8 step (2026-11-27): its GEMM kernels (nvjet) over "
@@ -389,32 +390,36 @@ OURS: dict[str, Constant] = {
                                             "9.4 GB; 33.6 GB of `_foreach_` ops then), as a share of HBM bandwidth: "
                                             "the step keeps the measured optimizer time until a GPU times the fused "
                                             "passes", True),
-    "compiled_bandwidth": Constant(0.7916, "fitted: the bf16 step (compiled, CUDA graph): element-wise bytes "
-                                          "per second over HBM bandwidth", True),
-    "cast_bandwidth": Constant(3.362, "fitted: the FP8 step (torchao tensorwise, compiled): the casts' bytes "
-                                      "(beyond the bf16 trace's) per second over HBM bandwidth", True),
-    "eager_bandwidth": Constant(0.475, "fitted: the FP8 step with COMPILE_MODE=none (CUDA graph): element-wise "
-                                       "bytes per second over HBM bandwidth", True),
+    "inductor_bandwidth": Constant(0.3674, "fitted: the compiled steps (bf16 and FP8 tensorwise, CUDA graph): the "
+                                           "bytes Inductor counts for the compiled regions' kernels (the set-ups' "
+                                           "code generated for the H200 on the fake device) per second over HBM "
+                                           "bandwidth", True),
+    "eager_bandwidth": Constant(0.4612, "fitted: the FP8 step with COMPILE_MODE=none (CUDA graph): element-wise "
+                                        "bytes per second over HBM bandwidth; a compiled step's ops outside its "
+                                        "compiled regions run at it", True),
     "varlen_score_share": Constant(0.7545, "E[L^2] / (512 E[L]) over the Wikipedia phase-2 length histogram: the "
                                            "share of the grid (every token against 512 keys) that per-sequence "
                                            "attention computes; 1.33x less score work than masked rows"),
     "varlen_efficiency": Constant(0.2076, "not measured (no varlen step timed yet): attention_efficiency / "
                                           "varlen_score_share, the masked rows' measured rate over the score work "
                                           "per-sequence kernels skip; PyTorch's flash kernel, not cuDNN's"),
-    "step_time_spread": Constant(0.421, "the largest leave-one-out |log(predicted / measured)| of the fit (a "
+    "step_time_spread": Constant(0.444, "the largest leave-one-out |log(predicted / measured)| of the fit (a "
                                         "set-up predicted from the others): the step time's range is this factor "
                                         "each way", True),
 }
 
-# The constants fitted to step times, and each one's prior: NVIDIA's calibration (memory_efficiency at the fused
-# share for compiled element-wise kernels) and the varlen estimate.
-FITTED = ("compiled_bandwidth", "cast_bandwidth", "eager_bandwidth", "varlen_efficiency")
+# The constants fitted to step times, and each one's prior: a streaming kernel's share of HBM (`memory_efficiency`) for
+# Inductor's kernels, whose bytes are what they move, and for eager ops; the varlen estimate.
+FITTED = ("inductor_bandwidth", "eager_bandwidth", "varlen_efficiency")
+# Fitted on eager steps alone: a compiled step runs few element-wise ops outside its compiled regions (a sixteenth
+# of its time on the H200), too few to fix their rate against its compiled kernels'; it takes the eager steps'.
+EAGER_STEPS_ONLY = ("eager_bandwidth",)
 
 
 def priors(c: Mapping[str, float]) -> dict[str, float]:
     """Each fitted constant's value before any measurement reaches it, from the constants `c`."""
-    memory, fused = constant("memory_efficiency"), constant("fused_traffic_share")
-    return {"compiled_bandwidth": memory / fused, "cast_bandwidth": memory / fused, "eager_bandwidth": memory,
+    memory = constant("memory_efficiency")
+    return {"inductor_bandwidth": memory, "eager_bandwidth": memory,
             "varlen_efficiency": c["attention_efficiency"] / c["varlen_score_share"]}
 
 
@@ -424,20 +429,23 @@ def ours(overrides: Mapping[str, float] | None = None) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """A phase's work as our step's model times it (from the dry run's trace)."""
+    """A phase's work as our step's model times it (from the dry run's trace and Inductor's count)."""
 
     gemm_flops: float = 0.0  # matrix products in bf16 / fp16 (the bf16 peak)
     fp8_flops: float = 0.0  # FP8 matrix products (the FP8 peak)
     attention_flops: float = 0.0  # attention kernels that compute their whole grid (masked rows, padding)
     varlen_flops: float = 0.0  # per-sequence attention kernels: the grid that bounds them
-    elementwise_bytes: float = 0.0  # every other op but the optimizer's, the casts included
-    cast_bytes: float = 0.0  # of those, what FP8 adds: the bytes beyond the same step traced in bf16
+    elementwise_bytes: float = 0.0  # traced: every other op outside the compiled regions but the optimizer's
+    compiled_bytes: float = 0.0  # traced: the element-wise ops inside the compiled regions, as eager would run them
+    inductor_bytes: float = 0.0  # what Inductor's generated kernels for the compiled regions move (its count)
     optimizer_bytes: float = 0.0  # the optimizer's multi-tensor ops (`_foreach_*`) and fused passes
     kernels: int = 0  # launched (`launched_kernels`)
 
 
-def features(phase: PhaseCost, compiled: bool, bf16_twin: PhaseCost | None = None) -> StepFeatures:
-    """The phase's work by kind; `bf16_twin`: the same phase traced in bf16, for an FP8 phase's cast bytes."""
+def features(phase: PhaseCost, compiled: bool, inductor_bytes: float | None = None) -> StepFeatures:
+    """The phase's work by kind. inductor_bytes: the bytes Inductor counts for the phase's compiled regions
+    (`mlperf_bert.dryrun.compiled`'s `elementwise_bytes`), which replace their traced element-wise bytes; a phase
+    with compiled element-wise ops needs it."""
     work: defaultdict[str, float] = defaultdict(float)
     for op, n in phase.ops.items():
         if op.name in VARLEN_OPS:
@@ -446,24 +454,22 @@ def features(phase: PhaseCost, compiled: bool, bf16_twin: PhaseCost | None = Non
             work["attention_flops"] += n * op.flops
         elif op.kind in (MATMUL, FP8):
             work["fp8_flops" if op.kind == FP8 else "gemm_flops"] += n * op.flops
+        elif is_optimizer_op(op.name):
+            work["optimizer_bytes"] += n * op.bytes
         else:
-            work["optimizer_bytes" if is_optimizer_op(op.name) else "elementwise_bytes"] += n * op.bytes
-    if bf16_twin is not None:
-        work["cast_bytes"] = max(work["elementwise_bytes"] - features(bf16_twin, compiled).elementwise_bytes, 0.0)
-    return StepFeatures(**work, kernels=launched_kernels(phase, compiled))
+            work["compiled_bytes" if op.compiled else "elementwise_bytes"] += n * op.bytes
+    if work["compiled_bytes"] and inductor_bytes is None:
+        raise ValueError("compiled element-wise ops without Inductor's count of their kernels: give the bytes "
+                         "`python -m mlperf_bert.dryrun.compiled` counts for this step")
+    return StepFeatures(**work, inductor_bytes=inductor_bytes or 0.0, kernels=launched_kernels(phase, compiled))
 
 
-def our_terms(f: StepFeatures, device: Device, captured: bool, compiled: bool,
-              c: Mapping[str, float] | None = None) -> tuple[Term, ...]:
+def our_terms(f: StepFeatures, device: Device, captured: bool, c: Mapping[str, float] | None = None
+              ) -> tuple[Term, ...]:
     """The phase's compute by kind of work, each at its measured rate (`OURS`, or `c`'s values)."""
     k = ours(c)
     bf16, hbm = device.bf16_flops, device.hbm_bytes_per_s
     fp8 = device.fp8_flops or bf16
-    if compiled:
-        elementwise = ((f.elementwise_bytes - f.cast_bytes) / k["compiled_bandwidth"] +
-                       f.cast_bytes / k["cast_bandwidth"]) / hbm
-    else:
-        elementwise = f.elementwise_bytes / (k["eager_bandwidth"] * hbm)
     gap = constant("graph_kernel_gap_us" if captured else "kernel_gap_us") * 1e-6
     varlen = "" if OURS["varlen_efficiency"].measured else (
         f"no varlen step timed yet: the masked rows' measured rate over the {k['varlen_score_share']:.4g} of their "
@@ -472,7 +478,8 @@ def our_terms(f: StepFeatures, device: Device, captured: bool, compiled: bool,
         Term("GEMMs", (f.gemm_flops / bf16 + f.fp8_flops / fp8) / k["gemm_efficiency"]),
         Term("attention", f.attention_flops / (bf16 * k["attention_efficiency"])),
         Term("attention per sequence", f.varlen_flops / (bf16 * k["varlen_efficiency"]), varlen),
-        Term("element-wise", elementwise),
+        Term("compiled element-wise", f.inductor_bytes / (k["inductor_bandwidth"] * hbm)),
+        Term("element-wise", f.elementwise_bytes / (k["eager_bandwidth"] * hbm)),
         Term("optimizer", f.optimizer_bytes / (k["optimizer_bandwidth"] * hbm)),
         Term("launches", f.kernels * gap),  # a prior; the fitted bandwidths take up what it misses
     )
@@ -480,22 +487,32 @@ def our_terms(f: StepFeatures, device: Device, captured: bool, compiled: bool,
 
 
 def our_step_time(work: StepWork, device: Device, ranks: int, exchange: Exchange | bool, per_node: int = 8,
-                  bf16_twin: StepWork | None = None, c: Mapping[str, float] | None = None) -> StepTime:
-    """One training step of this repository's code (module docstring); `bf16_twin`: the same step traced in bf16,
-    for an FP8 step's casts."""
-    f = features(work.step, work.compiled, bf16_twin.step if bf16_twin else None)
-    terms = our_terms(f, device, work.captured, work.compiled, c)
-    update = our_terms(features(update_phase(work.step), False), device, work.captured, False, c)
+                  inductor_bytes: float | None = None, c: Mapping[str, float] | None = None) -> StepTime:
+    """One training step of this repository's code (module docstring); `inductor_bytes`: what Inductor's kernels
+    for the step's compiled regions move (`features`)."""
+    terms = our_terms(features(work.step, work.compiled, inductor_bytes), device, work.captured, c)
+    update = our_terms(features(update_phase(work.step), False), device, work.captured, c)
     host = host_seconds(work.step, work.captured, None, work.compiled)
     return exchanged(work, sum(t.seconds for t in terms), host, sum(t.seconds for t in update), device, ranks,
                      exchange, None, per_node, terms)
 
 
+def eval_inductor_bytes(work: StepWork, inductor_bytes: float | None) -> float | None:
+    """Inductor's bytes for the eval's compiled regions from the training step's count (Inductor's count is of the
+    training step; the eval runs the same layers' forward): the eval's traced bytes inside them, fused as much as
+    the step's are."""
+    if inductor_bytes is None:
+        return None
+    step = features(work.step, work.compiled, inductor_bytes).compiled_bytes
+    evaluation = features(work.eval, work.compiled, inductor_bytes).compiled_bytes
+    return inductor_bytes * evaluation / step if step else 0.0
+
+
 def our_eval_seconds(work: StepWork, device: Device, ranks: int, per_node: int = 8,
-                     bf16_twin: StepWork | None = None) -> float:
+                     inductor_bytes: float | None = None) -> float:
     """One eval of this repository's code: forward passes (eager, or graph replays), then the accuracy's
-    all-reduce."""
-    f = features(work.eval, work.compiled, bf16_twin.eval if bf16_twin else None)
-    compute = sum(t.seconds for t in our_terms(f, device, work.eval_captured, work.compiled))
+    all-reduce; `inductor_bytes`: the training step's, as `our_step_time` takes them."""
+    f = features(work.eval, work.compiled, eval_inductor_bytes(work, inductor_bytes))
+    compute = sum(t.seconds for t in our_terms(f, device, work.eval_captured))
     return _eval(compute, host_seconds(work.eval, work.eval_captured, None, work.compiled), work, device, ranks,
                  None, per_node)
