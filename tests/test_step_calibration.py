@@ -352,15 +352,25 @@ def test_leave_one_out_misses_stay_under_the_bound(calibration: plan.OurCalibrat
     assert abs(fitted[EAGER_STEP]) < 0.02 and fitted[FP8_STEP] < 0 < fitted[BF16_STEP], fitted
 
 
+# What the LayerNorm outputs' dtype (fp32 on 2026-11-27, the autocast dtype since) adds to the traced training peak of the
+# measured set-up: 37.92 - 34.10 GiB, the two traces of test_traced_memory_matches_the_measured_peak's docstring.
+LAYERNORM_FP32_GIB = 3.81
+
+
 def test_traced_memory_matches_the_measured_peak(calibration: plan.OurCalibration) -> None:
-    """The H200 FP8 config as it shipped on 2026-11-27: traced training peak 37.9 GiB against 37.28 GiB measured
-    (torch.cuda.max_memory_allocated of the real dry run). Within 5 %: the trace leaves out the allocator's rounding
-    and counts a kernel's unreturned scratch as an output, a few percent either way (tests/test_cost.py), while a
-    lost or doubled buffer of the step (the graph pool alone is 25.9 GiB) moves it far more. With the margins the
-    planner adds, the need stays above what was measured."""
+    """The H200 FP8 config as it shipped on 2026-11-27: 37.28 GiB measured (torch.cuda.max_memory_allocated of the real
+    dry run). The code measured then kept LayerNorm outputs in fp32; today's keeps them in the autocast dtype
+    (`bert.LayerNorm`), LAYERNORM_FP32_GIB less: the same trace with the old LayerNorm (nn.LayerNorm's forward) gives
+    37.92 GiB, today's 34.10 (2026-11-29, the set-up of the measurement, `shipped.trace`). Within 5 % of the measured
+    peak less that: the trace leaves out the allocator's rounding and counts a kernel's unreturned scratch as an
+    output, a few percent either way (tests/test_cost.py), while a lost or doubled buffer of the step (the graph pool
+    alone is 24 GiB) moves it far more. The memory comes from the step run eagerly (`shipped.trace`): the compiled
+    layers' trace saves fewer activations than the GPU held. With the margins the planner adds, the need stays above
+    what was measured."""
     [point] = calibration.measured.memory
     memory = calibration.traced[point.setup][1]
-    assert abs(memory.train_peak / 2**30 / point.peak_gib - 1) <= 0.05, memory.train_peak / 2**30
+    expected = point.peak_gib - LAYERNORM_FP32_GIB
+    assert abs(memory.train_peak / 2**30 / expected - 1) <= 0.05, memory.train_peak / 2**30
     assert step_model.memory_fit(memory, H200).needed_bytes > point.peak_gib * 2**30
 
 
