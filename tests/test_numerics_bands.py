@@ -170,13 +170,14 @@ def test_forward_bands_by_hand(precision):
     (K = 128, FP8 operands under fp8) and the attention (two GEMMs of K = max(64, 128) in the autocast format, then
     softmax); the FFN row adds to the stream the FFN GEMM and GELU's rounding (u^2 / 3)."""
     u, forward, _ = ROUNDOFF[precision]
+    norm = u**2 / 3  # a LayerNorm's output rounded to the autocast dtype
     qkv = (2 * forward**2 + 128 * 2.0**-48 + u**2) / 3
     attention = 2 * (3 * u**2 + 128 * 2.0**-48) / 3 + FP32_VARIANCE
     output = (2 * forward**2 + 128 * 2.0**-48 + u**2) / 3 + FP32_VARIANCE  # the output projection and its LayerNorm
     bands = _bands(precision)
-    assert bands["embeddings"] == pytest.approx(8 * math.sqrt(FP32_VARIANCE), rel=1e-12)
-    assert bands["layer0.attention"] == pytest.approx(8 * math.sqrt(FP32_VARIANCE + qkv + attention), rel=1e-12)
-    stream = FP32_VARIANCE + qkv + attention + output + FP32_VARIANCE  # share 1 without measured shares
+    assert bands["embeddings"] == pytest.approx(8 * math.sqrt(norm), rel=1e-12)
+    assert bands["layer0.attention"] == pytest.approx(8 * math.sqrt(norm + qkv + attention), rel=1e-12)
+    stream = norm + qkv + attention + output + norm  # share 1 without measured shares; the LayerNorm's output rounding
     assert bands["layer0.attention_ln"] == pytest.approx(8 * math.sqrt(stream), rel=1e-12)
     ffn = (2 * forward**2 + 128 * 2.0**-48 + u**2) / 3 + u**2 / 3
     assert bands["layer0.ffn"] == pytest.approx(8 * math.sqrt(stream + ffn), rel=1e-12)
@@ -184,14 +185,14 @@ def test_forward_bands_by_hand(precision):
 
 def test_a_branchs_share_scales_its_variance_into_the_stream_by_hand():
     """bf16, attention branch at share 0.5 of its LayerNorm's input: the stream takes 0.25 of the branch's variance
-    (QKV, attention, output projection and LayerNorm) plus the LayerNorm's own fp32 rounding. Gradients carry the
+    (QKV, attention, output projection and LayerNorm) plus the LayerNorm's output rounded to bf16. Gradients carry the
     whole forward without that credit: their bands do not move with the shares."""
     u = 2.0**-8
     branch = (3 * u**2 + 128 * 2.0**-48) / 3 + 2 * (3 * u**2 + 128 * 2.0**-48) / 3 + FP32_VARIANCE \
         + (3 * u**2 + 128 * 2.0**-48) / 3 + FP32_VARIANCE
     shared = _bands("bf16", [{"attention": 0.5, "ffn": 0.25}])
     plain = _bands("bf16")
-    stream = FP32_VARIANCE + 0.25 * branch + FP32_VARIANCE
+    stream = u**2 / 3 + 0.25 * branch + u**2 / 3  # the embeddings' and the LayerNorm's outputs, rounded to bf16
     assert shared["layer0.attention_ln"] == pytest.approx(8 * math.sqrt(stream), rel=1e-12)
     assert shared["layer0.output_ln"] < plain["layer0.output_ln"]
     grads = [key for key in plain if key.startswith("grad:")]

@@ -44,8 +44,10 @@ u_out, has the normwise error
 (independent errors add in quadrature; relative to the GEMM's result when its terms are
 random-signed: the condition factor below corrects that where they are not). The operands are the
 autocast dtype's (fp32 under fp32), e4m3 for the six GEMMs of each encoder layer under fp8 (their
-backward's output gradients e5m2: torchao's recipe, model/fp8.py); LayerNorms, softmax and the loss
-run in fp32 under autocast, so their stages cost e = 2^-24 / sqrt(3). Stages: the embeddings; per
+backward's output gradients e5m2: torchao's recipe, model/fp8.py); softmax and the loss run in fp32
+under autocast, so their stages cost e = 2^-24 / sqrt(3); a LayerNorm computes in fp32 and rounds its
+output once to the autocast dtype (`bert.LayerNorm`: the residual stream and the next GEMM's input), so
+its stage costs that dtype's u / sqrt(3) (2^-24 / sqrt(3) under fp32). Stages: the embeddings; per
 layer the QKV GEMM, the two attention GEMMs (K = max(head_dim, max_seqlen)), the output projection
 with its LayerNorm, the two FFN GEMMs; the heads. Errors add up along the path in variance:
 - inside a residual branch (attention, FFN rows) a row carries the residual stream's variance S
@@ -113,7 +115,7 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -168,7 +170,12 @@ def gemm_error(a: str, b: str, k: int, out: str) -> float:
     return math.sqrt(u[a] ** 2 + u[b] ** 2 + k * u["fp32"] ** 2 + u[out] ** 2) / math.sqrt(3)
 
 
-FP32_STAGE = UNIT_ROUNDOFF["fp32"] / math.sqrt(3)  # LayerNorm, softmax and the loss: fp32 under autocast
+FP32_STAGE = UNIT_ROUNDOFF["fp32"] / math.sqrt(3)  # softmax and the loss: fp32 under autocast
+
+
+def layer_norm_stage(formats: Formats) -> float:
+    """A LayerNorm's stage error: computed in fp32, its output rounded once to the autocast dtype (`bert.LayerNorm`)."""
+    return UNIT_ROUNDOFF[formats.gemm] / math.sqrt(3)
 
 
 @dataclass(frozen=True)
@@ -184,6 +191,7 @@ class Stage:
     layer: int | None = None  # the encoder layer whose residual branch holds this stage
     branch: str | None = None  # "attention" or "ffn"
     closes_branch: bool = False  # output projection + residual add + LayerNorm: the branch joins the stream
+    joins: float = 0.0  # a closing stage's LayerNorm output rounding (variance), which enters the stream at full weight
 
 
 @dataclass(frozen=True)
@@ -209,8 +217,9 @@ def plan_stages(bert: BertConfig, precision: str, max_seqlen: int, tokens: int) 
     """The forward pass as stages, in order (module docstring)."""
     f, h, i = FORMATS[precision], bert.hidden_size, bert.intermediate_size
     fp8 = precision == "fp8"
-    ln = FP32_STAGE**2
-    stages = [Stage(FP32_STAGE, FP32_STAGE, FP32_STAGE, "embeddings",
+    norm = layer_norm_stage(f)
+    fp32, rounded = FP32_STAGE**2, norm**2  # a LayerNorm's fp32 arithmetic; its output's rounding
+    stages = [Stage(norm, norm, norm, "embeddings",
                     ("bert.embeddings.LayerNorm.weight", "bert.embeddings.token_type_embeddings.weight",
                      "bert.embeddings.position_embeddings.weight", "bert.embeddings.word_embeddings.weight"))]
     for n in range(bert.num_hidden_layers):
@@ -218,22 +227,25 @@ def plan_stages(bert: BertConfig, precision: str, max_seqlen: int, tokens: int) 
         attention_k = max(bert.head_dim, max_seqlen)
         core = math.sqrt(2) * gemm_error(f.gemm, f.gemm, attention_k, f.gemm)  # scores and probabilities x V
         qkv = tuple(f"{p}attention.self.{m}.weight" for m in ("query", "key", "value"))
+        closing = replace(_gemm_stage(f, h, tokens, fp8, f"layer{n}.attention_ln",
+                                      (f"{p}attention.output.dense.weight", f"{p}attention.output.LayerNorm.weight"),
+                                      fp32, n, "attention", closes_branch=True), joins=rounded)
         stages += [
             _gemm_stage(f, h, tokens, fp8, None, qkv, 0.0, n, "attention"),
-            Stage(math.sqrt(core**2 + ln), core, 0.0, f"layer{n}.attention", (), n, "attention"),
-            _gemm_stage(f, h, tokens, fp8, f"layer{n}.attention_ln",
-                        (f"{p}attention.output.dense.weight", f"{p}attention.output.LayerNorm.weight"), ln,
-                        n, "attention", closes_branch=True),
+            Stage(math.sqrt(core**2 + FP32_STAGE**2), core, 0.0, f"layer{n}.attention", (), n, "attention"),  # softmax
+            closing,
             _gemm_stage(f, h, tokens, fp8, f"layer{n}.ffn", (f"{p}intermediate.dense.weight",),
                         UNIT_ROUNDOFF[f.gemm] ** 2 / 3, n, "ffn"),
-            _gemm_stage(f, i, tokens, fp8, f"layer{n}.output_ln",
-                        (f"{p}output.dense.weight", f"{p}output.LayerNorm.weight"), ln, n, "ffn", closes_branch=True),
+            replace(_gemm_stage(f, i, tokens, fp8, f"layer{n}.output_ln",
+                                (f"{p}output.dense.weight", f"{p}output.LayerNorm.weight"), fp32, n, "ffn",
+                                closes_branch=True), joins=rounded),
         ]
     stages += [
         _gemm_stage(f, h, tokens, False, "pooler", ("bert.pooler.dense.weight",)),
         _gemm_stage(f, h, tokens, False, "nsp_logits", ("cls.seq_relationship.weight",)),
         _gemm_stage(f, h, tokens, False, "mlm_transform",
-                    ("cls.predictions.transform.dense.weight", "cls.predictions.transform.LayerNorm.weight"), ln),
+                    ("cls.predictions.transform.dense.weight", "cls.predictions.transform.LayerNorm.weight"),
+                    rounded),
         _gemm_stage(f, h, tokens, False, "mlm_logits"),
         Stage(FP32_STAGE, FP32_STAGE, 0.0, "loss"),
     ]
@@ -268,7 +280,7 @@ def _forward_rows(stages: list[Stage], shares: Shares | None) -> Iterator[RowSpe
             variance = stream
         elif stage.closes_branch:
             share = 1.0 if shares is None else shares[stage.layer][stage.branch]
-            stream += share**2 * (fresh + stage.forward**2) + FP32_STAGE**2
+            stream += share**2 * (fresh + stage.forward**2) + stage.joins
             fresh, variance = 0.0, stream
         else:
             fresh += stage.forward**2
