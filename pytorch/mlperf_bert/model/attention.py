@@ -313,8 +313,8 @@ class FlatAttention(torch.nn.Module):
         self.backend = backend
         self.dropout_p = dropout_p
         # chosen here, not per forward: the compiled layers see one kernel and no import
-        kernels: dict[str, VarlenKernel] = {"varlen_cudnn": varlen_cudnn}
-        self.varlen: VarlenKernel | None = varlen_kernel() if backend == "varlen" else kernels.get(backend)
+        self.varlen: VarlenKernel | None = (varlen_kernel() if backend == "varlen" else
+                                            varlen_cudnn if backend == "varlen_cudnn" else None)
 
     def forward(
         self,
