@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..runtime.files import output_file
+from .kernels import ELEMENTWISE, EXTERN  # free of torch, as this module's top must be (the fake device loads first)
 
 LAYERS = 24  # BERT-Large
 STEPS = 3  # a graphed config captures its second step; an eager one runs its third as its second
@@ -62,14 +63,10 @@ class StepKernels:
 
     @property
     def elementwise_bytes(self) -> int:
-        from .kernels import ELEMENTWISE
-
         return sum(self.bytes[kind] for kind in ELEMENTWISE)
 
     @property
     def elementwise_launches(self) -> int:
-        from .kernels import ELEMENTWISE
-
         return sum(self.launches[kind] for kind in ELEMENTWISE)
 
     def scaled(self, other: "StepKernels", factor: int) -> "StepKernels":
@@ -93,8 +90,6 @@ class StepKernels:
 
 def step_kernels(log: Any, phase: str) -> StepKernels:
     """The kernels the modules that ran in `phase` launched, times their runs."""
-    from .kernels import EXTERN
-
     out = StepKernels()
     for module, runs in log.ran(phase):
         out.modules += runs
