@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,15 +150,20 @@ def _uncounted(collective: Any) -> Any:
 # ---------------------------------------------------------------- the kernels, interpreted
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> dict[str, Any]:
+def run_interpreted(worker: Path, out: Path) -> dict[str, Any]:
+    """A worker that runs Triton kernels on CPU tensors through Triton's interpreter, in a process started
+    with TRITON_INTERPRET=1 (Triton reads it at import); its JSON results."""
     needs_triton()
-    out = tmp_path_factory.mktemp("fused") / "results.json"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(worker), str(out)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict[str, Any]:
+    return run_interpreted(WORKER, tmp_path_factory.mktemp("fused") / "results.json")
 
 
 def test_each_kernel_pass_equals_the_multi_tensor_ops(interpreted):

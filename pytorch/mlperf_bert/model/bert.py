@@ -254,6 +254,8 @@ class BertIntermediate(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.dense, DelayedFp8Linear) and self.act == "gelu":
+            return self.dense(x, gelu=True)  # its backward takes GELU's derivative in its one pass over the gradient
         return _gelu(self.dense(x), self.act)  # [T, intermediate]
 
 

@@ -28,8 +28,11 @@ GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA runs them):
 the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout of `_scaled_mm` wants its first
 operand row-major and its second column-major, hence the transposed copies of W for dX, and of dY
 and X for dW; token counts that are not a multiple of 16 are padded with zero rows for dW (a no-op
-for packed rows of 512). Off a GPU the GEMMs are emulated (`scaled_mm`: the same FP8 operands
-dequantised, multiplied in fp32); everything else is the same code.
+for packed rows of 512). dY's two FP8 copies, the bias gradient and dY's amax come from one pass over dY
+(`fp8_cast.grad_cast_transpose`, a Triton kernel on the GPU); the layer that GELU follows runs GELU
+itself (`forward(x, gelu=True)`), so that pass also applies GELU's derivative. Off a GPU the GEMMs are
+emulated (`scaled_mm`: the same FP8 operands dequantised, multiplied in fp32); everything else is the
+same code.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_cast import grad_cast_transpose, padded, saturated_cast
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-# torch._scaled_mm wants the inner dimension of each GEMM to be a multiple of 16.
-ALIGN = 16
 # A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way).
 _TINY = 1e-12
 INPUT, GRAD = 0, 1  # slots of the amax buffer: the last input and output-gradient amax
@@ -56,10 +59,7 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > _TINY, fp8_max(dtype) / amax.clamp(min=_TINY), torch.ones_like(amax))
 
 
-def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * scale, saturated to the format's range (a value above last step's amax clamps), then cast."""
-    limit = fp8_max(dtype)
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+to_fp8 = saturated_cast
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     """Zero rows up to a multiple of ALIGN (the token dimension, the inner one of dW's GEMM)."""
-    extra = -x.shape[0] % ALIGN
+    extra = padded(x.shape[0]) - x.shape[0]
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
@@ -91,12 +91,14 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inverse: torch.Tensor, b_inver
 
 
 class _DelayedFp8Matmul(torch.autograd.Function):
-    """Y = X W^T (+ b) with FP8 operands; the amax buffer's INPUT and GRAD slots give and take the scales."""
+    """Y = X W^T (+ b) with FP8 operands, and GELU(Y) with `gelu`; the amax buffer's INPUT and GRAD slots give
+    and take the scales. The backward's output gradient (through GELU's derivative with `gelu`) becomes its
+    FP8 copies, bias gradient and amax in one pass (`fp8_cast.grad_cast_transpose`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 amax: torch.Tensor, calibrated: bool, grad_calibrated: bool,
-                out_dtype: torch.dtype, records: bool) -> torch.Tensor:
+                out_dtype: torch.dtype, records: bool, gelu: bool) -> torch.Tensor:
         x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
         x8 = to_fp8(x, x_scale, E4M3)
         if records:  # a training forward: the next one scales by this amax
@@ -105,22 +107,26 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         w8 = to_fp8(weight, w_scale, E4M3)
         out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype,
                         None if bias is None else bias.to(out_dtype))
-        ctx.save_for_backward(x8, x_scale, w8, w_scale, amax)
+        # With GELU its input is kept for its derivative, which the backward's one pass applies.
+        ctx.save_for_backward(x8, x_scale, w8, w_scale, amax, out if gelu else None)
         ctx.grad_calibrated, ctx.has_bias, ctx.x_dtype = grad_calibrated, bias is not None, x.dtype
-        return out
+        return F.gelu(out) if gelu else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
-        x8, x_scale, w8, w_scale, amax = ctx.saved_tensors
-        g_scale = scale_of(amax[GRAD] if ctx.grad_calibrated else amax_of(grad_out), E5M2)
-        g8 = to_fp8(grad_out, g_scale, E5M2)
-        amax[GRAD].copy_(amax_of(grad_out))
+        x8, x_scale, w8, w_scale, amax, pre = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if ctx.grad_calibrated:
+            g_scale = scale_of(amax[GRAD], E5M2)
+        else:  # the first backward: its own amax, from a pass of its own
+            g_scale = scale_of(grad_cast_transpose(grad_out, pre, torch.ones_like(w_scale), E5M2)[3], E5M2)
+        g8, g8_t, grad_b, g_amax = grad_cast_transpose(grad_out, pre, g_scale, E5M2)
+        amax[GRAD].copy_(g_amax)
         g_inverse = g_scale.reciprocal()
         grad_x = scaled_mm(g8, _column_major(w8), g_inverse, w_scale.reciprocal(), grad_out.dtype)
-        grad_w = scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)), g_inverse,
-                           x_scale.reciprocal(), torch.float32)
-        grad_b = grad_out.float().sum(0) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None, None, None
+        grad_w = scaled_mm(g8_t, _column_major(_pad_rows(x8)), g_inverse, x_scale.reciprocal(), torch.float32)
+        return (grad_x.to(ctx.x_dtype), grad_w, grad_b if ctx.has_bias else None,
+                None, None, None, None, None, None)
 
 
 class DelayedFp8Linear(nn.Linear):
@@ -146,12 +152,13 @@ class DelayedFp8Linear(nn.Linear):
         new.amax = torch.zeros(2, device=linear.weight.device)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stacked(self, self.weight, self.bias, x)
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """x W^T + b in FP8, and GELU of it with `gelu` (the exact, erf form: `F.gelu`'s default)."""
+        return self.stacked(self, self.weight, self.bias, x, gelu)
 
     @staticmethod
     def stacked(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None,
-                x: torch.Tensor) -> torch.Tensor:
+                x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x W^T + b in FP8 with `owner`'s amax history: the layer's own weight, or the stacked weights of
         several layers that read the same input (query, key and value: `bert.fused_projection`)."""
         device_type = x.device.type
@@ -161,7 +168,7 @@ class DelayedFp8Linear(nn.Linear):
         # forward (no_grad) scales by its own amax and leaves the history to the next training step.
         records = torch.is_grad_enabled()
         out = _DelayedFp8Matmul.apply(flat, weight, bias, owner.amax, owner.calibrated and records,
-                                      owner.grad_calibrated, out_dtype, records)
+                                      owner.grad_calibrated, out_dtype, records, gelu)
         owner.calibrated = owner.calibrated or records
         if torch.is_grad_enabled() and weight.requires_grad:
             owner.grad_calibrated = True
