@@ -173,7 +173,8 @@ def single_pass_calls(fx: Any) -> dict[str, list[int]]:
         name = f"{getattr(node.target, 'namespace', '')}.{getattr(node.target, '_opname', '')}"
         if node.op != "call_function" or name not in SINGLE_PASS_OPS:
             continue
-        inputs = [arg.meta.get("val") for arg in node.args if hasattr(arg, "meta")]
+        args = [a for arg in node.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]  # lists flat
+        inputs = [arg.meta.get("val") for arg in args if hasattr(arg, "meta")]
         value = node.meta["val"]
         outputs = list(value) if isinstance(value, (tuple, list)) else [value]
         calls.setdefault(name, []).append(single_pass_bytes(inputs + outputs))
