@@ -23,6 +23,7 @@ from torch import nn
 
 from .attention import FlatAttention, FlatLayout, batch_layout
 from .fp8_delayed import DelayedFp8Linear, delayed_fp8_mlp
+from .fused_linear import linear_gelu, split_linear
 from .grouped_attention import StreamPool, check_bounds
 from ..data.batch import FlatBatch
 from ..config.settings import DEFAULT_GROUP_BOUNDS, ConfigError
@@ -172,6 +173,8 @@ def fused_projection(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[tor
     sizes = tuple(linear.out_features for linear in linears)
     if kinds == {DelayedFp8Linear}:  # its backward reads the blocks' gradients where they are
         return DelayedFp8Linear.split_outputs(linears[0], weight, bias, x, sizes)  # type: ignore[arg-type]
+    if bias is not None:  # the same, with the bias gradient in the same pass
+        return split_linear(weight, bias, x, sizes)
     return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
@@ -256,8 +259,13 @@ class BertIntermediate(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.dense, DelayedFp8Linear) and self.act == "gelu":
-            return self.dense(x, gelu=True)  # its backward takes GELU's derivative in its one pass over the gradient
+        # The backward takes GELU's derivative and the bias gradient in its one pass over the gradient, unless a
+        # hook asks for the dense layer's output (the numerics check's), which that function never makes.
+        if self.act == "gelu" and not (self.dense._forward_hooks or self.dense._forward_pre_hooks):
+            if isinstance(self.dense, DelayedFp8Linear):
+                return self.dense(x, gelu=True)
+            if type(self.dense) is nn.Linear and self.dense.bias is not None:
+                return linear_gelu(self.dense, x)
         return _gelu(self.dense(x), self.act)  # [T, intermediate]
 
 
@@ -278,7 +286,7 @@ class BertLayer(nn.Module):
     def _mlp_unobserved(self) -> bool:
         """The FP8 MLP function applies (exact GELU) and no hook asks for what it never makes: FC1's output and
         GELU's in the autocast dtype (the numerics check's FFN rows). With a hook, FC1 + GELU and FC2 run apart:
-        the same values, bit for bit (tests/test_fp8_kernels.py)."""
+        the same values, bit for bit (tests/test_single_pass_ops.py)."""
         watched = (self.intermediate, self.intermediate.dense, self.output.dense)
         return self.intermediate.act == "gelu" and not any(m._forward_hooks or m._forward_pre_hooks for m in watched)
 

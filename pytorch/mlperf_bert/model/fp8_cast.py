@@ -12,7 +12,7 @@ each, and writes the transposed copy with one-byte stores. NVIDIA's layers make 
 
 - CUDA: `fp8_kernels.py`'s Triton kernel, one read of G (and H), one write of each FP8 copy;
 - CPU (and any other device): the same values from torch's own ops, `reference`: what the kernel
-  is tested against (`tests/test_fp8_kernels.py`, through Triton's interpreter on the CPU);
+  is tested against (`tests/test_single_pass_ops.py`, through Triton's interpreter on the CPU);
 - the fake device of the dry run: shapes only. The dry run counts the op's bytes as one pass
   (`single_pass_bytes`), as the kernel moves them.
 
@@ -43,7 +43,8 @@ ALIGN = 16
 # The kernel's tile (`fp8_kernels.py`): 4096 values, 8 KiB of bf16 read per operand. A gradient given in
 # parts (the query, key and value gradients) is read in place when each part's width is a multiple of TILE_N.
 TILE_M, TILE_N = 64, 64
-SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose")
+SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose",
+                   f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
 
 
 def padded(rows: int) -> int:
@@ -86,8 +87,12 @@ def read_in_parts(grads: list[torch.Tensor], pre: torch.Tensor | None, tile: int
     """Whether `grad_cast_transpose` reads these parts in place (else the caller concatenates them first, where
     the compiled graph shows the copy): at most 3 parts of one shape, their width a multiple of the tile's
     (`tile` columns), no GELU."""
-    shapes = {tuple(g.shape) for g in grads}
-    return len(grads) == 1 or (pre is None and len(grads) <= 3 and len(shapes) == 1 and grads[0].shape[1] % tile == 0)
+    if len(grads) == 1:
+        return True
+    # Compared, never hashed: a token count is symbolic under torch.compile, and hashing it would specialise
+    # the graph to one count (a recompile for every batch of another).
+    same = all(g.shape[0] == grads[0].shape[0] and g.shape[1] == grads[0].shape[1] for g in grads)
+    return pre is None and len(grads) <= 3 and same and grads[0].shape[1] % tile == 0
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_grad_cast_transpose", mutates_args=())
@@ -157,5 +162,8 @@ def _triton_module() -> Any:
 
 def single_pass_bytes(operands: Sequence[Any]) -> int:
     """What a single-pass op moves: every tensor among its inputs read once, every output written once
-    (`operands`: both, as tensors or anything else, which moves nothing)."""
-    return sum(t.numel() * t.element_size() for t in operands if isinstance(t, torch.Tensor))
+    (`operands`: both, as tensors or anything else, which moves nothing). A symbolic size (a token count under
+    dynamic shapes) counts at its hint, the size the graph was traced with, as Inductor counts its kernels."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return sum(int(optimization_hint(t.numel())) * t.element_size() for t in operands if isinstance(t, torch.Tensor))

@@ -44,10 +44,13 @@ NONE, GELU, DGELU = 0, 1, 2  # ACT: what is applied to the tile before the cast
 
 def _cast_transpose(x, x1, x2, pre, scale, out, out_t, partials, amax, M, N, M_pad, WIDTH,
                     FP8_MAX: tl.constexpr, ACT: tl.constexpr, SUMS: tl.constexpr, PARTS: tl.constexpr,
-                    OUT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    FP8: tl.constexpr, OUT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile (module docstring). Programs: (M_pad / BLOCK_M, N / BLOCK_N), rounded up.
     PARTS > 1: G is the column-wise concatenation of x, x1 (and x2), each [M, WIDTH], WIDTH a multiple of
-    BLOCK_N, so that each tile reads one part (the query, key and value gradients: no concatenated copy)."""
+    BLOCK_N, so that each tile reads one part (the query, key and value gradients: no concatenated copy).
+    FP8 off (a bf16 layer's gradient): G itself is stored in its dtype (OUT = ROUND), no transposed copy, no
+    amax; `scale`, `out_t` and `amax` are not touched."""
     tile_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,13 +75,16 @@ def _cast_transpose(x, x1, x2, pre, scale, out, out_t, partials, amax, M, N, M_p
         cdf = 0.5 * (1.0 + tl.math.erf(h * _SQRT_HALF))
         pdf = tl.exp(-0.5 * h * h) * _INV_SQRT_2PI
         g = (g * (cdf + h * pdf)).to(ROUND, fp_downcast_rounding="rtne").to(tl.float32)
-    q = tl.clamp(g * tl.load(scale), -FP8_MAX, FP8_MAX).to(OUT, fp_downcast_rounding="rtne")
-    tl.store(out + offsets, q, mask=inside)
-    transposed = cols[:, None].to(tl.int64) * M_pad + rows[None, :]
-    tl.store(out_t + transposed, tl.trans(q), mask=(cols[:, None] < N) & (rows[None, :] < M_pad))
+    if FP8:
+        q = tl.clamp(g * tl.load(scale), -FP8_MAX, FP8_MAX).to(OUT, fp_downcast_rounding="rtne")
+        tl.store(out + offsets, q, mask=inside)
+        transposed = cols[:, None].to(tl.int64) * M_pad + rows[None, :]
+        tl.store(out_t + transposed, tl.trans(q), mask=(cols[:, None] < N) & (rows[None, :] < M_pad))
+        tl.atomic_max(amax, tl.max(tl.abs(g)))
+    else:
+        tl.store(out + offsets, g.to(OUT, fp_downcast_rounding="rtne"), mask=inside)
     if SUMS:
         tl.store(partials + tile_m * N + cols, tl.sum(g, axis=0), mask=cols < N)
-    tl.atomic_max(amax, tl.max(tl.abs(g)))
 
 
 _TRITON_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5,
@@ -113,15 +119,34 @@ def cast_transpose(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | Non
     of the contiguous 2-D `parts` (at most 3, of one width, a multiple of the tile's when more than one), after
     `act` (module docstring; `pre`: FC1's output, for DGELU, with one part)."""
     rows, width = parts[0].shape
-    cols = width * len(parts)
-    device = parts[0].device
+    cols, device = width * len(parts), parts[0].device
     out = torch.empty((rows, cols), dtype=fp8_dtype, device=device)
     out_t = torch.empty((cols, padded_rows), dtype=fp8_dtype, device=device)
-    tiles = (triton.cdiv(padded_rows, k.block_m), triton.cdiv(cols, k.block_n))
-    partials = torch.empty((tiles[0] if sums else 1, cols), dtype=torch.float32, device=device)
     amax = torch.zeros((), dtype=torch.float32, device=device)
+    sums_of = _launch(k, parts, pre, scale, out, out_t, amax, padded_rows, act, sums, fp8=True)
+    return out, out_t, sums_of, amax
+
+
+def gradient_sums(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G in the parts' dtype [M, N], its column sums fp32 [N]) of G, the concatenated `parts` (through GELU's
+    derivative at `pre` when given): a bf16 layer's output gradient and bias gradient in one pass."""
+    rows, width = parts[0].shape
+    out = torch.empty((rows, width * len(parts)), dtype=parts[0].dtype, device=parts[0].device)
+    sums = _launch(k, parts, pre, out, out, out, out, rows, DGELU if pre is not None else NONE, True, fp8=False)
+    assert sums is not None
+    return out, sums
+
+
+def _launch(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor,
+            out_t: torch.Tensor, amax: torch.Tensor, padded_rows: int, act: int, sums: bool,
+            fp8: bool) -> torch.Tensor | None:
+    rows, width = parts[0].shape
+    cols = width * len(parts)
+    tiles = (triton.cdiv(padded_rows, k.block_m), triton.cdiv(cols, k.block_n))
+    partials = torch.empty((tiles[0] if sums else 1, cols), dtype=torch.float32, device=out.device)
     x, x1, x2 = (parts + parts[-1:] * 2)[:3]
+    fp8_max = float(torch.finfo(out.dtype).max) if fp8 else 0.0
     k.run[tiles](x, x1, x2, x if pre is None else pre, scale, out, out_t, partials, amax, rows, cols, padded_rows,
-                 width, FP8_MAX=float(torch.finfo(fp8_dtype).max), ACT=act, SUMS=sums, PARTS=len(parts),
-                 OUT=_TRITON_DTYPES[fp8_dtype], ROUND=_TRITON_DTYPES[x.dtype], BLOCK_M=k.block_m, BLOCK_N=k.block_n)
-    return out, out_t, partials.sum(0) if sums else None, amax
+                 width, FP8_MAX=fp8_max, ACT=act, SUMS=sums, PARTS=len(parts), FP8=fp8, OUT=_TRITON_DTYPES[out.dtype],
+                 ROUND=_TRITON_DTYPES[x.dtype], BLOCK_M=k.block_m, BLOCK_N=k.block_n)
+    return partials.sum(0) if sums else None

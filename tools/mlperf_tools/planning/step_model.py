@@ -115,7 +115,7 @@ class Constant:
 # Every number the models do not read off a datasheet or a trace, but our step's measured rates (OURS below):
 # NVIDIA's code's two fitted efficiencies, and the priors both models share (launches, collectives, memory, run).
 CALIBRATION: dict[str, Constant] = {
-    "matmul_efficiency": Constant(0.86, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published), "
+    "matmul_efficiency": Constant(0.82, "fitted by `tools/plan.py --calibrate` to the published rates (plan.published), "
                                         "on each config's step traced in NVIDIA's precision (plan.nvidia_env)"),
     "fused_traffic_share": Constant(0.30, "fitted by `tools/plan.py --calibrate`: the share of the traced element-wise "
                                           "bytes a fused implementation still moves (1.0: this trainer, eager); the "
@@ -390,7 +390,7 @@ OURS: dict[str, Constant] = {
                                             "9.4 GB; 33.6 GB of `_foreach_` ops then), as a share of HBM bandwidth: "
                                             "the step keeps the measured optimizer time until a GPU times the fused "
                                             "passes", True),
-    "inductor_bandwidth": Constant(0.3674, "fitted: the compiled steps (bf16 and FP8 tensorwise, CUDA graph): the "
+    "inductor_bandwidth": Constant(0.3528, "fitted: the compiled steps (bf16 and FP8 tensorwise, CUDA graph): the "
                                            "bytes Inductor counts for the compiled regions' kernels (the set-ups' "
                                            "code generated for the H200 on the fake device) per second over HBM "
                                            "bandwidth", True),

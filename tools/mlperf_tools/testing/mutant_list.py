@@ -57,6 +57,7 @@ ATTENTION = "pytorch/mlperf_bert/model/attention.py"
 # round 3: the fused optimizer's bugs, each planted by hand and seen to fail its test before the code was committed
 FUSED_KERNELS = "pytorch/mlperf_bert/optim/fused_kernels.py"
 FP8_KERNELS = "pytorch/mlperf_bert/model/fp8_kernels.py"
+FUSED_LINEAR = "pytorch/mlperf_bert/model/fused_linear.py"
 OPTIMIZERS = "pytorch/mlperf_bert/optim/optimizers.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
@@ -88,7 +89,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     FP8_DELAYED: ("tests/test_fp8_delayed.py", "tests/test_fp8.py",
                   "tests/test_dryrun.py::test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16",
                   "-k", "delayed"),
-    FP8_CAST: ("tests/test_fp8_delayed.py", "tests/test_fp8_kernels.py", "-k", "delayed or padded or bias or gelu or mlp or parts"),
+    FP8_CAST: ("tests/test_fp8_delayed.py", "tests/test_single_pass_ops.py", "-k", "delayed or padded or bias or gelu or mlp or parts or symbolic"),
     PREFLIGHT: ("tests/test_preflight.py",),
     NCCL_PREFLIGHT: ("tests/test_preflight.py",),
     STARTUP: ("tests/test_device_choices.py", "tests/test_bert_config.py", "tests/test_config_property.py",
@@ -100,7 +101,8 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                 "tests/test_grouped_attention.py", "-k", "not trainer"),
     # round 3
     FUSED_KERNELS: ("tests/test_fused_optim.py",),
-    FP8_KERNELS: ("tests/test_fp8_kernels.py",),
+    FP8_KERNELS: ("tests/test_single_pass_ops.py",),
+    FUSED_LINEAR: ("tests/test_single_pass_ops.py", "-k", "fused or bf16 or dry_run"),
     OPTIMIZERS: ("tests/test_fused_optim.py", "tests/test_optim.py"),
 }
 
@@ -590,8 +592,11 @@ MUTANTS: list[Mutant] = [
         "g_inverse, x_scale.reciprocal(), grads[0].dtype)", "dX dequantised with the input's scale, not the weight's"),
     _m2("fp8d-06", FP8_CAST, "return rows + (-rows % ALIGN)", "return rows + (rows % ALIGN)",
         "dW's token padding miscounted (17 rows padded to 18, not 32)"),
-    _m3("fp8c-01", FP8_CAST, "len(shapes) == 1 and grads[0].shape[1] % tile == 0)", "len(shapes) == 1)",
+    _m3("fp8c-01", FP8_CAST, "and same and grads[0].shape[1] % tile == 0", "and same",
         "gradient parts read in place whatever their width: a tile straddles two parts"),
+    _m3("fp8c-02", FP8_CAST, "    same = all(g.shape[0] == grads[0].shape[0] and g.shape[1] == grads[0].shape[1] for g in grads)\n",
+        "    same = len({tuple(g.shape) for g in grads}) == 1\n",
+        "the parts' shapes hashed: a symbolic token count specialised, a recompile for every batch"),
     # ------------------------------------------------------------ runtime/preflight.py, nccl_preflight.py
     _m2("preflight-01", PREFLIGHT, "    if world < 2:\n", "    if world < 1:\n",
         "a job of one rank measured (bus bandwidth 0 fails any threshold)"),
@@ -691,4 +696,9 @@ MUTANTS: list[Mutant] = [
         "the value gradient's columns read from the key gradient"),
     _m3("fp8k-06", FP8_KERNELS, "g = (g * 0.5 * (1.0 + tl.math.erf(g * _SQRT_HALF))).to(ROUND,",
         "g = (g * (1.0 + tl.math.erf(g * _SQRT_HALF))).to(ROUND,", "the forward's GELU without its factor 1/2"),
+    # ------------------------------------------------------------ model/fused_linear.py
+    _m3("fused-linear-01", FUSED_LINEAR, "grad_b.to(x.dtype).to(ctx.dtypes[1])", "grad_b.to(ctx.dtypes[1])",
+        "the bias gradient kept in fp32 where autocast's linear rounds it to bf16"),
+    _m3("fused-linear-02", FUSED_LINEAR, "                return F.gelu(out)\n", "                return F.gelu(out, approximate=\"tanh\")\n",
+        "FC1's GELU in its tanh form where the model's is exact"),
 ]

@@ -1,6 +1,6 @@
-"""The FP8 gradient kernel (model/fp8_kernels.py) on CPU tensors, through Triton's interpreter (test_fp8_kernels.py).
+"""The single-pass kernel (model/fp8_kernels.py) on CPU tensors, through Triton's interpreter (test_single_pass_ops.py).
 
-Usage: TRITON_INTERPRET=1 python tests/_fp8_kernels_worker.py OUT.json
+Usage: TRITON_INTERPRET=1 python tests/_single_pass_worker.py OUT.json
 
 Triton decides at import whether its own library functions are compiled or interpreted, so this runs
 in a process of its own, started with TRITON_INTERPRET=1 before anything imports Triton. The kernel runs
@@ -16,7 +16,10 @@ not, the scale), against `fp8_cast.reference`: the FP8 copies' bytes that differ
 the padding columns that are not zero, the amax's difference, and the bias gradient's largest difference
 relative to its largest value (the kernel sums tiles in another order); `gelu`, per case (shape, dtype),
 the forward's GELU and E4M3 cast against `fp8_cast.gelu_reference`: the same counts, and whether the
-column sums were left out as asked.
+column sums were left out as asked; `bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
+layer's gradient pass against `fused_linear.reference`: the gradient's elements that differ and by how many
+units in the last place at most (GELU's derivative: the interpreter's erf and exp are not torch's), and
+the column sums' largest difference relative to their largest value.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from mlperf_bert.model import fp8_cast, fp8_kernels  # noqa: E402
+from mlperf_bert.model import fp8_cast, fp8_kernels, fused_linear  # noqa: E402
 
 _TORCH = {tl.float8e5: torch.float8_e5m2, tl.float8e4nv: torch.float8_e4m3fn, tl.bfloat16: torch.bfloat16,
           tl.float16: torch.float16, tl.float32: torch.float32}
@@ -105,13 +108,33 @@ def gelu_case(rows: int, cols: int, dtype: torch.dtype, k: fp8_kernels.Kernel) -
             "no_sums": got[2] is None}
 
 
+BF16_CASES = [(21, (32, 32, 32), False, torch.bfloat16), (37, (40,), True, torch.bfloat16),
+              (9, (16, 16), False, torch.float32), (16, (24,), True, torch.float16)]
+
+
+def gradient_case(rows: int, widths: tuple[int, ...], gelu: bool, dtype: torch.dtype,
+                  k: fp8_kernels.Kernel) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(rows + sum(widths))
+    grads = [(torch.randn(rows, width, generator=generator) * 2).to(dtype) for width in widths]
+    pre = torch.randn(rows, widths[0], generator=generator).to(dtype) if gelu else None
+    assert fp8_cast.read_in_parts(grads, pre, k.block_n)
+    want = fused_linear.reference(grads, pre)
+    got = fp8_kernels.gradient_sums(k, grads, pre)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    ulps = (got[0].view(bits).long() - want[0].view(bits).long()).abs()  # same signs: the distance in units last place
+    return {"differ": int((got[0] != want[0]).sum()), "max_ulps": int(ulps.max()), "dtype_kept": got[0].dtype == dtype,
+            "sums_relative": float((got[1] - want[1]).abs().max() / want[1].abs().max())}
+
+
 def main(out: Path) -> None:
     k = fp8_kernels.kernel(16, 16, interpret=True)
     results = {f"{r}x{sum(c) if isinstance(c, tuple) else c} {str(d).split('.')[-1]} gelu={g} scale={s} "
                f"{str(t).split('.')[-1]} parts={len(c) if isinstance(c, tuple) else 1}": case(r, c, d, g, s, t, k)
                for r, c, d, g, s, t in CASES}
     gelu = {f"{r}x{c} {str(t).split('.')[-1]}": gelu_case(r, c, t, k) for r, c, t in GELU_CASES}
-    out.write_text(json.dumps({"gradients": results, "gelu": gelu}, indent=1))
+    bf16 = {f"{r}x{sum(w)} parts={len(w)} gelu={g} {str(t).split('.')[-1]}": gradient_case(r, w, g, t, k)
+            for r, w, g, t in BF16_CASES}
+    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16}, indent=1))
 
 
 if __name__ == "__main__":
