@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, load_script, run_cli
+from tests.harness.commands import load_script, run_cli
+from tests.harness.paths import REPO
 
 SCRIPT = REPO / "benchmarks" / "attention.py"
 

@@ -1,6 +1,6 @@
 """Load balancing across real processes: 4 gloo ranks (2 nodes of 2) and `mpiexec -n 2`.
 
-Each run is one launch of tests/_balance_worker.py per rank; the worker records, per policy
+Each run is one launch of tests/harness/workers/balance.py per rank; the worker records, per policy
 and step, the uids of the samples each rank trained on. The checks here compare them with
 what the data holds (read independently with read_shard), with the unbalanced run of the
 same stream, and with the pure policy functions of mlperf_bert.input.balance.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -19,29 +18,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _balance_worker import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
-from conftest import REPO, require_tool, trainer_args
 
 from mlperf_bert.data.shards import list_shards
 from data_prep.stratify import StratifyParams, stratify
 from mlperf_bert.input import balance
 from mlperf_bert.data.dataset import discover_shards, read_shard
+from tests.harness.commands import require_tool
+from tests.harness.demo import trainer_args
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
+from tests.harness.workers.balance import BOUNDS, GLOO_CASES, LIMITS, MAX_LEN, MAX_PRED, MPI_CASES, write_dataset
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO / "tests" / "_balance_worker.py"
+WORKER = "tests.harness.workers.balance"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 SHARDS = [70, 70, 70]
 GLOO_WORLD, GLOO_PER_NODE, GLOO_STEPS = 4, 2, 18
 MPI_WORLD, MPI_STEPS = 2, 32
 TRAIN_STEPS = 4
 ORDERS = {"raster", "snake", "greedy"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env() -> dict[str, str]:
@@ -52,7 +48,7 @@ def launch_gloo(args: list[str], world: int, per_node: int, timeout: float = 240
     """One worker process per rank, with the variables torchrun would set."""
     env = base_env()
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), *args], cwd=REPO, stdout=subprocess.PIPE,
+        subprocess.Popen([sys.executable, "-m", WORKER, *args], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True,
                          env={**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node),
                               "LOCAL_RANK": str(r % per_node)})
@@ -65,7 +61,7 @@ def launch_gloo(args: list[str], world: int, per_node: int, timeout: float = 240
 
 def launch_mpi(args: list[str], world: int, timeout: float = 240) -> str:
     require_tool(MPIEXEC.exists(), f"{MPIEXEC} not found (pip install mpich)")
-    result = subprocess.run([str(MPIEXEC), "-n", str(world), sys.executable, str(WORKER), *args], cwd=REPO,
+    result = subprocess.run([str(MPIEXEC), "-n", str(world), sys.executable, "-m", WORKER, *args], cwd=REPO,
                             env=base_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stderr

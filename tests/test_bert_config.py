@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from conftest import trainer_args
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.model.bert import DEFAULTED_KEYS, REQUIRED_KEYS, BertConfig, BertForPreTraining
+from tests.harness.demo import trainer_args
 
 LARGE = {"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
          "intermediate_size": 4096}

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from _fault_launch import assert_same_tensors, load_checkpoint, losses, mllog_events, run_ranks, worker_command
-from _runs import cpu_run, poison_training_forwards, state_of
-from conftest import trainer_args
 from mlperf_bert import trainer
 from mlperf_bert.runtime.exits import EXIT_DIVERGED
 from mlperf_bert.train.faults import NumericBlowUp, StepGuard
 from mlperf_bert.train.step import EagerStep
+from tests.harness.cpu_run import cpu_run, poison_training_forwards, state_of
+from tests.harness.demo import trainer_args
+from tests.harness.launches import load_checkpoint, losses, mllog_events, run_ranks, worker_command
+from tests.harness.tensors import assert_same_tensors
 
 FAR = 10**9  # a block end no test step reaches
 

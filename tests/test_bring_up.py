@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from tests.harness.commands import run_cli
 
 
 def test_smoke_mode_runs_every_step(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from data_prep import prepare
 from data_prep.check_inputs import PUBLISHED, REQUIRED, TF2_CHECKPOINT, check_inputs, read_md5_list, read_table
-from test_reference_samples import GOLDEN
+from tests.harness.paths import REFERENCE_SAMPLES
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_published_table_holds_the_mlperf_vocabulary():
 
 
 def test_published_table_accepts_the_real_vocabulary(tmp_path):
-    (tmp_path / "vocab.txt").write_bytes(lzma.decompress((GOLDEN / "vocab.txt.xz").read_bytes()))
+    (tmp_path / "vocab.txt").write_bytes(lzma.decompress((REFERENCE_SAMPLES / "vocab.txt.xz").read_bytes()))
     report = check_inputs([tmp_path], PUBLISHED, required=("vocab.txt",))
     assert report.good == [str(tmp_path / "vocab.txt")] and not report.bad
 

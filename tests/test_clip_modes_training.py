@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 
 from clip_study import (
     RunOutcome,
@@ -33,6 +32,7 @@ from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import CLIP_MODES, TrainConfig
 from mlperf_bert.config.closed_division import eval_interval_samples
 from mlperf_bert.build import hyperparameters, lr_schedule
+from tests.harness.paths import REPO
 
 DEMO_CONFIG = REPO / "config_CPU_1x2.sh"
 # A clip norm far below the tiny model's gradient norms, so that every mode really clips.

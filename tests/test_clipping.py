@@ -1,13 +1,12 @@
 """Clipping modes against their definitions, on real 4- and 2-process gloo runs.
 
-The ranks (tests/_clipping_worker.py) only record what happened; the expected gradients are
+The ranks (tests/harness/workers/clipping.py) only record what happened; the expected gradients are
 computed here in float64 numpy from each rank's unclipped local gradient, with the bucket layout
 DDP itself reports, never from the code under test.
 """
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,20 +16,14 @@ import pytest
 import torch
 
 from mlperf_bert.optim.clipping import ClipConfig, ClipHandle, ClipMode, optimizer_clip_norm
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
+from tests.harness.workers import clipping as worker  # shares the run's constants
 
-import _clipping_worker as worker  # shares the run's constants
-
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("_clipping_worker.py")
+WORKER = "tests.harness.workers.clipping"
 
 CLIP_MODES = ["before_allreduce", "bucketwise"]
 ALL_MODES = [m.value for m in ClipMode]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, out_dir: Path) -> list[dict]:
@@ -38,8 +31,8 @@ def launch(world: int, out_dir: Path) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "pytorch"))
     port = str(free_port())
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(out_dir)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen([sys.executable, "-m", WORKER, str(r), str(world), port, str(out_dir)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(world)
     ]
     outputs = [p.communicate(timeout=180)[0] for p in procs]

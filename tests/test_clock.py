@@ -1,10 +1,10 @@
 """The MLPerf clock: no byte of the dataset is read before run_start (training_rules.adoc §11).
 
 Every process of a run records each file it opens under the training and eval folders, with
-the time (tests/open_audit/sitecustomize.py: Python's audit hook, and h5py.File, which opens
+the time (tests/harness/open_audit/sitecustomize.py: Python's audit hook, and h5py.File, which opens
 in C); the MLPerf log's run_start time splits the opens into before and after the clock. Those
 audited runs are processes of their own (the hook is installed at start-up); the refusals before
-the clock are served by one process of the module (conftest.served_trainer).
+the clock are served by one process of the module (the served_trainer fixture).
 """
 
 from __future__ import annotations
@@ -20,17 +20,18 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, TRAINER, demo_config_env, run_cli, trainer_args, verify_folder
 from mlperf_bert.config.closed_division import init_overrun
 from mlperf_bert.data.record import RECORD_NAME, FileEntry, Record, read_record, stale_problems
 from mlperf_bert.data.shards import REFUSED_NAME
-from test_closed_division import check_closed_log, closed_run_inputs
-
-AUDIT = REPO / "tests" / "open_audit"
-
+from tests.harness.closed_runs import check_closed_log, closed_run_inputs
+from tests.harness.commands import run_cli
+from tests.harness.demo import copy_verified, demo_config_env, trainer_args, verify_folder
+from tests.harness.launches import mllog_events
+from tests.harness.paths import OPEN_AUDIT, REPO, TRAINER
+from tests.harness.refusals import refused_before_the_clock
 
 def _audited(env: dict[str, str], log: Path, *folders: Path) -> dict[str, str]:
-    return {**env, "PYTHONPATH": os.pathsep.join([str(AUDIT), env.get("PYTHONPATH", "")]),
+    return {**env, "PYTHONPATH": os.pathsep.join([str(OPEN_AUDIT), env.get("PYTHONPATH", "")]),
             "OPEN_AUDIT_LOG": str(log), "OPEN_AUDIT_DIRS": os.pathsep.join(map(str, folders))}
 
 
@@ -39,12 +40,8 @@ def _opens(log: Path) -> list[tuple[float, int, Path]]:
     return [(float(t), int(pid), Path(path)) for t, pid, path in rows]
 
 
-def _mllog(path: Path) -> list[dict]:
-    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
-
-
 def _run_start_s(mlperf_log: Path) -> float:
-    starts = [e["time_ms"] for e in _mllog(mlperf_log) if e["key"] == "run_start"]
+    starts = [e["time_ms"] for e in mllog_events(mlperf_log) if e["key"] == "run_start"]
     assert len(starts) == 1, mlperf_log.read_text()[-2000:]
     return starts[0] / 1000
 
@@ -73,7 +70,7 @@ def test_the_demo_config_reads_no_data_before_run_start_in_any_process(demo_data
     _check_clock(tmp_path / "opens.txt", tmp_path / "mlperf.log", train, evals)
     readers = {pid for _, pid, path in _opens(tmp_path / "opens.txt") if path.suffix == ".hdf5"}
     assert len(readers) == 2  # both ranks read their data, each after the clock
-    keys = [e["key"] for e in _mllog(tmp_path / "mlperf.log")]
+    keys = [e["key"] for e in mllog_events(tmp_path / "mlperf.log")]
     assert keys.index("init_duration_seconds") == keys.index("run_start") + 1
 
 
@@ -112,62 +109,47 @@ def test_a_closed_run_reads_no_data_before_run_start_and_logs_the_rules_it_kept(
     check_closed_log(tmp_path / "out" / "mlperf.log", tmp_path)  # and the closed division's rules, logged
 
 
-def _copy(folder: Path, to: Path) -> Path:
-    """A copy that keeps modification times, so the copied record still matches its files."""
-    shutil.copytree(folder, to, copy_function=shutil.copy2)
-    return to
-
-
-def _refused_before_the_clock(done, tmp_path: Path, *says: str) -> str:
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert all(part in errors[0] for part in says), errors[0]
-    assert not (tmp_path / "out" / "mlperf.log").exists()  # nothing logged: the run never started
-    return errors[0]
-
-
 def test_a_closed_run_refuses_a_folder_changed_since_its_verification(served_trainer, demo_data, closed, tmp_path):
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     shard = sorted(train.glob("*.hdf5"))[1]
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1))
     done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
-    _refused_before_the_clock(done, tmp_path, "closed division", str(shard), "changed since it was verified",
+    refused_before_the_clock(done, tmp_path, "closed division", str(shard), "changed since it was verified",
                               f"data_prep/verify_dataset.py {train}")
 
 
 def test_a_closed_run_refuses_a_folder_without_a_record(served_trainer, demo_data, closed, tmp_path):
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
     done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
-    _refused_before_the_clock(done, tmp_path, f"no {RECORD_NAME}", "verify_dataset.py")
+    refused_before_the_clock(done, tmp_path, f"no {RECORD_NAME}", "verify_dataset.py")
 
 
 def test_a_closed_run_refuses_training_data_not_checked_against_its_eval_set(served_trainer, demo_data, closed,
                                                                             tmp_path):
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     verify_folder(train, "--max_seq_length", "64", "--max_predictions", "10")  # no eval set given
     done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
-    _refused_before_the_clock(done, tmp_path, "was not checked for samples of the eval set", "§6.5",
+    refused_before_the_clock(done, tmp_path, "was not checked for samples of the eval set", "§6.5",
                               f"--eval_dir {closed.eval}")
 
 
 def test_a_failed_verification_is_refused_in_the_open_division_too(served_trainer, demo_data, tmp_path):
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     shutil.copy2(sorted(train.glob("*.hdf5"))[0], train / "part_00002_of_00003.hdf5")  # a copied shard
     verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(train), "--workers", "1"])
     assert verify.returncode == 1 and not read_record(train).ok
     args = trainer_args(demo_data, tmp_path / "out", "--do_train")
     args[args.index("--input_dir") + 1] = str(train)
     done = served_trainer.run_in(tmp_path, args)
-    _refused_before_the_clock(done, tmp_path, "verification failed", "byte-identical")
+    refused_before_the_clock(done, tmp_path, "verification failed", "byte-identical")
 
 
 @pytest.fixture(scope="module")
 def failed_verification(demo_data, closed, tmp_path_factory) -> Path:
     """The demo's training folder with its third shard a copy of the first, verified against the closed
     eval set (once for the module): the verification fails."""
-    train = _copy(demo_data / "train", tmp_path_factory.mktemp("copied_shard") / "train")
+    train = copy_verified(demo_data / "train", tmp_path_factory.mktemp("copied_shard") / "train")
     first, _, third = sorted(train.glob("*.hdf5"))
     shutil.copy2(first, third)
     verify = run_cli([sys.executable, "data_prep/verify_dataset.py", str(train), "--eval_dir", str(closed.eval),
@@ -181,7 +163,7 @@ def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(served_trainer, 
                                                                 edit):
     """A copied shard fails the verification; the record's status changed by hand to ok (and its problems
     emptied too) still holds the two equal sha256s: one line naming the record and the command to rewrite it."""
-    train = _copy(failed_verification, tmp_path / "train")
+    train = copy_verified(failed_verification, tmp_path / "train")
     first, _, third = sorted(train.glob("*.hdf5"))
     path = train / RECORD_NAME
     raw = json.loads(path.read_text())
@@ -192,7 +174,7 @@ def test_a_closed_run_refuses_a_record_edited_from_failed_to_ok(served_trainer, 
         raw["problems"] = []
     path.write_text(json.dumps(raw))
     done = served_trainer.run_in(tmp_path, closed.args_for(tmp_path, train))
-    error = _refused_before_the_clock(done, tmp_path, f"{path}: status ok, yet",
+    error = refused_before_the_clock(done, tmp_path, f"{path}: status ok, yet",
                                       f"`python data_prep/verify_dataset.py {train} --eval_dir {closed.eval}`")
     why = ("it lists 1 problem(s)" if edit == "status" else
            f"{first.name} and {third.name} have the same sha256")
@@ -218,7 +200,7 @@ def test_an_ok_record_contradicts_itself_only_with_problems_or_copies_the_verifi
 
 def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_aborted(served_trainer, demo_data,
                                                                                        tmp_path):
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
     for shard in sorted(train.glob("*.hdf5")):
         with h5py.File(shard, "r+") as handle:
@@ -231,7 +213,7 @@ def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "row 5: input_ids outside [0, vocab_size=128)" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
-    events = _mllog(tmp_path / "out" / "mlperf.log")
+    events = mllog_events(tmp_path / "out" / "mlperf.log")
     assert [e["key"] for e in events].count("run_start") == 1
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
 
@@ -242,7 +224,7 @@ def test_an_unverified_folder_trained_anyway_stops_at_the_bad_row_with_run_stop_
 
 @pytest.fixture()
 def verified(demo_data, tmp_path) -> Path:
-    return _copy(demo_data / "train", tmp_path / "train")
+    return copy_verified(demo_data / "train", tmp_path / "train")
 
 
 def _change(folder: Path, how: str) -> str:
@@ -306,7 +288,7 @@ def test_the_record_is_held_against_the_run_limits_before_the_clock(served_train
     else:
         args[args.index(limit) + 1] = "63" if limit == "--max_seq_length" else "8"
     done = served_trainer.run_in(tmp_path, args)
-    _refused_before_the_clock(done, tmp_path, says)
+    refused_before_the_clock(done, tmp_path, says)
 
 
 @pytest.mark.parametrize("division, minutes, over", [("closed", 30, False), ("closed", 30.02, True),
@@ -341,7 +323,7 @@ def test_a_bad_row_read_by_one_of_two_ranks_ends_the_run_with_run_stop_aborted(d
     """run_and_time.sh, two ranks, an unverified folder trained anyway (UNVERIFIED_DATA=1) with one bad shard:
     the rank that reads it stops with exit 2; rank 0 (which writes the MLPerf log) ends the log with run_stop
     aborted either way."""
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     (train / RECORD_NAME).unlink()
     shard = sorted(train.glob("*.hdf5"))[2]
     with h5py.File(shard, "r+") as handle:
@@ -352,7 +334,7 @@ def test_a_bad_row_read_by_one_of_two_ranks_ends_the_run_with_run_stop_aborted(d
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"error: {shard}: row 5: input_ids outside [0, vocab_size=128)" in done.stderr
     assert "Traceback" not in done.stderr
-    events = _mllog(tmp_path / "mlperf.log")
+    events = mllog_events(tmp_path / "mlperf.log")
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from mlperf_tools.results import compare
+from tests.harness.paths import MLPERF_LOGS
 
-REPO = Path(__file__).resolve().parents[1]
-LOGS = REPO / "tests" / "data" / "mlperf_logs"
 
 PACKAGES = [("v2.0/NVIDIA", "2.0.0"), ("v2.0/Baidu", "2.0.0"), ("v4.0/NVIDIA", "4.0.0")]
 
@@ -23,7 +22,7 @@ PACKAGES = [("v2.0/NVIDIA", "2.0.0"), ("v2.0/Baidu", "2.0.0"), ("v4.0/NVIDIA", "
 def _copy(package: str, tmp_path: Path) -> Path:
     """The official tools may write scaling.json into a package, so they get a copy."""
     target = tmp_path / package.replace("/", "_")
-    shutil.copytree(LOGS / package, target)
+    shutil.copytree(MLPERF_LOGS / package, target)
     return target
 
 
@@ -45,9 +44,9 @@ def test_olympic_time_matches_the_official_result_summarizer(package, ruleset, t
 
 def test_published_scores_and_convergence_counts():
     """The olympic times REFERENCE.md quotes, and Baidu's one run that did not converge."""
-    nvidia_a100 = _only_row(LOGS / "v2.0/NVIDIA")
-    baidu = _only_row(LOGS / "v2.0/Baidu")
-    nvidia_h200 = _only_row(LOGS / "v4.0/NVIDIA")
+    nvidia_a100 = _only_row(MLPERF_LOGS / "v2.0/NVIDIA")
+    baidu = _only_row(MLPERF_LOGS / "v2.0/Baidu")
+    nvidia_h200 = _only_row(MLPERF_LOGS / "v4.0/NVIDIA")
     assert round(nvidia_a100.olympic_minutes, 3) == 18.442
     assert round(baidu.olympic_minutes, 2) == 16.60
     assert round(nvidia_h200.olympic_minutes, 2) == 5.21
@@ -60,7 +59,7 @@ def test_published_scores_and_convergence_counts():
 def test_samples_to_converge_match_the_rcp_checker(package, ruleset):
     from mlperf_logging.rcp_checker.rcp_checker import read_submission_file
 
-    for system in compare.discover(LOGS / package):
+    for system in compare.discover(MLPERF_LOGS / package):
         for run in system.runs:
             # Logs whose epoch_num is not a sample count are read by train_samples (RCP option).
             _, expected, _, _ = read_submission_file(str(run.path), ruleset, run.samples_reconstructed)
@@ -71,7 +70,7 @@ def test_samples_to_converge_match_the_rcp_checker(package, ruleset):
 def test_reconstructed_eval_samples_reproduce_logged_train_samples():
     """Baidu logs epoch_num = 1 at every eval; the eval-interval formula must land on the
     train_samples each run logged at its end."""
-    runs = compare.discover(LOGS / "v2.0/Baidu")[0].runs
+    runs = compare.discover(MLPERF_LOGS / "v2.0/Baidu")[0].runs
     assert all(run.samples_reconstructed for run in runs)
     assert [run.evals[-1][0] for run in runs] == [float(run.values["train_samples"]) for run in runs]
     first = runs[0].evals
@@ -87,8 +86,8 @@ def test_eval_interval_formula(gbs, interval):
 
 def test_throughput_per_accelerator_matches_published_anchors():
     """REFERENCE.md: A100 ~300 sequences/s per GPU (v2.0), H200 ~1,000 including eval (v4.0)."""
-    a100 = _only_row(LOGS / "v2.0/NVIDIA")
-    h200 = _only_row(LOGS / "v4.0/NVIDIA")
+    a100 = _only_row(MLPERF_LOGS / "v2.0/NVIDIA")
+    h200 = _only_row(MLPERF_LOGS / "v4.0/NVIDIA")
     assert a100.accelerators == 8 and h200.accelerators == 8
     assert 280 < a100.samples_per_s_per_accelerator < 320
     assert 950 < h200.samples_per_s_per_accelerator < 1050
@@ -102,13 +101,13 @@ def test_olympic_mean_drops_fastest_and_slowest():
 
 
 def test_plain_folder_of_logs_gives_the_same_numbers(tmp_path):
-    source = sorted((LOGS / "v2.0/NVIDIA").glob("results/*/bert/result_*.txt"))
+    source = sorted((MLPERF_LOGS / "v2.0/NVIDIA").glob("results/*/bert/result_*.txt"))
     for index, path in enumerate(source):
         shutil.copyfile(path, tmp_path / f"261121_{index + 1}.log")
     (tmp_path / "261121_1.compliance.txt").write_text("INFO - Running compliance on file\n")
     row = _only_row(tmp_path)
     assert row.runs == 10
-    assert row.olympic_minutes == pytest.approx(_only_row(LOGS / "v2.0/NVIDIA").olympic_minutes)
+    assert row.olympic_minutes == pytest.approx(_only_row(MLPERF_LOGS / "v2.0/NVIDIA").olympic_minutes)
     assert row.accelerators is None and row.samples_per_s_per_accelerator is None
     with (tmp_path / "261121_1.log").open("a") as log:
         log.write(':::SYSJSON {"number_of_nodes": "1", "accelerators_per_node": "8"}\n')
@@ -125,7 +124,7 @@ def test_report_and_plots(tmp_path, capsys):
     from matplotlib import image
 
     out = tmp_path / "report"
-    assert compare.main([str(LOGS / "v2.0/NVIDIA"), str(LOGS / "v2.0/Baidu"), "--out", str(out)]) == 0
+    assert compare.main([str(MLPERF_LOGS / "v2.0/NVIDIA"), str(MLPERF_LOGS / "v2.0/Baidu"), "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
     assert report == capsys.readouterr().out
     table = [line for line in report.splitlines() if line.startswith("| ")]
@@ -143,7 +142,7 @@ def test_plots_with_a_matplotlib_that_fails_to_import_are_refused_before_the_log
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     monkeypatch.setattr(compare, "discover", lambda folder: pytest.fail("read the logs first"))
     with pytest.raises(SystemExit) as stop:
-        compare.main([str(LOGS / "v2.0/NVIDIA"), "--out", str(tmp_path / "report")])
+        compare.main([str(MLPERF_LOGS / "v2.0/NVIDIA"), "--out", str(tmp_path / "report")])
     assert str(stop.value).startswith("compare.py: compare.py --out (its PNG plots) needs matplotlib, which is "
                                       "installed but fails to import (ModuleNotFoundError: "), stop.value
     assert str(stop.value).endswith("or pass --no-plots") and not (tmp_path / "report").exists()
@@ -151,7 +150,7 @@ def test_plots_with_a_matplotlib_that_fails_to_import_are_refused_before_the_log
 
 def test_samsung_open_division_1024_gpus(tmp_path):
     # 9 MB of 1024-rank logs, kept compressed (190 kB) in the repository.
-    with tarfile.open(LOGS / "v2.0" / "Samsung.tar.gz") as archive:
+    with tarfile.open(MLPERF_LOGS / "v2.0" / "Samsung.tar.gz") as archive:
         archive.extractall(tmp_path, filter="data")
     row = _only_row(tmp_path / "Samsung")
     assert (row.division, row.accelerators, row.global_batch_size) == ("open", 1024, "16384")
@@ -163,7 +162,7 @@ def test_samsung_open_division_1024_gpus(tmp_path):
 def test_archive_is_read_directly_and_its_unpacked_copy_removed(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(compare.tempfile, "tempdir", str(tmp_path / "scratch"))
     (tmp_path / "scratch").mkdir()
-    assert compare.main([str(LOGS / "v2.0" / "Samsung.tar.gz"), "--out", str(tmp_path / "out")]) == 0
+    assert compare.main([str(MLPERF_LOGS / "v2.0" / "Samsung.tar.gz"), "--out", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
     assert "| Samsung/samsung_supercomputer21_dgxa100_n128_pytorch | open | 1024 | 16384 | 10 (10) |" in table
     assert "2.933M" in table

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from mlperf_bert.dryrun import kernels
+from tests.harness.paths import REPO
 
 SHIPPED = REPO / "config_DGXH200_1x8.sh"
 # A layer's forward with an import in it, as a kernel choice made per call would do (runtime/optional.py).

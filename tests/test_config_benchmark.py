@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from clip_study import trainer_flags
-from conftest import REPO, config_exports, load_script
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import TrainConfig
+from tests.harness.commands import load_script
+from tests.harness.demo import config_exports
+from tests.harness.paths import REPO
 
 H200 = REPO / "config_DGXH200_1x8.sh"
 GPU_CONFIGS = sorted(p.name for p in REPO.glob("config_*.sh") if "export DEVICE=cpu" not in p.read_text())

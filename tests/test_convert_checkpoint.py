@@ -11,7 +11,6 @@ load_tf_weights_in_bert, hence the numpy reference.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ import pytest
 from data_prep.convert_checkpoint import convert, read_pt
 from data_prep.formats import DataPrepError
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
           "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,

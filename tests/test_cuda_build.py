@@ -1,7 +1,7 @@
 """The fake CUDA device where torch is a CUDA build (a GPU machine's), and the dry run's graph counts on a GPU.
 
 A CUDA build registers its own CUDA hooks and guard when `import torch` loads libtorch_cuda, after the
-fake device: tests/fakes/cuda_build/ makes this CPU-only torch do the same (sitecustomize.py loads
+fake device: tests/harness/fakes/cuda_build/ makes this CPU-only torch do the same (sitecustomize.py loads
 cuda_build.cpp as torch is imported, in every process the test starts).
 """
 
@@ -15,15 +15,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from conftest import REPO
 from mlperf_bert.dryrun.native import build, build_dir
 from mlperf_bert.dryrun.record import Recorder
 from mlperf_bert.dryrun.run import cuda_calls
 from mlperf_bert.dryrun.shipped import exports
 
 from mlperf_tools.planning import plan
+from tests.harness.paths import FAKES, REPO
 
-CUDA_BUILD = REPO / "tests" / "fakes" / "cuda_build"
+CUDA_BUILD = FAKES / "cuda_build"
 
 
 def _ordered(traced: Any) -> Any:

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TRAINER, run_cli, trainer_args
 from data_prep import prepare, verify_dataset
 from data_prep.packing import pack_index_table
 from mlperf_bert.data.integrity import (
@@ -26,6 +25,9 @@ from mlperf_bert.data.shards import (
     to_packed, to_varlength, write_samples,
 )
 from mlperf_bert.data.validate import DataLimits, check_dataset
+from tests.harness.commands import run_cli
+from tests.harness.demo import trainer_args
+from tests.harness.paths import TRAINER
 
 L, P = 64, 10
 

@@ -29,8 +29,8 @@ from data_prep.samples import SampleParams, create_samples
 from data_prep.text import tokenize_file
 from data_prep.verify_dataset import Limits, verify_directory
 from data_prep.vocab import LineEncoder, load_vocab
+from tests.harness.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 PARAMS = SampleParams(dupe_factor=5)
 
@@ -153,8 +153,8 @@ def test_every_file_is_seeded_alike_whatever_its_name(made, corpus, tmp_path):
 
 
 def _prepare(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'pytorch'}", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(ROOT / "data_prep" / "prepare.py"), "--quiet", *args], env=env,
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'pytorch'}", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(REPO / "data_prep" / "prepare.py"), "--quiet", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, run_cli
 from data_prep.corpus import write_corpus
 from data_prep.eval_set import EvalParams, make_eval_set
 from data_prep.fileio import read_json
@@ -30,8 +29,9 @@ from mlperf_bert.data.shards import (
     Samples, from_fixed, from_packed, from_varlength, list_shards, offsets, read_samples, to_fixed, to_packed,
     to_varlength,
 )
+from tests.harness.commands import run_cli
+from tests.harness.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 NUM_SHARDS = 5
 

@@ -15,8 +15,8 @@ import pytest
 
 from mlperf_bert.data.batch import Sample
 from mlperf_bert.data.dataset import DataLimits, discover_shards, load_eval_set, read_shard
+from tests.harness.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "data_prep" / "make_demo_data.py"
 HISTOGRAM = REPO / "pytorch" / "mlperf_bert" / "data" / "wikipedia_phase2_seqlen_histogram.json"
 MAX_LEN, MAX_PRED, VOCAB = 128, 20, 512

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from tests.harness.paths import REPO
 
 # The demo config at toy size: a few seconds of data and training, the target reached at the first eval.
 TINY = {"DEMO_NUM_TRAIN": "600", "DEMO_NUM_SHARDS": "2", "DEMO_HIDDEN_SIZE": "32", "DEMO_INTERMEDIATE_SIZE": "64",

@@ -13,8 +13,6 @@ import pytest
 import torch
 from torch._inductor import cpp_builder
 
-from conftest import trainer_args
-from test_optional_dependencies import BREAKAGES, write_package
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.hooks.events import Hook, StepEnd
 from mlperf_bert.main import main
@@ -26,6 +24,8 @@ from mlperf_bert.config.settings import PRECISIONS
 from mlperf_bert.model.precision import precision_problem
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.startup import check_device_request, device_problems
+from tests.harness.broken_packages import BREAKAGES, write_package
+from tests.harness.demo import trainer_args
 
 # GPUs by compute capability: what each lacks.
 GPUS = {"V100": (7, 0), "T4": (7, 5), "A100": (8, 0), "L4": (8, 9), "H100": (9, 0)}

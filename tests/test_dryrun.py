@@ -3,7 +3,7 @@
 The shipped configs go through `run_and_time.sh` itself, each dry run its own process (the fake
 device must load before torch) standing in for the trainer's Python, so the flags checked are
 exactly the ones a real run gets. The tests of single flags send their dry runs to one process
-of the module (`tests/_served.py`), `python -m mlperf_bert.dryrun`'s main one after the other, as the
+of the module (`tests/harness/served.py`), `python -m mlperf_bert.dryrun`'s main one after the other, as the
 planner traces every shipped config in one process.
 """
 
@@ -17,11 +17,13 @@ from typing import Iterator
 
 import pytest
 
-from _served import Served
-from conftest import REPO, run_cli
 from mlperf_bert.dryrun.native import NativeBuildError, load
 from mlperf_bert.dryrun.shipped import executable, exports, launch_env
+from tests.harness.commands import run_cli
+from tests.harness.paths import REPO
+from tests.harness.served import Served
 
+PROBE = "tests.harness.workers.dryrun_probe"  # its own process: the fake device loads before torch
 GPU_CONFIGS = sorted(p.name for p in REPO.glob("config_*.sh") if "export DEVICE=cpu" not in p.read_text())
 TINY_BERT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
              "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
@@ -100,7 +102,7 @@ def test_shipped_config_dry_runs_on_fake_cuda(config: str, tmp_path: Path) -> No
 
 
 def test_recorder_catches_reads_and_copies_inside_a_capture() -> None:
-    result = run_cli([sys.executable, "tests/_dryrun_probe.py"])
+    result = run_cli([sys.executable, "-m", PROBE])
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     read_in, copy_in, read_after = seen["events"]
@@ -111,7 +113,7 @@ def test_recorder_catches_reads_and_copies_inside_a_capture() -> None:
 
 
 def test_device_loss_scaler_captures_without_host_reads() -> None:
-    result = run_cli([sys.executable, "tests/_dryrun_probe.py", "scaled_step"])
+    result = run_cli([sys.executable, "-m", PROBE, "scaled_step"])
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["captures"] == 1
@@ -131,7 +133,7 @@ def _base_flags(tmp_path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dry_runs() -> Iterator[Served]:
-    """The single-flag tests' dry runs, one process for the module (tests/_served.py): these tests are
+    """The single-flag tests' dry runs, one process for the module (tests/harness/served.py): these tests are
     about the steps' host reads, captures and GEMMs; the command's own start-up is the launcher-level
     tests' above."""
     runs = Served("dryrun")
@@ -152,8 +154,7 @@ def test_build_run_with_apex_picks_a_graph_safe_optimizer_under_cuda_graphs(
     """--optimizer_impl auto with apex importable: apex for eager steps, foreach (then its capturable twin) for graphs."""
     flags = [*_base_flags(tmp_path), "--precision", "bf16", "--input_layout", "packed", "--optimizer_impl", "auto",
              *graphs]
-    result = run_cli([sys.executable, "tests/_dryrun_probe.py", "built_optimizer", *flags],
-                     env={"PYTHONPATH": str(REPO / "tests" / "fakes")})  # fake_apex, importable as apex
+    result = run_cli([sys.executable, "-m", PROBE, "built_optimizer", *flags])
     assert result.returncode == 0, result.stderr
     built = json.loads(result.stdout.splitlines()[-1])
     assert built == {"optimizer": optimizer, "step": step}, result.stdout

@@ -17,9 +17,6 @@ import pytest
 import torch
 from torch import nn
 
-from _fault_launch import Launch, assert_same_tensors, load_checkpoint, log_tail, run_launches
-from conftest import TRAINER, require_tool, run_cli, trainer_args, verify_folder
-from _runs import cpu_run
 from mlperf_bert import trainer
 from mlperf_bert.optim.loss_scale import DeviceLossScaler, LossScaleReading
 from mlperf_bert.train.state import TrainState
@@ -37,6 +34,12 @@ from mlperf_bert.model.fp8 import scaling_states
 from mlperf_bert.model.fp8_delayed import DelayedFp8Linear
 from mlperf_bert.train.step import EagerStep
 from mlperf_bert.train.sync_window import InPlaceSnapshot, StateDictSnapshot, SyncWindow
+from tests.harness.commands import require_tool, run_cli
+from tests.harness.cpu_run import cpu_run
+from tests.harness.demo import trainer_args, verify_folder
+from tests.harness.launches import Launch, load_checkpoint, log_tail, run_launches
+from tests.harness.paths import TRAINER
+from tests.harness.tensors import assert_same_tensors
 
 FAR = 10**9  # a block end no test step reaches
 

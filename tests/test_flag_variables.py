@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
 from mlperf_bert.config.cli import launcher_flag_variables
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.config.flag_variables import ENV_VARIABLE, FlagVariables, given_value
 from mlperf_bert.main import main
+from tests.harness.commands import run_cli
+from tests.harness.paths import REPO
 
 TABLE = FlagVariables({"--cuda_graphs": "CUDA_GRAPHS", "--input_layout": "INPUT_LAYOUT", "--balance": "BALANCE",
                        "--warmup_steps": "WARMUP_STEPS", "--submission_org": "SUBMISSION_ORG"},

@@ -18,16 +18,16 @@ import pytest
 
 from mlperf_tools.planning import forecast as forecast_cli
 import forecast_backtest
-from _rcp_results import mllog_line, official_verdict, synthetic_result
 from mlperf_bert.hooks.events import EvalEnd, RunEnd, RunStart
 from mlperf_bert.hooks.forecast import (ROWS, SCHEDULE_RANGE, Forecast, fit, outside_reason, predict, progress_logit,
                                         row_for)
 from mlperf_bert.hooks.live import LiveView
 from mlperf_bert.hooks.report import RunReport
 from mlperf_tools.results.scoring import rcp_window
+from tests.harness.paths import MLPERF_LOGS, REPO
+from tests.harness.rcp_results import mllog_line, official_verdict, synthetic_result
 
-REPO = Path(__file__).resolve().parents[1]
-NVIDIA_448 = REPO / "tests/data/mlperf_logs/v2.0/NVIDIA/results/dgxa100_ngc22.04_pytorch/bert/result_0.txt"
+NVIDIA_448 = MLPERF_LOGS / "v2.0/NVIDIA/results/dgxa100_ngc22.04_pytorch/bert/result_0.txt"
 SCHEDULE_448 = 6700 * 448  # NVIDIA's v2.0 A100 schedule: 6,700 steps of 448
 
 

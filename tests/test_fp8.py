@@ -29,9 +29,6 @@ import torch
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
-from _fault_launch import Launch, log_tail, run_launches
-from _runs import cpu_run
-from conftest import REPO, make_demo_data, run_cli, trainer_args
 from mlperf_bert import trainer
 from mlperf_bert.build import Evaluation, eval_step
 from mlperf_bert.config.settings import ConfigError
@@ -45,6 +42,11 @@ from mlperf_bert.model.fp8 import (
 from mlperf_bert.startup import check_environment
 from mlperf_bert.train.checkpoint import read_checkpoint
 from mlperf_bert.train.step import forward_backward
+from tests.harness.commands import run_cli
+from tests.harness.cpu_run import cpu_run
+from tests.harness.demo import make_demo_data, trainer_args
+from tests.harness.launches import Launch, log_tail, run_launches
+from tests.harness.paths import REPO
 
 CPU = torch.device("cpu")
 TINY = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items
@@ -23,6 +22,7 @@ from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8, fp8_layer_names, fp
 from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear, _pad_rows
 from mlperf_bert.train.eval_step import EagerEval
 from mlperf_bert.train.step import forward_backward
+from tests.harness.paths import REPO
 
 CPU = torch.device("cpu")
 TINY = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)

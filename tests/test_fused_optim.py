@@ -3,7 +3,7 @@
 - The passes of one step, counted as torch dispatches them (each op weighted by the share of the
   parameters' elements it sweeps): at most 3 for LAMB, unsharded, capturable or sharded; 17 before.
 - The Triton kernels themselves, run on the CPU through Triton's interpreter in a process of its own
-  (`_fused_kernels_worker.py`, whose docstring lists the cases): each pass against the multi-tensor
+  (`harness/workers/fused_kernels.py`, whose docstring lists the cases): each pass against the multi-tensor
   ops, and LAMB / AdamW / the capturable twin / the sharded LAMB stepped by them against
   `ReferenceLamb` / `ReferenceAdamW` and the unsharded optimizer.
 - The kernels compiled for an H100/H200 (sm_90) here, with Triton's own ptxas: that they compile, that
@@ -28,12 +28,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import test_sharded_ranks as ranks
-from conftest import REPO, require_tool
 from mlperf_bert.optim.capturable import capturable
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
+from tests.harness import optimizer_runs
+from tests.harness import thread_ranks as ranks
+from tests.harness.commands import require_tool
+from tests.harness.paths import REPO
 
-WORKER = REPO / "tests" / "_fused_kernels_worker.py"
+WORKER = "tests.harness.workers.fused_kernels"
 # Relative to the largest value compared: the kernels round every product, quotient and root as the
 # multi-tensor ops do; sums (the norms) are added in another order.
 TOLERANCE = 1e-6
@@ -154,7 +156,7 @@ def interpreted(tmp_path_factory) -> dict[str, Any]:
     needs_triton()
     out = tmp_path_factory.mktemp("fused") / "results.json"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", WORKER, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
@@ -268,13 +270,11 @@ def _no_multi_tensor(*_: Any) -> None:
 @pytest.mark.parametrize("name,max_grad_norm", [("lamb", 1.0), ("lamb", None), ("adam", 1.0)])
 def test_on_the_gpu_the_kernels_step_like_the_reference(name, max_grad_norm, monkeypatch):
     from mlperf_bert.optim import fused
-    import test_optim
-
     monkeypatch.setattr(fused, "multi_tensor_moments", _no_multi_tensor)
     monkeypatch.setattr(fused, "multi_tensor_apply", _no_multi_tensor)
-    test_optim.assert_same_parameters(test_optim.run(name, "reference", max_grad_norm),
-                                      test_optim.run(name, "foreach", max_grad_norm, device="cuda"),
-                                      rtol=1e-5, atol=1e-6)
+    optimizer_runs.assert_same_parameters(optimizer_runs.run(name, "reference", max_grad_norm),
+                                          optimizer_runs.run(name, "foreach", max_grad_norm, device="cuda"),
+                                          rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_script, run_cli
 from mlperf_tools.bring_up import gpu_perf_report
+from tests.harness.commands import load_script, run_cli
+from tests.harness.paths import REPO
 
 H200 = REPO / "config_DGXH200_1x8.sh"
 SCRIPT = REPO / "tools" / "gpu_perf.sh"

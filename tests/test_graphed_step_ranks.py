@@ -1,6 +1,6 @@
 """The graphed step over 2 gloo ranks equals the eager one: every clip mode, accumulation, fp16 scaling.
 
-`tests/_graphed_step_worker.py` runs both steps on each rank (its docstring says how); here
+`tests/harness/workers/graphed_step.py` runs both steps on each rank (its docstring says how); here
 the ranks' records are compared. Off a GPU the graphed step runs its captured function
 uncaptured (`cuda_graphs.Replay`), so what is compared is the arithmetic a graph replays:
 the DDP all-reduce and clipping hooks inside the step, the device learning rate, the
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
-from test_clipping import free_port
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
 
-WORKER = REPO / "tests" / "_graphed_step_worker.py"
+WORKER = "tests.harness.workers.graphed_step"
 WORLD = 2
 MODES = ["none", "after_allreduce", "before_allreduce", "bucketwise"]
 
@@ -30,7 +30,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("graphed_ranks")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), port, str(out)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", WORKER, str(r), str(WORLD), port, str(out)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for rank, (proc, output) in enumerate(zip(procs, outputs)):

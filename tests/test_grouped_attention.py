@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TRAINER, run_cli, trainer_args
 from mlperf_bert.config.settings import ConfigError, parse_group_bounds
 from mlperf_bert.data.batch import FlatBatch, Item, Sample, flatten_items, pad_items, unpad
 from mlperf_bert.data.lengths import load_length_histogram
@@ -30,6 +29,9 @@ from mlperf_bert.model.attention import (AttentionNeeds, FlatAttention, backend_
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.model.grouped_attention import (bucket_of, grouped_attention, grouped_layout, host_lengths,
                                                  length_groups, score_entries)
+from tests.harness.commands import run_cli
+from tests.harness.demo import trainer_args
+from tests.harness.paths import TRAINER
 
 BOUNDS = (128, 256, 384, 512)
 HEADS, DIM = 2, 8

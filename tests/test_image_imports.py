@@ -5,17 +5,19 @@ Makefile's CARRY_WHEELS). The first GPU run stopped on `import crc32c`, which wa
 The entries are found by following bring_up.sh's commands (the scripts and modules it and the shell
 scripts it starts run, the GPU test files it picks and the scripts those start), and imported in a
 process of their own where every other third-party package is missing for the repository's code
-(tests/_image_imports.py). Nothing is downloaded.
+(tests/harness/workers/image_imports.py). Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
 from pathlib import Path
 
-from conftest import REPO, run_cli
+from tests.harness.commands import run_cli
+from tests.harness.paths import REPO
 
 # Needed only behind a flag or a step the bring-up does not take; each is checked where it is used
 # (runtime/optional.py) or has the step that needs it say so.
@@ -29,7 +31,7 @@ SCRIPT = re.compile(r"(?:\$\{?\w+\}?/)?([\w./-]+\.py)\b")  # "$here/pytorch/run_
 QUOTED_SCRIPT = re.compile(r"[\"']([\w./-]+\.py)[\"']")  # a test starts it: run_cli([python, "data_prep/prepare.py"])
 SHELL_SCRIPT = re.compile(r"(?:\$\{?\w+\}?/)?([\w./-]+\.sh)\b")
 MODULE = re.compile(r"-m\s+(mlperf_bert[\w.]*)|^\s*(?:from|import)\s+(mlperf_bert[\w.]*)", re.M)
-HELPER = re.compile(r"^from (_[a-z]\w*) import", re.M)  # a test's helper module in tests/ (_fault_launch)
+HARNESS = re.compile(r"tests\.harness\.[\w.]+")  # a harness module a test imports or starts
 GPU_TESTS = re.compile(r"mark\.gpu")  # the GPU test files, picked as bring_up.sh picks them
 
 
@@ -74,20 +76,38 @@ def bring_up_entries() -> set[str]:
         named, shells = _named(REPO / shell)
         entries |= named
         todo += sorted(shells - seen)
-    gpu_tests = {str(p.relative_to(REPO)) for p in REPO.glob("tests/test_*.py") if GPU_TESTS.search(p.read_text())}
-    helpers = {f"tests/{name}.py" for test in gpu_tests for name in HELPER.findall((REPO / test).read_text())}
-    for test in gpu_tests | helpers | {"tests/conftest.py"}:
+    gpu_tests = {str(p.relative_to(REPO)) for p in REPO.glob("tests/**/test_*.py") if GPU_TESTS.search(p.read_text())}
+    harness = _harness_modules(gpu_tests | {"tests/conftest.py"})
+    for test in gpu_tests | {f"{module.replace('.', '/')}.py" for module in harness} | {"tests/conftest.py"}:
         entries |= _named(REPO / test)[0]
-    return entries | gpu_tests
+    return entries | gpu_tests | harness
+
+
+def _harness_modules(files: set[str]) -> set[str]:
+    """The harness modules `files` import or start (`python -m tests.harness.workers...`), and theirs in turn."""
+    found: set[str] = set()
+    todo = sorted(files)
+    while todo:
+        tree = ast.parse((REPO / todo.pop()).read_text())
+        named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and isinstance(node.value, str)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                named |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        for module in {name for name in named if HARNESS.fullmatch(name)} - found:
+            if (REPO / f"{module.replace('.', '/')}.py").is_file():  # a module, not a package or a name in one
+                found.add(module)
+                todo.append(f"{module.replace('.', '/')}.py")
+    return found
 
 
 def _problems(tmp_path: Path, entries: set[str], allowed: set[str]) -> list[str]:
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"repo": str(REPO), "allowed": sorted(allowed), "optional": sorted(OPTIONAL),
                                    "entries": sorted(entries)}))
-    paths = [REPO / "pytorch", REPO, *(REPO / folder for folder in ("tests", "tests/fakes", "tools", "benchmarks"))]
+    paths = [REPO / "pytorch", REPO, *(REPO / folder for folder in ("tools", "benchmarks"))]
     # bring_up.sh's PYTHONPATH and pytest's pythonpath (pyproject); no user site-packages.
-    done = run_cli([sys.executable, "-s", "tests/_image_imports.py", str(request)],
+    done = run_cli([sys.executable, "-s", "-m", "tests.harness.workers.image_imports", str(request)],
                    env={"PYTHONPATH": ":".join(map(str, paths))}, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
@@ -97,7 +117,7 @@ def test_bring_up_entries_are_followed_from_its_commands() -> None:
     entries = bring_up_entries()
     assert {"tools/numerics_check.py", "benchmarks/throughput.py", "tools/plan.py", "pytorch/run_pretraining.py",
             "mlperf_bert.dryrun", "mlperf_bert.model.fp8", "data_prep/prepare.py", "data_prep/make_demo_data.py",
-            "tests/test_fast_training.py", "tests/_fault_worker.py"} <= entries, sorted(entries)
+            "tests/test_fast_training.py", "tests.harness.workers.instrumented_trainer"} <= entries, sorted(entries)
 
 
 def test_bring_up_imports_only_the_image_and_the_carried_wheels(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from data_prep import make_demo_data
 from data_prep.fileio import DataPrepError, read_json_object
 from mlperf_bert.data.lengths import load_length_histogram
@@ -17,8 +16,9 @@ from mlperf_bert.runtime.files import json_object
 from mlperf_tools.bring_up import gpu_perf_report
 from mlperf_tools.planning import simulate_balance
 from mlperf_tools.results import compare, package_results
+from tests.harness.paths import MLPERF_LOGS
 
-NVIDIA = REPO / "tests" / "data" / "mlperf_logs" / "v2.0" / "NVIDIA"
+NVIDIA = MLPERF_LOGS / "v2.0" / "NVIDIA"
 SYSTEM = "dgxa100_ngc22.04_pytorch"
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from mlperf_tools.testing import kill_soak
-from conftest import DEMO_CONFIG_TEST_SIZES, REPO
+from tests.harness.demo import DEMO_CONFIG_TEST_SIZES
+from tests.harness.paths import REPO
 
 MOMENTS = {"launch", "init", "step", "checkpoint write", "eval"}
 

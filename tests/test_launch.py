@@ -16,9 +16,6 @@ import pytest
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from _fault_launch import free_port, wait_for_steps, worker_command
-from conftest import REPO, trainer_args
-from test_optional_dependencies import BREAKAGES, write_package
 from mlperf_bert.runtime.exits import (
     EXIT_BAD_INPUT,
     EXIT_DIR_VARIABLE,
@@ -35,6 +32,12 @@ from mlperf_bert.runtime.launch import (
     signalled_stop_code, wait_for_codes,
 )
 from mlperf_bert.runtime.orphan import LAUNCHER_PID_VARIABLE
+from tests.harness.broken_packages import BREAKAGES, write_package
+from tests.harness.commands import harness_importable
+from tests.harness.demo import trainer_args
+from tests.harness.launches import wait_for_steps, worker_command
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
 
 LAUNCHER = REPO / "pytorch" / "launch.py"
 TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "torch/distributed/", "FAILED", "Root Cause")
@@ -192,7 +195,7 @@ def test_a_worker_of_a_live_launcher_trains_on(tmp_path):
 
 def _launch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """`pytorch/launch.py` as run_and_time.sh starts it, without an exit folder (it makes its own)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = harness_importable({**os.environ, "OMP_NUM_THREADS": "1"})  # args may start a harness worker
     env.pop("MLPERF_BERT_EXIT_DIR", None)
     command = [sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2", *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
@@ -269,13 +272,13 @@ def _processes_running(marker: str) -> list[int]:
 
 
 def test_sigterm_while_the_agent_starts_its_workers_leaves_no_worker_behind(demo_data, tmp_path):
-    """SIGTERM after the agent started a worker but before torchrun tracks it (tests/_race_launch.py makes
-    that moment certain): torchrun signals none, so the launcher does; a worker still waiting at the
+    """SIGTERM after the agent started a worker but before torchrun tracks it (harness/workers/race_launch.py
+    makes that moment certain): torchrun signals none, so the launcher does; a worker still waiting at the
     shutdown timeout for a peer that never started is killed. No traceback, no orphan, exit 143."""
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = harness_importable({**os.environ, "OMP_NUM_THREADS": "1"})
     env.pop("MLPERF_BERT_EXIT_DIR", None)
-    command = [sys.executable, str(REPO / "tests" / "_race_launch.py"), "--standalone", "--nproc_per_node=2",
+    command = [sys.executable, "-m", "tests.harness.workers.race_launch", "--standalone", "--nproc_per_node=2",
                "--shutdown-timeout=5", str(REPO / "pytorch" / "run_pretraining.py"),
                *trainer_args(demo_data, out, "--do_train")]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -348,7 +351,7 @@ def test_preempted_under_the_launcher_is_the_trainers_line_and_75(demo_data, tmp
     """SIGTERM to the agent (as scancel sends it): it forwards it; the workers checkpoint and exit 75."""
     flags = trainer_args(demo_data, tmp_path / "out", "--do_train", "--max_steps", "100000",
                          "--eval_iter_samples", "800000")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    env = harness_importable({**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())})
     command = [sys.executable, str(LAUNCHER), "--standalone", "--nproc_per_node=2",
                *worker_command(flags, tmp_path / "rec", "--step_sleep", "0.05")[1:]]
     with open(tmp_path / "err.txt", "w") as err:

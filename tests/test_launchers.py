@@ -17,11 +17,12 @@ from typing import Iterator
 
 import pytest
 
-import fake_trainer
-from conftest import DEMO_CONFIG_TEST_SIZES, config_exports, demo_config_env, require_tool
+from tests.harness.commands import require_tool
+from tests.harness.demo import DEMO_CONFIG_TEST_SIZES, config_exports, demo_config_env
+from tests.harness.fakes import trainer as fake_trainer
+from tests.harness.paths import FAKES, FAKE_COMMANDS, REPO
+from tests.harness.ports import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-FAKES = REPO / "tests" / "fakes"
 VENV_BIN = Path(sys.executable).parent
 
 # The shipped configs; a sample stands in until the first one exists.
@@ -60,7 +61,7 @@ def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = 12
 def _base_env(tmp_path: Path) -> dict[str, str]:
     """PATH with the fakes first and this interpreter's python; the fakes' record files."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DGX"))}
-    env["PATH"] = f"{FAKES}:{VENV_BIN}:{env['PATH']}"
+    env["PATH"] = f"{FAKE_COMMANDS}:{VENV_BIN}:{env['PATH']}"
     env.update(FAKE_DOCKER_LOG=str(tmp_path / "docker_calls.jsonl"),
                FAKE_DOCKER_STATE=str(tmp_path / "docker_state.json"),
                FAKE_SRUN_LOG=str(tmp_path / "srun_calls.jsonl"),
@@ -74,7 +75,7 @@ def _calls(path: Path) -> list[list[str]]:
 
 def _fake_run_and_time(path: Path) -> Path:
     """A run_and_time.sh that runs the fake trainer (same interface, synthetic MLPerf log)."""
-    path.write_text(f"#!/bin/sh\nexec python {FAKES / 'fake_trainer.py'}\n")
+    path.write_text(f"#!/bin/sh\nexec python {FAKES / 'trainer.py'}\n")
     path.chmod(0o755)
     return path
 
@@ -214,7 +215,7 @@ def test_container_requirements_resolve_for_the_base_image_python(tmp_path):
 def _rat_env(tmp_path: Path, data: Path, **overrides: str) -> dict[str, str]:
     """config_CPU_1x2.sh on the test's demo data, as a user runs it."""
     return demo_config_env(data, _base_env(tmp_path), OUTPUT_DIR=str(tmp_path / "out"),
-                           MASTER_PORT=str(_free_port()), **overrides)
+                           MASTER_PORT=str(free_port()), **overrides)
 
 
 @pytest.mark.parametrize("name, value, says", [
@@ -525,7 +526,7 @@ def test_run_sub_passes_on_the_trainers_line_and_code(demo_data, tmp_path, rdzv)
            "DATADIR_PHASE2": str(demo_data / "train"), "EVALDIR": str(demo_data / "eval"),
            "CHECKPOINTDIR_PHASE1": str(_bad_phase1(demo_data, tmp_path)), "DATESTAMP": "261125",
            "CLEAR_CACHES": "0", "SLURM_JOB_ID": "78", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
-           "SLURM_SUBMIT_DIR": str(submit), "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+           "SLURM_SUBMIT_DIR": str(submit), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}", "RDZV_BACKEND": rdzv}
     done = _run(["bash", str(submit / "run.sub"), "--no-container"], env, submit, timeout=300)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
@@ -611,14 +612,8 @@ def _sub_dir(tmp_path: Path, gpus: int) -> tuple[Path, dict[str, str]]:
     _fake_run_and_time(submit / "run_and_time.sh")
     env = {**_base_env(tmp_path), **_data_dirs(tmp_path), "DGXSYSTEM": f"TEST_1x{gpus}", "NEXP": "1",
            "PYTHON": sys.executable, "DATESTAMP": "261121", "FAKE_TRAINER_RECORD": str(tmp_path / "ranks"),
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     return submit, env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_slurm_run(submit: Path, tmp_path: Path, master: str, tasks: int) -> list[dict]:
@@ -659,7 +654,7 @@ def _slurm_conf(root: Path) -> Path:
     host = socket.gethostname().split(".")[0]
     lines = [
         "ClusterName=test", f"SlurmctldHost={host}(127.0.0.1)",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/none", "CredType=cred/none",
         f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
         f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from mlperf_tools.testing import check_layering
+from tests.harness.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "pytorch" / "mlperf_bert"
+PACKAGE = REPO / "pytorch" / "mlperf_bert"
 
 
 def test_the_package_imports_flow_one_way():
@@ -34,9 +34,9 @@ def test_the_package_imports_flow_one_way():
 def test_the_repository_imports_flow_one_way():
     """The three packages by their own rules, and the parts between them (PARTS): every file of
     tools/ and benchmarks/ is read."""
-    found, files = check_layering.repository_problems(ROOT)
+    found, files = check_layering.repository_problems(REPO)
     assert found == []
-    assert files >= len(list(ROOT.glob("tools/**/*.py"))) + len(list(ROOT.glob("benchmarks/*.py")))
+    assert files >= len(list(REPO.glob("tools/**/*.py"))) + len(list(REPO.glob("benchmarks/*.py")))
 
 
 def test_the_parts_rules_form_layers():
@@ -83,10 +83,10 @@ def test_imports_between_parts_are_named_with_the_rule(tmp_path):
 
 def test_tools_readme_lists_every_tool_by_kind():
     """tools/README.md's table names each file of tools/ once, under a kind; a new tool without a row fails."""
-    rows = [line.split("|")[1:4] for line in (ROOT / "tools" / "README.md").read_text().splitlines()
+    rows = [line.split("|")[1:4] for line in (REPO / "tools" / "README.md").read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| kind")]
     listed = [command.strip().strip("`").rstrip("/") for _, command, _ in rows]
-    present = sorted(p.name for p in (ROOT / "tools").iterdir()
+    present = sorted(p.name for p in (REPO / "tools").iterdir()
                      if p.name not in ("README.md", "mlperf_tools", "__pycache__"))
     assert sorted(listed) == present
     assert {kind.strip() for kind, _, _ in rows} == {"results", "planning", "bring-up", "launch", "test system"}
@@ -94,8 +94,8 @@ def test_tools_readme_lists_every_tool_by_kind():
 
 def test_an_entry_point_without_the_project_installed_says_so():
     """`python tools/plan.py` with no site-packages (a fresh machine's python): one line naming the fix."""
-    done = subprocess.run([sys.executable, "-S", str(ROOT / "tools" / "plan.py"), "--help"], capture_output=True,
-                          text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+    done = subprocess.run([sys.executable, "-S", str(REPO / "tools" / "plan.py"), "--help"], capture_output=True,
+                          text=True, cwd=REPO, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "plan.py: " in done.stderr and "install the project first" in done.stderr
 
@@ -154,7 +154,7 @@ def test_a_circle_between_files_is_named(tmp_path):
 def test_the_command_line_fails_on_a_broken_rule(tmp_path):
     copy = _copy(tmp_path)
     _add_lazy_import(copy / "optim" / "clipping.py", "import mlperf_bert.train.step  # noqa")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_layering.py"), str(copy)],
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "check_layering.py"), str(copy)],
                           capture_output=True, text=True)
     assert done.returncode == 1
     assert "mlperf_bert/optim/clipping.py imports mlperf_bert/train/step.py" in done.stdout
@@ -166,7 +166,7 @@ def test_data_prep_reads_shards_without_torch():
     code = ("import sys; import data_prep.fileio, data_prep.formats, data_prep.verify_dataset, "
             "mlperf_bert.data.shards, mlperf_bert.data.integrity, mlperf_bert.data.lengths, "
             "mlperf_bert.config.closed_division; assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 @pytest.mark.slow
@@ -174,24 +174,24 @@ def test_a_wheel_ships_every_subpackage(tmp_path):
     """A non-editable build holds every module of the source tree and the package data."""
     source = tmp_path / "src"
     source.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", source)
+    shutil.copy(REPO / "pyproject.toml", source)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    shutil.copytree(ROOT / "pytorch", source / "pytorch", ignore=ignore)
-    shutil.copytree(ROOT / "data_prep", source / "data_prep", ignore=ignore)
-    shutil.copytree(ROOT / "tools" / "mlperf_tools", source / "tools" / "mlperf_tools", ignore=ignore)
+    shutil.copytree(REPO / "pytorch", source / "pytorch", ignore=ignore)
+    shutil.copytree(REPO / "data_prep", source / "data_prep", ignore=ignore)
+    shutil.copytree(REPO / "tools" / "mlperf_tools", source / "tools" / "mlperf_tools", ignore=ignore)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     wheel, = (tmp_path / "dist").glob("mlperf_bert-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    expected = {str(p.relative_to(ROOT / "pytorch")) for p in PACKAGE.rglob("*.py")}
-    expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "data_prep").rglob("*.py")}
-    expected |= {str(p.relative_to(ROOT / "tools")) for p in (ROOT / "tools" / "mlperf_tools").rglob("*.py")}
+    expected = {str(p.relative_to(REPO / "pytorch")) for p in PACKAGE.rglob("*.py")}
+    expected |= {str(p.relative_to(REPO)) for p in (REPO / "data_prep").rglob("*.py")}
+    expected |= {str(p.relative_to(REPO / "tools")) for p in (REPO / "tools" / "mlperf_tools").rglob("*.py")}
     expected |= {"mlperf_bert/data/wikipedia_phase2_seqlen_histogram.json", "mlperf_bert/dryrun/fake_cuda.cpp"}
     assert not expected - shipped, sorted(expected - shipped)
     assert "mlperf_bert/dryrun/run.py" in shipped and "mlperf_bert/train/step.py" in shipped
 
 
-ENTRY_POINTS = sorted((ROOT / "tools").glob("*.py"))
+ENTRY_POINTS = sorted((REPO / "tools").glob("*.py"))
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS, ids=lambda p: p.name)
@@ -206,10 +206,10 @@ def test_each_entry_point_reaches_its_main(script: Path, monkeypatch, capsys):
 
 def test_every_tool_the_documents_name_is_there():
     """Each `tools/<name>.py` or `.sh` that README.md and docs/ name exists at that path."""
-    named = {match for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "Makefile"]
+    named = {match for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md"), REPO / "Makefile"]
              for match in re.findall(r"\btools/[\w/]+\.(?:py|sh)\b", doc.read_text())}
     assert len(named) >= 12
-    assert sorted(name for name in named if not (ROOT / name).is_file()) == []
+    assert sorted(name for name in named if not (REPO / name).is_file()) == []
 
 
 @pytest.mark.parametrize("broken", ["mlperf_bert.model.gone", "numpy.core._multiarray_umath"])
@@ -220,14 +220,14 @@ def test_an_import_failing_inside_an_installed_package_is_not_blamed_on_the_inst
     package = broken.split(".")[0]
     (tmp_path / package).mkdir()
     (tmp_path / package / "__init__.py").write_text(f"import {broken}\n")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), "--help"], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), "--help"], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 1 and "install the project first" not in done.stderr, done.stderr
     assert re.search(rf"ModuleNotFoundError: No module named '{package}\.[\w.]+'\n$", done.stderr), done.stderr
 
 
 def test_a_folder_that_is_no_package_is_refused(tmp_path):
     """A mistyped path once passed as '0 modules: imports layered': a check that read nothing is no pass."""
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_layering.py"), str(tmp_path / "mlperf_bertt")],
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "check_layering.py"), str(tmp_path / "mlperf_bertt")],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "is not a package folder (no __init__.py)" in done.stderr, done.stderr

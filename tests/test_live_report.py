@@ -17,6 +17,7 @@ from mlperf_bert.train.faults import Verdict
 from mlperf_bert.hooks.events import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
 from mlperf_bert.hooks.live import LiveView
 from mlperf_bert.hooks.report import RunReport, plot_curves
+from tests.harness.paths import REPO
 
 
 class Clock:
@@ -223,7 +224,7 @@ def test_replay_of_a_shipped_demo_run_writes_its_summary_and_curves(tmp_path):
 
     from mlperf_tools.results.compare import read_run
 
-    log = Path(__file__).resolve().parents[1] / "results" / "CPU_1x2" / "261121070848_1001.log"
+    log = REPO / "results" / "CPU_1x2" / "261121070848_1001.log"
     run = read_run(log)
     progress = [f"step {k} samples {64 * k} samples/s 200.0 loss {6.0 - k / 30:.4f} lr 1.0e-02 skipped 0"
                 for k in range(10, 130, 10)]
@@ -244,7 +245,7 @@ def test_replay_of_a_shipped_demo_run_writes_its_summary_and_curves(tmp_path):
 def test_replay_without_progress_lines_names_the_file(tmp_path):
     from mlperf_tools.results.replay_run import main as replay_main
 
-    log = Path(__file__).resolve().parents[1] / "results" / "CPU_1x2" / "261121070848_1001.log"
+    log = REPO / "results" / "CPU_1x2" / "261121070848_1001.log"
     (tmp_path / "empty.txt").write_text("nothing here\n")
     with pytest.raises(SystemExit, match="no `step N samples S"):
         replay_main(["--progress", str(tmp_path / "empty.txt"), "--mlperf_log", str(log), "--out", str(tmp_path)])

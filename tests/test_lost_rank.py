@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from _fault_launch import free_port, pid_of, start_ranks, start_torchrun, wait_all, wait_for_steps, worker_command
-from conftest import trainer_args
 from mlperf_bert.runtime.exits import EXIT_LOST_RANK
 from mlperf_bert.liveness import FINISHED, LostRank, RankWatch
+from tests.harness.demo import trainer_args
+from tests.harness.launches import pid_of, start_ranks, start_torchrun, wait_all, wait_for_steps, worker_command
+from tests.harness.ports import free_port
 
 TIMEOUT_S = 10  # --collective_timeout_s of these runs
 BOUND_S = TIMEOUT_S + 20  # what a survivor may take after the kill, with room for a loaded machine

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from conftest import TRAINER, run_cli
 from data_prep.corpus import write_corpus
 from data_prep.formats import DataPrepError
 from data_prep.model_files import MODEL_SIZES, model_config, special_tokens, train_vocab
 from data_prep.vocab import load_vocab, make_tokenizer
+from tests.harness.commands import run_cli
+from tests.harness.paths import TRAINER
 
 MAX_LEN, MAX_PRED = 64, 10
 

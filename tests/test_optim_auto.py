@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fake_apex
 from mlperf_bert.optim import optimizers
 from mlperf_bert.optim.capturable import capturable
 from mlperf_bert.optim.optimizers import ForeachAdamW, ForeachLamb, apex_available, build_optimizer
+from tests.harness.fakes import apex as fake_apex
 
 ARGS = (1e-3, (0.9, 0.999), 1e-6, 0.01, 1.0)
 

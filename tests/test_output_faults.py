@@ -22,14 +22,15 @@ from typing import Iterator
 import pytest
 import torch
 
-from _fault_launch import mllog_events, run_ranks, worker_command
-from conftest import REPO, TRAINER, trainer_args
 from mlperf_bert.runtime.exits import EXIT_BAD_INPUT, EXIT_IO_ERROR, EXIT_PREEMPTED
 from mlperf_bert.train.faults import StopRequest
 from mlperf_bert.hooks.mllog import MLPerfLogger
 from mlperf_bert.outputs import LOCK_NAME
 from mlperf_bert.runtime.files import write_text_atomic
 from mlperf_bert.train.checkpoint import write_atomic
+from tests.harness.demo import trainer_args
+from tests.harness.launches import mllog_events, run_ranks, worker_command
+from tests.harness.paths import REPO, TRAINER
 
 
 @contextlib.contextmanager

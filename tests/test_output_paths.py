@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from mlperf_bert.runtime.files import output_file, output_file_problem
+from tests.harness.paths import REPO
 
 # Every command-line flag that names a file the command writes after its work, in every entry point: the
 # trainer's package, the tools' package, the data preparation and the benchmarks.

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import fake_trainer
 from mlperf_tools.results import package_results
 from mlperf_tools.results import scoring
+from tests.harness.fakes import trainer as fake_trainer
+from tests.harness.paths import MLPERF_LOGS, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-NVIDIA_V20 = REPO / "tests" / "data" / "mlperf_logs" / "v2.0" / "NVIDIA"
+NVIDIA_V20 = MLPERF_LOGS / "v2.0" / "NVIDIA"
 TOOL = REPO / "tools" / "package_results.py"
 DEMO_RUNS = REPO / "results" / "CPU_1x2"
 
@@ -279,9 +279,8 @@ def test_logs_of_another_config_are_rejected(tmp_path, monkeypatch, gpus, messag
 
 
 # ---------------------------------------------------------------------------------------------
-# Published packages of later rounds (tests/data/mlperf_logs/README.md says where they come from)
+# Published packages of later rounds (tests/harness/data/mlperf_logs/README.md says where they come from)
 
-LOGS = REPO / "tests" / "data" / "mlperf_logs"
 # Dell's 2xXE9712x4GB200 BERT result of training v5.0 (result_9.txt stopped aborted at 0.71987).
 # Its published score is what the official result summarizer makes of the package as published:
 # the olympic mean of the ten run times, result_9 counted as the slowest, times the RCP scaling
@@ -306,7 +305,7 @@ def _printed_score(stdout: str) -> tuple[float, float, float]:
 
 @pytest.fixture(scope="module")
 def dell_v50(tmp_path_factory) -> Path:
-    return _unpack(LOGS / "v5.0" / "Dell.tar.gz", tmp_path_factory.mktemp("dell_v50"))
+    return _unpack(MLPERF_LOGS / "v5.0" / "Dell.tar.gz", tmp_path_factory.mktemp("dell_v50"))
 
 
 @pytest.mark.slow
@@ -348,7 +347,7 @@ def test_the_dell_v50_normalization_factor_is_the_published_one(dell_v50):
 
 @pytest.mark.slow
 def test_dell_v41_h200_package_passes_without_normalization(tmp_path):
-    package = _unpack(LOGS / "v4.1" / "Dell.tar.gz", tmp_path)
+    package = _unpack(MLPERF_LOGS / "v4.1" / "Dell.tar.gz", tmp_path)
     done = _tool("check", str(package), "--ruleset", "4.1.0")
     assert done.returncode == 0, done.stdout + done.stderr
     official, raw, factor = _printed_score(done.stdout)

@@ -12,9 +12,6 @@ import h5py
 import numpy as np
 import pytest
 
-from _fault_launch import mllog_events
-from _served import Served
-from conftest import run_cli
 from data_prep import reshard as reshard_module
 from data_prep.corpus import write_corpus
 from data_prep.fileio import sha256_file
@@ -22,6 +19,9 @@ from data_prep.formats import DataPrepError
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import main as verify_main
 from mlperf_bert.data import shards
+from tests.harness.commands import run_cli
+from tests.harness.launches import mllog_events
+from tests.harness.served import Served
 
 MAX_LEN, MAX_PRED = 64, 10
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import REPO
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, CostTracer, OpCost, PhaseCost
 from mlperf_bert.dryrun.estimate import MemoryEstimate, StepWork, estimate, extrapolate, memory_from_dict
 from mlperf_bert.config.batch_size import config_batch
@@ -31,6 +30,7 @@ from mlperf_tools.planning import plan
 from mlperf_tools.planning import recipe
 from mlperf_tools.planning import step_calibration
 from mlperf_tools.planning import step_model
+from tests.harness.paths import REPO
 
 CONFIGS = plan.shipped_gpu_configs()
 

@@ -13,23 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from _fault_launch import (
-    assert_same_tensors,
-    load_checkpoint,
-    losses,
-    mllog_events,
-    pid_of,
-    run_ranks,
-    start_torchrun,
-    wait_all,
-    wait_for_steps,
-    worker_command,
-)
-from conftest import REPO, trainer_args
 from mlperf_bert.runtime.exits import EXIT_PREEMPTED
 from mlperf_bert.train.faults import StopRequest
+from tests.harness.demo import trainer_args
+from tests.harness.launches import (load_checkpoint, losses, mllog_events, pid_of, run_ranks, start_torchrun, wait_all,
+                                    wait_for_steps, worker_command)
+from tests.harness.paths import FAKE_COMMANDS, REPO
+from tests.harness.tensors import assert_same_tensors
 
-FAKES = REPO / "tests" / "fakes"
 
 
 def _flags(demo_data: Path, out: Path, *extra: str) -> list[str]:
@@ -86,7 +77,7 @@ def _fake_slurm_bin(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
     scontrol.write_text('#!/usr/bin/env bash\nif [[ "$1" == requeue ]]; then echo "$2" >> "$REQUEUED"; exit 0; fi\n'
-                        f'exec {FAKES / "scontrol"} "$@"\n')
+                        f'exec {FAKE_COMMANDS / "scontrol"} "$@"\n')
     scontrol.chmod(0o755)
     python = bin_dir / "fake_python"  # the SYSJSON and compliance steps: nothing to check in fake logs
     python.write_text("#!/bin/sh\nexit 0\n")
@@ -126,7 +117,7 @@ def test_run_sub_requeues_a_preempted_run_and_the_next_attempt_resumes_it(tmp_pa
         (tmp_path / name).mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DGX"))}
     bin_dir = _fake_slurm_bin(tmp_path)
-    env.update(PATH=f"{bin_dir}:{FAKES}:{env['PATH']}", PYTHON=str(bin_dir / "fake_python"), DGXSYSTEM="CPU_1x2",
+    env.update(PATH=f"{bin_dir}:{FAKE_COMMANDS}:{env['PATH']}", PYTHON=str(bin_dir / "fake_python"), DGXSYSTEM="CPU_1x2",
                NEXP="2",
                DATADIR_PHASE2=str(tmp_path / "data"), EVALDIR=str(tmp_path / "eval"),
                CHECKPOINTDIR_PHASE1=str(tmp_path / "phase1"), CLEAR_CACHES="0", SLURM_JOB_ID="77",

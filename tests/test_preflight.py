@@ -13,29 +13,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO
 from mlperf_bert.runtime import preflight
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.runtime.preflight import RankTimes, Settings, bus_bandwidth_gbps, verdict, wait_for_ranks
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
 
 MIB = 2**20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_slowed_rank_stops_the_job_with_one_line_naming_it() -> None:
     """Rank 1 sleeps 40 ms before each all-reduce of 1 MiB: rank 0 waits for it inside every all-reduce,
     so the bus bandwidth (0.5 x 1 MiB per 40 ms, about 0.013 GB/s) falls below the threshold."""
-    port = str(_free_port())
+    port = str(free_port())
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DEVICE": "cpu",
            "NCCL_TEST_BYTES": str(MIB), "NCCL_TEST_ITERS": "4", "NCCL_TEST_WARMUP": "1",
            "NCCL_TEST_MIN_BUSBW_GBPS": "0.05", "NCCL_TEST_JOIN_S": "60"}
-    ranks = [subprocess.Popen([sys.executable, str(REPO / "tests" / "_preflight_worker.py"), "1", "0.04"],
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.harness.workers.preflight", "1", "0.04"], cwd=REPO,
                               env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
     (out0, err0), (out1, err1) = (rank.communicate(timeout=120) for rank in ranks)
@@ -66,7 +61,7 @@ def test_verdict_passes_at_the_threshold_and_names_the_rank_the_others_waited_fo
 def _one_rank_script(**settings: str) -> subprocess.CompletedProcess:
     """`python pytorch/nccl_preflight.py` as run.sub starts it, one rank on the CPU, with these NCCL_TEST_ settings."""
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'pytorch'}:{REPO}",
-           "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "DEVICE": "cpu", **settings}
     return subprocess.run([sys.executable, str(REPO / "pytorch" / "nccl_preflight.py")], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -90,7 +85,7 @@ def test_bus_bandwidth_is_that_of_nccl_tests() -> None:
 
 
 def test_rank_0_names_the_ranks_that_did_not_join() -> None:
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 3, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=5))
     client.set("preflight/host/2", "node1")

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from mlperf_tools.planning import recipe
-from _rcp_results import official_verdict, synthetic_result
-from conftest import config_exports
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.closed_division import closed_division_problem
 from mlperf_tools.results.package_results import config_global_batch_size, read_config
 from mlperf_tools.results.scoring import ABOVE, BELOW, COVERED, INTERPOLATED
+from tests.harness.demo import config_exports
+from tests.harness.paths import REPO
+from tests.harness.rcp_results import official_verdict, synthetic_result
 
-REPO = Path(__file__).resolve().parents[1]
 RULESET = "5.0.0"
 # What the official checker answers for a result at each status (converging like the RCP mean).
 OFFICIAL = {COVERED: (True, "RCP found"), INTERPOLATED: (True, "RCP Interpolation"),

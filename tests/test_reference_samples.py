@@ -1,6 +1,6 @@
 """`samples` and `eval` against the outputs of the unmodified MLCommons scripts.
 
-tests/data/reference_samples/ (its README says how the files were made) holds what
+tests/harness/data/reference_samples/ (its README says how the files were made) holds what
 create_pretraining_data.py and pick_eval_samples.py wrote for golden_text.txt with the MLPerf
 vocab.txt, and the reference FullTokenizer's ids of every line. Every row, every key and the
 row order must be equal. The compiled Mersenne Twister draws are held against Python's
@@ -27,14 +27,8 @@ from data_prep.eval_set import EvalParams, pick_indices
 from mlperf_bert.data.shards import open_shard as open_h5
 from data_prep.text import tokenize_file
 from data_prep.vocab import LineEncoder, load_vocab
-
-GOLDEN = Path(__file__).parent / "data" / "reference_samples"
-KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
-
-
-def golden_arrays(name: str) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(lzma.decompress((GOLDEN / f"{name}.npz.xz").read_bytes()))) as arrays:
-        return {key: arrays[key] for key in arrays.files}
+from tests.harness.golden_samples import KEYS, golden_arrays
+from tests.harness.paths import REFERENCE_SAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +37,9 @@ def inputs(tmp_path_factory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("golden")
     text = folder / "text" / "part-00000-of-00001"
     text.parent.mkdir()
-    text.write_bytes(lzma.decompress((GOLDEN / "golden_text.txt.xz").read_bytes()))
+    text.write_bytes(lzma.decompress((REFERENCE_SAMPLES / "golden_text.txt.xz").read_bytes()))
     vocab = folder / "vocab.txt"
-    vocab.write_bytes(lzma.decompress((GOLDEN / "vocab.txt.xz").read_bytes()))
+    vocab.write_bytes(lzma.decompress((REFERENCE_SAMPLES / "vocab.txt.xz").read_bytes()))
     return text, vocab
 
 
@@ -66,7 +60,7 @@ def assert_rows_equal(path: Path, expected: dict[str, np.ndarray]) -> None:
 
 
 def test_tokens_of_every_line_equal_the_reference(inputs):
-    golden = np.load(io.BytesIO(lzma.decompress((GOLDEN / "golden_text_tokens.npz.xz").read_bytes())))
+    golden = np.load(io.BytesIO(lzma.decompress((REFERENCE_SAMPLES / "golden_text_tokens.npz.xz").read_bytes())))
     raw = inputs[0].read_bytes().split(b"\n")[:-1]
     lines = [line.decode().strip() for line in raw]
     ids, lengths = LineEncoder(load_vocab(inputs[1])).encode(lines)
@@ -77,7 +71,7 @@ def test_tokens_of_every_line_equal_the_reference(inputs):
 
 
 def test_plain_python_tokenizer_equals_the_reference_on_every_line(inputs):
-    golden = np.load(io.BytesIO(lzma.decompress((GOLDEN / "golden_text_tokens.npz.xz").read_bytes())))
+    golden = np.load(io.BytesIO(lzma.decompress((REFERENCE_SAMPLES / "golden_text_tokens.npz.xz").read_bytes())))
     tokenizer = ref.ReferenceTokenizer(load_vocab(inputs[1]))
     lines = [line.decode().strip() for line in inputs[0].read_bytes().split(b"\n")[:-1]]
     ids = [i for line in lines for i in tokenizer.ids(tokenizer.tokenize(line))]

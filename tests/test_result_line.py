@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.harness.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _fake_python(path: Path, status: str | None) -> Path:

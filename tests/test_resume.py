@@ -10,18 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from _fault_launch import (
-    Launch,
-    assert_same_tensors,
-    load_checkpoint,
-    log_tail,
-    losses,
-    mllog_events,
-    run_launches,
-    run_ranks,
-    worker_command,
-)
-from conftest import trainer_args
 from mlperf_bert.model.fp8 import scaling_states
 from mlperf_bert.model.fp8_delayed import DelayedFp8Linear
 from mlperf_bert.runtime.distributed import DistEnv
@@ -39,6 +27,10 @@ from mlperf_bert.train.checkpoint import (
     set_rng_state,
     write_atomic,
 )
+from tests.harness.demo import trainer_args
+from tests.harness.launches import (Launch, load_checkpoint, log_tail, losses, mllog_events, run_launches, run_ranks,
+                                    worker_command)
+from tests.harness.tensors import assert_same_tensors
 
 SINGLE = DistEnv(0, 1, 0, 1, "127.0.0.1", 0)
 

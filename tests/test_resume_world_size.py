@@ -31,17 +31,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from _balance_worker import ID_BASE, LIMITS, write_dataset
-from _fault_launch import Launch, load_checkpoint, log_tail, mllog_events, run_launches
-from conftest import trainer_args
 from mlperf_bert.data import dataset as data_module
 from mlperf_bert.data.dataset import DataError, PretrainingDataset, discover_shards, read_shard
 from mlperf_bert.input.slots import SlotLayout, SlotStream
 from mlperf_bert.input.source_factory import open_stream
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.runtime.exits import EXIT_BAD_INPUT
-from test_sharded_optimizer import assert_within_rounding
-from test_sources import stratified  # a fixture: test_sources' strata of this module's `plain`
+from tests.harness.demo import trainer_args
+from tests.harness.launches import Launch, load_checkpoint, log_tail, mllog_events, run_launches
+from tests.harness.tensors import assert_within_rounding
+from tests.harness.workers.balance import ID_BASE, LIMITS, write_dataset
 
 SEED = 3
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]  # (ranks, micro-batches per step): 4 slots each

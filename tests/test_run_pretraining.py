@@ -1,5 +1,5 @@
 """run_pretraining.py: flags, errors, logs, evaluation and 2-process runs; a short run, --help and the
-2-process runs as a user starts them, the rest served by one process of the module (tests/_served.py)."""
+2-process runs as a user starts them, the rest served by one process of the module (tests/harness/served.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import torch
 import transformers
 from PIL import Image
 
-from conftest import TRAINER, run_cli, trainer_args, verify_folder
+from tests.harness.commands import run_cli
+from tests.harness.demo import trainer_args, verify_folder
+from tests.harness.paths import TRAINER
 
 MLPERF_FLAGS = (
     "--input_dir --eval_dir --init_checkpoint --bert_config_path --train_batch_size --gradient_accumulation_steps "

@@ -15,10 +15,10 @@ import pytest
 
 from mlperf_tools.results import package_results
 from mlperf_tools.results import scoring
-from _rcp_results import synthetic_result as _synthetic_result
 from mlperf_tools.results.compare import RunLog
+from tests.harness.paths import REPO
+from tests.harness.rcp_results import synthetic_result as _synthetic_result
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(REPO.glob("config_*.sh"))
 
 # The global batch sizes of the shipped configs, as the systems they copy logged them

@@ -1,6 +1,6 @@
 """The sharded optimizer (`--distributed_optimizer`) equals the unsharded one, on 2 and 4 gloo ranks.
 
-`tests/_sharded_worker.py` trains the same tiny BERT both ways on each rank (its docstring says
+`tests/harness/workers/sharded.py` trains the same tiny BERT both ways on each rank (its docstring says
 how); here the ranks' records are compared. One launch of six processes: equality at 2 and 4
 ranks side by side and the checkpoints written at 4 ranks, sharded and unsharded, then, in the
 2-rank processes, every resume at 2 and 1 ranks.
@@ -33,11 +33,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from tests.harness.paths import REPO
+from tests.harness.tensors import EPS, ROUNDINGS, assert_within_rounding
 
-WORKER = REPO / "tests" / "_sharded_worker.py"
-EPS = 2.0**-24
-ROUNDINGS = 32
+WORKER = "tests.harness.workers.sharded"
 MODES = ["none", "after_allreduce", "before_allreduce", "bucketwise"]
 RUNS = [f"{name}/{mode}" for name in ("lamb", "adam") for mode in MODES]
 SAVE_AT, STEPS = 3, 6  # as in the worker
@@ -47,7 +46,7 @@ def _launch(processes: list[list[tuple[str, int, int, str]]], out: Path) -> None
     """Starts every process at once, each running its (jobs, rank, world, world's name) groups in turn."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [(groups, subprocess.Popen(
-        [sys.executable, str(WORKER), str(out), *[str(part) for group in groups for part in group]], env=env,
+        [sys.executable, "-m", WORKER, str(out), *[str(part) for group in groups for part in group]], cwd=REPO, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for groups in processes]
     for groups, proc in procs:
         output = proc.communicate(timeout=900)[0]
@@ -70,17 +69,6 @@ def records(tmp_path_factory) -> dict[str, list[dict]]:
         key, rank = path.stem.rsplit("-rank", 1)
         found.setdefault(key, []).insert(int(rank), torch.load(path, weights_only=False))
     return found
-
-
-def assert_within_rounding(actual: torch.Tensor, expected: torch.Tensor, path: torch.Tensor, steps: int) -> None:
-    """|actual - expected| <= ROUNDINGS * eps * (the longest path) + steps * ulp(expected) where the
-    weight moved, 0 where it did not, element by element (module docstring)."""
-    ulp = torch.nextafter(expected.abs(), torch.tensor(float("inf"))) - expected.abs()
-    allowed = torch.where(path > 0, ROUNDINGS * EPS * path.max() + steps * ulp, 0.0)
-    excess = (actual - expected).abs() - allowed
-    worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"weight {worst} differs by {float((actual - expected).abs()[worst]):.3g}, "
-                               f"allowed {float(allowed[worst]):.3g}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -24,7 +24,7 @@ from mlperf_bert.dryrun.run import fake_process_group
 from mlperf_bert.optim.clipping import ClipConfig, ClipMode, apply_clip_mode, optimizer_clip_norm
 from mlperf_bert.optim.optimizers import parameter_groups
 from mlperf_bert.optim.sharded import build_sharded_optimizer
-from _sharded_worker import watching
+from tests.harness.workers.sharded import watching
 
 LAYERS, WIDTH = 6, 32
 BUCKET_CAP_MB = 5000 / 2**20  # about one layer (1,056 floats) a bucket

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -16,9 +15,9 @@ import pytest
 from data_prep.packing import pack_histogram
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_tools.planning import simulate_balance
+from tests.harness.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tools" / "simulate_balance.py"
+SCRIPT = REPO / "tools" / "simulate_balance.py"
 
 # Kim et al., Table 5: 1024 GPUs, 8 per node, local batch 16; (min, max) per-GPU tokens.
 TABLE_5 = {
@@ -31,7 +30,7 @@ TABLE_5 = {
 
 
 def run_simulator(*flags: str) -> dict[str, dict[str, float]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "pytorch"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "pytorch"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *flags, "--json"], capture_output=True, text=True, env=env, check=True
     )
@@ -115,7 +114,7 @@ def test_bad_flags_are_named() -> None:
         [sys.executable, str(SCRIPT), "--gpus", "12", "--gpus-per-node", "8", "--local-batch", "16"],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT / "pytorch")),
+        env=dict(os.environ, PYTHONPATH=str(REPO / "pytorch")),
     )
     assert done.returncode != 0
     assert "--gpus-per-node" in done.stderr

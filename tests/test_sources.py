@@ -15,8 +15,6 @@ import h5py
 import numpy as np
 import pytest
 
-from _balance_worker import ID_BASE, LIMITS, MAX_LEN, MAX_PRED, write_dataset
-from data_prep.stratify import StratifyParams, stratify
 from mlperf_bert import startup
 from mlperf_bert.input import balance
 from mlperf_bert.data.batch import Sample, flatten_items
@@ -26,10 +24,8 @@ from mlperf_bert.runtime.distributed import dist_env_from, launched_by_mpi
 from mlperf_bert.input.exchange import decode_body, encode_body, encode_header, incoming, outgoing
 from mlperf_bert.input.host_exchange import Prefetcher
 from mlperf_bert.input.sources import LocalSource, TokenImbalance, TokenMeter
-from mlperf_bert.data.shards import list_shards
 from mlperf_bert.data.stratified import Strata, StratifiedDataset, stratum_counts
-
-BOUNDS = (16, 32, 48, 64)
+from tests.harness.workers.balance import BOUNDS, ID_BASE, LIMITS, write_dataset
 
 
 def uid(item) -> int:
@@ -39,14 +35,6 @@ def uid(item) -> int:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("plain"), [60, 60, 60], seed=1)
-
-
-@pytest.fixture(scope="module")
-def stratified(plain, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("stratified") / "data"
-    stratify(list_shards(plain), out, StratifyParams(bounds=BOUNDS, shards_per_stratum=2, max_seq_length=MAX_LEN,
-                                                      max_predictions=MAX_PRED))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO
 from mlperf_bert.config.settings import RunSettings
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_bert.dryrun.cost import FP8, MATMUL, OTHER, OpCost, PhaseCost
@@ -24,6 +23,7 @@ from mlperf_tools.planning import step_calibration
 from mlperf_tools.planning import step_model
 from mlperf_tools.planning.step_calibration import Check, SetUp
 from mlperf_tools.planning.step_model import StepFeatures
+from tests.harness.paths import REPO
 
 H200 = step_model.DEVICES["H200"]
 SESSION = REPO / "tools" / "measurements" / "h200-2026-11-27"

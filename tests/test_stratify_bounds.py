@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import run_cli
 from mlperf_bert.data.stratified import stratum_shares
 from mlperf_bert.data.lengths import load_length_histogram
+from tests.harness.commands import run_cli
 
 
 def test_default_bounds_are_the_quarters_of_max_seq_length(demo_data, tmp_path):

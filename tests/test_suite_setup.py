@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import _shared_by_workers
+from tests.harness.shared_folder import shared_by_workers
 
 
 class _WorkerTemp:
@@ -30,8 +30,8 @@ def test_workers_build_the_shared_folder_once_and_all_use_it(tmp_path, monkeypat
         (folder / "shard").write_text("rows")
         return folder
 
-    first = _shared_by_workers(_WorkerTemp(tmp_path, "gw0"), "demo", make)  # type: ignore[arg-type]
-    second = _shared_by_workers(_WorkerTemp(tmp_path, "gw1"), "demo", make)  # type: ignore[arg-type]
+    first = shared_by_workers(_WorkerTemp(tmp_path, "gw0"), "demo", make)  # type: ignore[arg-type]
+    second = shared_by_workers(_WorkerTemp(tmp_path, "gw1"), "demo", make)  # type: ignore[arg-type]
     assert first == second == tmp_path / "demo" and built == [first]
     assert (second / "shard").read_text() == "rows"
 
@@ -41,5 +41,5 @@ def test_a_build_that_failed_half_way_is_made_again(tmp_path, monkeypatch):
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "partial").write_text("half")  # no demo.done: the worker that built it died
 
-    folder = _shared_by_workers(_WorkerTemp(tmp_path, "gw0"), "demo", lambda f: f)  # type: ignore[arg-type]
+    folder = shared_by_workers(_WorkerTemp(tmp_path, "gw0"), "demo", lambda f: f)  # type: ignore[arg-type]
     assert folder.is_dir() and not (folder / "partial").exists()

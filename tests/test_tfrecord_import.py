@@ -12,7 +12,7 @@ from data_prep import prepare
 from data_prep.formats import DataPrepError
 from mlperf_bert.data.shards import open_shard as open_h5
 from data_prep.tfrecords import import_tfrecords, read_records
-from test_reference_samples import KEYS, golden_arrays
+from tests.harness.golden_samples import KEYS, golden_arrays
 
 ROWS = 300  # of golden_128: three blocks when blocks hold 128 rows
 

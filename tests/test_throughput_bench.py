@@ -12,12 +12,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import REPO, load_script, run_cli
 from mlperf_bert.model import flops
 from mlperf_bert.data.batch import flatten_items, pad_items
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.data.lengths import load_length_histogram
 from mlperf_tools.bring_up import workload
+from tests.harness.commands import load_script, run_cli
+from tests.harness.paths import REPO
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 

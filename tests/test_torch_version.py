@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from conftest import REPO
 from mlperf_bert.runtime.torch_version import MIN_TORCH, TRAINING_IMAGE, release_of, torch_too_old
+from tests.harness.paths import REPO
 
 OLD = "2.5.0a0+e000cf0ad9"  # NGC PyTorch 24.10's, the base before
 

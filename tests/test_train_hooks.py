@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from _fault_launch import mllog_events
 from mlperf_bert.train.faults import NumericBlowUp, Position, Preempted, StepFacts, StepGuard, StopRequest, Verdict
 from mlperf_bert.hooks.events import BlockEnd, EvalEnd, RunEnd, RunStart, StepEnd
 from mlperf_bert.hooks.mllog import MLPerfLogger
 from mlperf_bert.input.sources import TokenImbalance
 from mlperf_bert.hooks.train_hooks import EvalLine, MLPerfLog, PeriodicCheckpoints, Preemption, RankLoad
+from tests.harness.launches import mllog_events
 
 
 def step_end(step: int, samples: int, verdict: Verdict = Verdict(), loss: float = 1.0) -> StepEnd:

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from _fault_launch import assert_same_tensors, free_port, load_checkpoint, mllog_events, wait_all
-from conftest import REPO, demo_config_env
 from mlperf_bert.runtime.exits import EXIT_LOST_RANK
+from tests.harness.demo import demo_config_env
+from tests.harness.launches import load_checkpoint, mllog_events, wait_all
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
+from tests.harness.tensors import assert_same_tensors
 
 # 24 steps of 16 samples (2 ranks x 8), evals every 96 samples, a checkpoint at the end.
 RUN = {"MAX_STEPS": "24", "TARGET_MLM_ACCURACY": "0.999", "EVAL_ITER_START_SAMPLES": "96",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from conftest import run_cli
 from mlperf_bert.dryrun.native import build_dir
+from tests.harness.commands import run_cli
 
 
 def test_the_packages_pass_mypy():

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from _served import Served
-from conftest import trainer_args, verify_folder
 from data_prep.verify_dataset import mark_refused
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
@@ -26,7 +24,10 @@ from mlperf_bert.data.dataset import DataError, DataLimits
 from mlperf_bert.data.record import RECORD_NAME
 from mlperf_bert.input.data_check import UNVERIFIED_CHECK_KEY, check_after_clock, check_data_before_clock
 from mlperf_bert.runtime.distributed import dist_env_from
-from test_clock import _copy, _mllog, _refused_before_the_clock
+from tests.harness.demo import copy_verified, trainer_args, verify_folder
+from tests.harness.launches import mllog_events
+from tests.harness.refusals import refused_before_the_clock
+from tests.harness.served import Served
 
 FLAG = "--unverified_data"
 
@@ -44,7 +45,7 @@ def _verify_command(demo_data: Path, train: Path) -> str:
 
 def _copied_shards(demo_data: Path, tmp_path: Path) -> Path:
     """The v2.1 shuffle bug's output: every training shard a byte copy of the first, and no record."""
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     first, *rest = sorted(train.glob("*.hdf5"))
     for shard in rest:
         shutil.copyfile(first, shard)
@@ -53,7 +54,7 @@ def _copied_shards(demo_data: Path, tmp_path: Path) -> Path:
 
 
 def _eval_shard_in_training(demo_data: Path, tmp_path: Path) -> Path:
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     shutil.copy2(next((demo_data / "eval").glob("*.hdf5")), train)
     return train
 
@@ -65,9 +66,9 @@ def _refused_after_run_start(done: subprocess.CompletedProcess, tmp_path: Path, 
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
     assert says in errors[0] and "check after run_start" in errors[0] and "inside the timed run" in errors[0]
-    keys = [e["key"] for e in _mllog(tmp_path / "out" / "mlperf.log")]
+    keys = [e["key"] for e in mllog_events(tmp_path / "out" / "mlperf.log")]
     assert keys.count("run_start") == 1 and keys.index("run_start") < keys.index(UNVERIFIED_CHECK_KEY)
-    events = _mllog(tmp_path / "out" / "mlperf.log")
+    events = mllog_events(tmp_path / "out" / "mlperf.log")
     check = next(e for e in events if e["key"] == UNVERIFIED_CHECK_KEY)
     assert check["metadata"]["status"] == "refused" and check["value"] >= 0
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
@@ -79,7 +80,7 @@ def _refused_after_run_start(done: subprocess.CompletedProcess, tmp_path: Path, 
 def test_copied_training_shards_without_a_record_are_refused_before_run_start(served_trainer, demo_data, tmp_path):
     train = _copied_shards(demo_data, tmp_path)
     done = _train(served_trainer, demo_data, tmp_path, train)
-    _refused_before_the_clock(done, tmp_path, f"{train}: no {RECORD_NAME}", _verify_command(demo_data, train), FLAG)
+    refused_before_the_clock(done, tmp_path, f"{train}: no {RECORD_NAME}", _verify_command(demo_data, train), FLAG)
     assert "note:" not in done.stderr  # nothing trains after a note
 
 
@@ -97,7 +98,7 @@ def test_an_eval_shard_copied_into_training_is_never_trained_on(served_trainer, 
     shard = train / next((demo_data / "eval").glob("*.hdf5")).name
     done = _train(served_trainer, demo_data, tmp_path, train, *([FLAG] if flag else []))
     if not flag:
-        _refused_before_the_clock(done, tmp_path, f"{shard}: a shard the verification did not see",
+        refused_before_the_clock(done, tmp_path, f"{shard}: a shard the verification did not see",
                                   _verify_command(demo_data, train))
         return
     _refused_after_run_start(done, tmp_path, f"eval samples of {demo_data / 'eval'} are also training samples")
@@ -105,7 +106,7 @@ def test_an_eval_shard_copied_into_training_is_never_trained_on(served_trainer, 
 
 def _marked_refused(demo_data: Path, tmp_path: Path) -> tuple[Path, str]:
     """A folder data_prep's verification refused (its marker), whose record is gone."""
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     mark_refused(train, [f"{train}/part_00001_of_00003.hdf5: row 3: input_ids outside [0, 128)"])
     (train / RECORD_NAME).unlink()
     return train, "data_prep's verification refused this folder (" + f"{train}/part_00001_of_00003.hdf5: row 3"
@@ -113,7 +114,7 @@ def _marked_refused(demo_data: Path, tmp_path: Path) -> tuple[Path, str]:
 
 def _record_of_other_files(demo_data: Path, tmp_path: Path) -> tuple[Path, str]:
     """The eval folder's record copied beside the training shards."""
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     shutil.copy2(demo_data / "eval" / RECORD_NAME, train / RECORD_NAME)
     missing = train / next((demo_data / "eval").glob("*.hdf5")).name
     return train, f"{missing}: listed in {RECORD_NAME} but missing"
@@ -125,7 +126,7 @@ def test_what_the_listing_and_records_decide_is_refused_before_run_start(served_
     run as a user starts it; each verdict with and without the flag is also checked in this process below)."""
     train, says = case(demo_data, tmp_path)
     done = _train(served_trainer, demo_data, tmp_path, train, FLAG)
-    _refused_before_the_clock(done, tmp_path, says)
+    refused_before_the_clock(done, tmp_path, says)
 
 
 @pytest.mark.parametrize("edit", [lambda record: [], lambda record: {**record, "files": list(record["files"])},
@@ -134,11 +135,11 @@ def test_what_the_listing_and_records_decide_is_refused_before_run_start(served_
 def test_a_record_of_the_wrong_shape_is_one_line_naming_it_and_the_verify_command(served_trainer, demo_data, tmp_path,
                                                                                    edit):
     """VERIFIED.json edited by hand into valid JSON of another shape ended in an AttributeError traceback."""
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     record = train / RECORD_NAME
     record.write_text(json.dumps(edit(json.loads(record.read_text()))))
     done = _train(served_trainer, demo_data, tmp_path, train)
-    _refused_before_the_clock(done, tmp_path, f"{record}: not a readable verification record (",
+    refused_before_the_clock(done, tmp_path, f"{record}: not a readable verification record (",
                               f"run `python data_prep/verify_dataset.py {train}` to verify the folder again")
 
 
@@ -147,14 +148,14 @@ def test_a_folder_not_checked_against_the_eval_set_is_refused_or_checked_after_r
     """Verified without an eval set: no record says the eval samples are held out. Refused with the command
     that checks it; with the flag the run trains, and the MLPerf log and the summary say the check's time
     counted."""
-    train = _copy(demo_data / "train", tmp_path / "train")
+    train = copy_verified(demo_data / "train", tmp_path / "train")
     verify_folder(train, "--max_seq_length", "64", "--max_predictions", "10")
     refused = _train(served_trainer, demo_data, tmp_path, train)
-    _refused_before_the_clock(refused, tmp_path, f"{train} was not checked for samples of the eval set",
+    refused_before_the_clock(refused, tmp_path, f"{train} was not checked for samples of the eval set",
                               _verify_command(demo_data, train), FLAG)
     done = _train(served_trainer, demo_data, tmp_path, train, FLAG)
     assert done.returncode == 0, done.stderr[-3000:]
-    events = _mllog(tmp_path / "out" / "mlperf.log")
+    events = mllog_events(tmp_path / "out" / "mlperf.log")
     keys = [e["key"] for e in events]
     assert keys.index("run_start") < keys.index(UNVERIFIED_CHECK_KEY) < keys.index("block_start")
     check = events[keys.index(UNVERIFIED_CHECK_KEY)]
@@ -199,7 +200,7 @@ def _check(demo_data: Path, tmp_path: Path, train: Path, evals: Path, *extra: st
 
 @pytest.fixture()
 def folders(demo_data: Path, tmp_path: Path) -> tuple[Path, Path]:
-    return _copy(demo_data / "train", tmp_path / "train"), _copy(demo_data / "eval", tmp_path / "eval")
+    return copy_verified(demo_data / "train", tmp_path / "train"), copy_verified(demo_data / "eval", tmp_path / "eval")
 
 
 @pytest.mark.parametrize("link", ["another eval set", "the eval set replaced"])

@@ -28,7 +28,7 @@ from mlperf_bert.model import varlen_flash as ops
 from mlperf_bert.model.attention import AttentionNeeds, backend_problem, flat_layout, resolve_backend, row_attention
 from mlperf_bert.model.bert import BertConfig, BertForPreTraining, pretraining_loss
 from mlperf_bert.model.varlen_flash import reference_attention, reference_gradients, varlen_cudnn, varlen_flash
-from test_fast_path import MAX_PREDICTIONS, MAX_SEQS, ROW_LEN, ROWS, make_rows
+from tests.harness.tiny_bert import MAX_PREDICTIONS, MAX_SEQS, ROW_LEN, ROWS, make_rows
 
 HEADS, DIM = 2, 8
 ATTENTION = {"flash": varlen_flash, "cudnn": varlen_cudnn}

@@ -18,8 +18,8 @@ from data_prep.reshard import ReshardParams, reshard
 from data_prep.stratify import StratifyParams, stratify
 from data_prep.verify_dataset import main
 from mlperf_bert.data.shards import Samples, write_samples
+from tests.harness.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB, CLS, SEP, MASK = 600, 2, 3, 4
 
@@ -75,11 +75,11 @@ def test_valid_folders_pass(folders, capsys):
 
 def test_command_line_script(folders):
     env = {**os.environ, "PYTHONPATH": ""}
-    ok = subprocess.run([sys.executable, str(ROOT / "data_prep" / "verify_dataset.py"), str(folders / "varlength"),
+    ok = subprocess.run([sys.executable, str(REPO / "data_prep" / "verify_dataset.py"), str(folders / "varlength"),
                          "--workers", "1"],
                         capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
-    missing = subprocess.run([sys.executable, str(ROOT / "data_prep" / "verify_dataset.py"), str(folders / "nothing")],
+    missing = subprocess.run([sys.executable, str(REPO / "data_prep" / "verify_dataset.py"), str(folders / "nothing")],
                              capture_output=True, text=True, env=env)
     assert missing.returncode == 1 and "not a folder" in missing.stderr
 

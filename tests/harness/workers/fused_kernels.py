@@ -1,6 +1,6 @@
 """The fused optimizer's Triton kernels on CPU tensors, through Triton's interpreter (test_fused_optim.py).
 
-Usage: TRITON_INTERPRET=1 python tests/_fused_kernels_worker.py OUT.json
+Usage: TRITON_INTERPRET=1 python -m tests.harness.workers.fused_kernels OUT.json     (from the repository root)
 
 Triton decides at import whether its own library functions (tl.sum, tl.cdiv) are compiled or
 interpreted, so this runs in a process of its own, started with TRITON_INTERPRET=1 before anything
@@ -14,7 +14,7 @@ steps (the interpreter runs each program's ops one at a time). Written to OUT.js
   largest value;
 - `optimizers`: LAMB (unclipped, clipped, clipped hard, the capturable twin with its device step
   count and lr) and AdamW stepped with the kernels, against `ReferenceLamb` / `ReferenceAdamW`;
-  and the sharded LAMB at 3 ranks, in blocks of 9 elements (threads, `test_sharded_ranks.on_ranks`),
+  and the sharded LAMB at 3 ranks, in blocks of 9 elements (threads, `thread_ranks.on_ranks`),
   against the unsharded one;
 - `launches`: the kernel passes of one step (the parameters' elements the pass kernel covered, over
   their number), and how many launches each kernel took.
@@ -33,19 +33,18 @@ from typing import Any, Callable
 
 if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET") != "1":  # before anything imports Triton
     sys.exit("start this with TRITON_INTERPRET=1 (module docstring)")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pytest  # noqa: E402  (after the path: the tests' helpers import it)
+import pytest  # noqa: E402  (thread_ranks takes a MonkeyPatch)
 import torch  # noqa: E402
 
-import test_optim  # noqa: E402
-import test_sharded_ranks as ranks  # noqa: E402
 from mlperf_bert.optim import fused, fused_kernels  # noqa: E402
 from mlperf_bert.optim.capturable import capturable  # noqa: E402
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups  # noqa: E402
+from tests.harness import optimizer_runs  # noqa: E402
+from tests.harness import thread_ranks as ranks  # noqa: E402
 
 SHAPES = [(5, 3), (3,), (4, 4), (7,), (0,), (1,), (9,), (2, 2)]  # 8 tensors: 3 describe launches of 3
-STEPS = 3  # of each optimizer (test_optim's model: bias corrections of steps 1 to 3)
+STEPS = 3  # of each optimizer (optimizer_runs' model: bias corrections of steps 1 to 3)
 LAUNCHES: Counter[str] = Counter()
 ELEMENTS: Counter[str] = Counter()  # elements the pass kernel covered, by what it did
 
@@ -153,12 +152,12 @@ def kernel_cases() -> dict[str, float]:
 
 
 def train(name: str, implementation: str, max_grad_norm: float | None, lr: Any = 2e-2, twin: bool = False) -> list:
-    model = test_optim.make_model()
+    model = optimizer_runs.make_model()
     optimizer = build_optimizer(parameter_groups(model, 0.01), name, lr, (0.9, 0.999), 1e-6, 0.01, max_grad_norm,
                                 implementation)
     if twin:
         optimizer = capturable(optimizer)  # the step count and lr on the device, as under --cuda_graphs
-    test_optim.train(model, optimizer, range(STEPS))
+    optimizer_runs.train(model, optimizer, range(STEPS))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -190,16 +189,16 @@ def sharded_case(world: int, block_numel: int) -> float:
 
 
 def launches() -> dict[str, Any]:
-    """One step of LAMB (clipped) and of AdamW on `test_optim`'s model, the kernels counted."""
+    """One step of LAMB (clipped) and of AdamW on `optimizer_runs`' model, the kernels counted."""
     counts = {}
     for name in ("lamb", "adam"):
-        model = test_optim.make_model()
+        model = optimizer_runs.make_model()
         optimizer = build_optimizer(parameter_groups(model, 0.01), name, 2e-2, (0.9, 0.999), 1e-6, 0.01, 1.0,
                                     "foreach")
-        test_optim.train(model, optimizer, range(1))
+        optimizer_runs.train(model, optimizer, range(1))
         LAUNCHES.clear()
         ELEMENTS.clear()
-        test_optim.train(model, optimizer, range(1, 2))
+        optimizer_runs.train(model, optimizer, range(1, 2))
         stepped = sum(p.numel() for p in model.parameters() if p.grad is not None)
         counts[name] = {"launches": dict(LAUNCHES),
                         "passes": {kind: n / stepped for kind, n in ELEMENTS.items()},

@@ -3,8 +3,8 @@
 Usage (the rank comes from RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_PORT, or from an MPI
 launcher's variables, read by mlperf_bert.runtime.distributed.dist_env_from as the trainer reads them):
 
-    python tests/_balance_worker.py exchange DATA STRATIFIED OUT STEPS     # gloo policies
-    python tests/_balance_worker.py mpi DATA STRATIFIED OUT STEPS [TRAIN_DATA TRAIN_STRATIFIED ARGS...]
+    python -m tests.harness.workers.balance exchange DATA STRATIFIED OUT STEPS     # gloo policies
+    python -m tests.harness.workers.balance mpi DATA STRATIFIED OUT STEPS [TRAIN_DATA TRAIN_STRATIFIED ARGS...]
 
 Both run every case of their table (`mpi`: cpu_exchange, under mpiexec) for STEPS micro-batches
 from fresh sources and write OUT/rank{R}.json: per case and step the uids and lengths of the

@@ -1,7 +1,7 @@
 """The bring-up's imports as the GPU machine sees them: what the repository's own code imports from outside
 the standard library must be in the allowed set (the GPU image's packages and the carried wheels).
 
-    python -s tests/_image_imports.py REQUEST.json
+    python -s -m tests.harness.workers.image_imports REQUEST.json
 
 REQUEST: {"repo": folder, "allowed": [names], "optional": [names], "entries": [script paths or module names]}.
 Each entry is imported here (a script without running its main), with every other third-party package
@@ -44,7 +44,7 @@ class Blocker:
         return self.ours[path]
 
     def is_local(self, top: str) -> bool:
-        """Whether the top-level module `top` is the repository's own (mlperf_bert, data_prep, conftest, plan)."""
+        """Whether the top-level module `top` is the repository's own (mlperf_bert, data_prep, tests, plan)."""
         if top not in self.local:
             spec = importlib.util.find_spec(top)
             places = [] if spec is None else [spec.origin or "", *(spec.submodule_search_locations or [])]

@@ -1,6 +1,6 @@
 """One rank of the multi-process graphed-step runs in test_graphed_step_ranks.py (gloo on 127.0.0.1).
 
-Usage: python tests/_graphed_step_worker.py RANK WORLD PORT OUT_DIR
+Usage: python -m tests.harness.workers.graphed_step RANK WORLD PORT OUT_DIR
 
 The same tiny BERT, DDP-wrapped with small buckets (several per backward, so bucket-wise
 clipping has something to divide), is trained twice from the same weights on the same
@@ -43,7 +43,7 @@ from mlperf_bert.optim.schedule import LRSchedule
 from mlperf_bert.data.static_batch import static_packed_batch
 from mlperf_bert.train.step import EagerStep, GraphedStep, Step
 from mlperf_bert.train.sync_window import StateDictSnapshot
-from test_fast_path import MAX_PREDICTIONS, MAX_SEQS, ROW_LEN, TINY, make_rows
+from tests.harness.tiny_bert import MAX_PREDICTIONS, MAX_SEQS, ROW_LEN, TINY, make_rows
 
 STEPS = 6
 ACCUMULATION = 2

@@ -1,4 +1,4 @@
-"""A rendezvous port the ranks of a run agree on just before it starts (for the worker scripts).
+"""Rendezvous ports: a free one now, or one the ranks of a run agree on just before it starts (for the workers).
 
 A port taken long before its run starts may be taken by someone else's socket meanwhile; a
 process that runs several worlds one after the other picks each world's port when it gets there.
@@ -9,6 +9,12 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def agreed_port(path: Path, rank: int, timeout_s: float = 600) -> str:

@@ -1,6 +1,7 @@
 """run_pretraining.py with test instruments, for the fault tests (resume, preemption, lost rank, NaN).
 
-    python tests/_fault_worker.py [--record DIR] [--step_sleep S] [--nan_at_step N --nan_rank R] -- FLAGS
+    python -m tests.harness.workers.instrumented_trainer [--record DIR] [--step_sleep S]
+                                                          [--nan_at_step N --nan_rank R] -- FLAGS
 
 --record DIR   each rank appends one JSON line per training step to DIR/losses_rank<R>.jsonl
                ({"step", "samples", "loss"}; the loss as the exact float) and writes its pid to
@@ -47,7 +48,7 @@ class StepRecorder(Hook):
         self.directory, self.sleep_s = directory, sleep_s
 
     def step_end(self, event: StepEnd) -> None:
-        # The rank when the step runs: tests/_trainer_runs.py sets a run's variables after building its hooks.
+        # The rank when the step runs: trainer_runs.py sets a run's variables after building its hooks.
         with (self.directory / f"losses_rank{_rank()}.jsonl").open("a") as f:
             f.write(json.dumps({"step": event.step, "samples": event.samples, "loss": float(event.loss)}) + "\n")
         time.sleep(self.sleep_s)

@@ -38,7 +38,7 @@ def built_optimizer() -> None:
     """`build_run` of the trainer flags after argv[2] with apex importable (faked): prints the step's optimizer."""
     import pytest
 
-    import fake_apex
+    from tests.harness.fakes import apex as fake_apex
     from mlperf_bert.config.cli import parse_config
     from mlperf_bert.runtime.distributed import DistEnv
 

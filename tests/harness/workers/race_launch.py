@@ -3,7 +3,7 @@ process exists and before torchrun tracks any (its handlers are made in one expr
 signal's exception leaves unfinished). What a SIGTERM sent the moment a worker appears meets now
 and then on a loaded machine, made certain.
 
-    python tests/_race_launch.py <pytorch/launch.py's arguments>
+    python -m tests.harness.workers.race_launch <pytorch/launch.py's arguments>
 """
 
 from __future__ import annotations

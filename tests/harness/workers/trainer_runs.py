@@ -1,11 +1,11 @@
 """Several trainer runs, one after the other, in this one process: a test's runs without a Python start-up each.
 
-    python tests/_trainer_runs.py PLAN.json
+    python -m tests.harness.workers.trainer_runs PLAN.json
 
 PLAN.json is a list of runs, each {"flags": [...], "env": {...}, "port": PATH, "err": PATH,
 "instruments": [...], "code": PATH}: the run's variables (RANK, WORLD_SIZE, ...) are set, MASTER_PORT
-to the port its ranks agree on in the file `port` (`_ports.agreed_port`), its stderr goes to
-`err` (file descriptor 2, so every writer's lines land there), `instruments` are _fault_worker.py's
+to the port its ranks agree on in the file `port` (`ports.agreed_port`), its stderr goes to
+`err` (file descriptor 2, so every writer's lines land there), `instruments` are instrumented_trainer.py's
 flags (--nan_at_step ...), and run_pretraining.main's exit code is written to `code` (1, with the
 traceback in `err`, where it raised). A run that fails does not stop the others: each test reads
 its own runs' codes. The trainer itself is the one
@@ -20,14 +20,14 @@ import os
 import sys
 from pathlib import Path
 
-from _fault_worker import hooks_of
-from _ports import agreed_port
-from _served import serve_one
 from mlperf_bert import main as run_pretraining
+from tests.harness.ports import agreed_port
+from tests.harness.served import serve_one
+from tests.harness.workers.instrumented_trainer import hooks_of
 
 
 def run_one(run: dict, stdout: int, stderr: int) -> int:
-    """One run of the plan, as `_served.serve_one` runs a request: its variables for this run only."""
+    """One run of the plan, as `served.serve_one` runs a request: its variables for this run only."""
     port = agreed_port(Path(run["port"]), int(run["env"]["RANK"]))
     hooks = hooks_of(run.get("instruments", []))
     request = {"argv": run["flags"], "env": {**run["env"], "MASTER_PORT": port}, "stdout": os.devnull,

@@ -1,4 +1,5 @@
-"""Starting instrumented trainer processes for the fault tests, and reading what they leave."""
+"""Starting instrumented trainer processes (workers/instrumented_trainer.py) for the fault tests, per rank or
+under torchrun, or many runs in one process per rank (workers/trainer_runs.py), and reading what they leave."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +14,12 @@ from pathlib import Path
 
 import torch
 
-from conftest import REPO
+from tests.harness.paths import REPO
+from tests.harness.ports import free_port
 
-WORKER = REPO / "tests" / "_fault_worker.py"
-RUNS_WORKER = REPO / "tests" / "_trainer_runs.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Run as `python -m` from the repository root (the package `tests` is found there).
+WORKER = "tests.harness.workers.instrumented_trainer"
+RUNS_WORKER = "tests.harness.workers.trainer_runs"
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -32,7 +28,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def worker_command(flags: list[str], record: Path | None = None, *instruments: str) -> list[str]:
     rec = ["--record", str(record)] if record is not None else []
-    return [sys.executable, str(WORKER), *rec, *instruments, "--", *flags]
+    return [sys.executable, "-m", WORKER, *rec, *instruments, "--", *flags]
 
 
 def start_ranks(command: list[str], world: int, logs: Path) -> list[subprocess.Popen]:
@@ -49,7 +45,7 @@ def start_ranks(command: list[str], world: int, logs: Path) -> list[subprocess.P
 
 
 def start_torchrun(command: list[str], world: int, log: Path) -> subprocess.Popen:
-    """torchrun --standalone over `command` (its python script and arguments)."""
+    """torchrun --standalone over `command` (its python, then `-m MODULE` or a script, and arguments)."""
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  f"--nproc_per_node={world}", *command[1:]], cwd=REPO, env=_env(),
@@ -62,13 +58,13 @@ class Launch:
     world: int
     flags: list[str]
     logs: Path
-    instruments: tuple[str, ...] = ()  # _fault_worker.py's flags
+    instruments: tuple[str, ...] = ()  # workers/instrumented_trainer.py's flags
 
 
 def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) -> dict[str, list[int | None]]:
     """Each launch's exit codes (rank by rank; None where a rank never ended its run), the launches run in
     order on one process per rank: process R runs rank R of every launch of more than R ranks
-    (tests/_trainer_runs.py), so a rank costs one Python start-up however many runs it takes part in.
+    (workers/trainer_runs.py), so a rank costs one Python start-up however many runs it takes part in.
     Each run has a port of its own, taken by its rank 0 when it gets there, and starts when all its
     ranks reach it: as every launch has a rank 0, the launches run one after the other, so one that
     reads another's checkpoint comes after it. A rank whose process died before its run has no code;
@@ -87,7 +83,7 @@ def run_launches(launches: dict[str, Launch], work: Path, timeout: float = 600) 
     for rank, plan in enumerate(plans):
         (work / f"plan{rank}.json").write_text(json.dumps(plan))
         with open(work / f"process{rank}.err", "w") as err:  # what happens outside every run's own stderr
-            procs.append(subprocess.Popen([sys.executable, str(RUNS_WORKER), str(work / f"plan{rank}.json")],
+            procs.append(subprocess.Popen([sys.executable, "-m", RUNS_WORKER, str(work / f"plan{rank}.json")],
                                           cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=err))
     wait_all(procs, timeout)
     codes = {}
@@ -154,18 +150,3 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def assert_same_tensors(a: object, b: object, where: str = "") -> None:
-    """Bitwise equality of two nested state dicts (dicts, lists, tensors, plain values)."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same_tensors(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tensors(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where

@@ -1,6 +1,6 @@
 """One rank of the multi-process clipping runs in test_clipping.py (gloo on 127.0.0.1).
 
-Usage: python tests/_clipping_worker.py RANK WORLD PORT OUT_DIR
+Usage: python -m tests.harness.workers.clipping RANK WORLD PORT OUT_DIR
 
 Each rank trains small DDP models under every clip mode, first over all WORLD processes (the
 default group), then over a subgroup of the first two (a real 2-process group, which also checks

@@ -1,7 +1,7 @@
 """A command's `main` served to a test module by one process: the module's runs without a Python start-up
 each (torch, torch._dynamo, the project: about 3 s of CPU a run).
 
-    python tests/_served.py trainer|dryrun
+    python -m tests.harness.served trainer|dryrun     (from the repository root)
 
 Each line on stdin is one request, {"argv": [...], "env": {...}, "stdout": PATH, "stderr": PATH}: the
 command's main as its own process would run it (`run_pretraining.py ARGV`, `python -m mlperf_bert.dryrun
@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-HERE = Path(__file__).resolve()
+from tests.harness.paths import REPO
 
 
 class Served:
@@ -38,7 +38,7 @@ class Served:
         self.process = self._start()
 
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(HERE), self.kind], cwd=HERE.parents[1],
+        return subprocess.Popen([sys.executable, "-m", "tests.harness.served", self.kind], cwd=REPO,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
 

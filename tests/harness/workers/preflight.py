@@ -1,9 +1,10 @@
 """One rank of the NCCL_TEST pre-flight (`mlperf_bert.runtime.preflight`), its own work slowed when asked.
 
-    python tests/_preflight_worker.py SLOW_RANK DELAY_S     (RANK, WORLD_SIZE, MASTER_ADDR/PORT as torchrun sets them)
+    python -m tests.harness.workers.preflight SLOW_RANK DELAY_S
 
-The rank numbered SLOW_RANK sleeps DELAY_S before each all-reduce: a GPU or host that is slow at
-its own work, which every other rank then waits for inside the all-reduce.
+RANK, WORLD_SIZE and MASTER_ADDR/PORT are set as torchrun sets them. The rank numbered SLOW_RANK sleeps
+DELAY_S before each all-reduce: a GPU or host that is slow at its own work, which every other rank then
+waits for inside the all-reduce.
 """
 
 import os

@@ -1,9 +1,9 @@
 """One rank of the sharded-optimizer runs in test_sharded_optimizer.py (gloo on 127.0.0.1).
 
-Usage: python tests/_sharded_worker.py OUT_DIR JOB[,JOB...] RANK WORLD NAME [JOB[,JOB...] RANK WORLD NAME ...]
+Usage: python -m tests.harness.workers.sharded OUT_DIR JOB[,JOB...] RANK WORLD NAME [JOB[,JOB...] RANK WORLD NAME ...]
 
 Each group of four: jobs run one after the other in one process group of WORLD ranks, the world
-called NAME, whose port its rank 0 takes when it gets there (`_ports.agreed_port`, in
+called NAME, whose port its rank 0 takes when it gets there (`ports.agreed_port`, in
 OUT_DIR/NAME.port). Each rank saves what it saw to OUT_DIR/<job>-w<WORLD>-rank<RANK>.pt (a ':' in
 the job's name written '-from-'; the test compares). The groups run one after the other in this
 process, so one Python start-up serves a rank's part in several worlds. The jobs:
@@ -48,9 +48,9 @@ from mlperf_bert.optim.sharded import ShardedKernels, build_sharded_optimizer, s
 from mlperf_bert.runtime.distributed import DistEnv
 from mlperf_bert.train.checkpoint import Checkpointer, TrainingParts, read_checkpoint
 from mlperf_bert.train.step import EagerStep, GraphedStep, Step
-from _graphed_step_worker import (ACCUMULATION, BUCKET_CAP_MB, GROWTH_INTERVAL, INIT_SCALE, MAX_NORM, SCHEDULE,
-                                  examples, flat, model, overflow_on, rows, settle)
-from _ports import agreed_port
+from tests.harness.ports import agreed_port
+from tests.harness.workers.graphed_step import (ACCUMULATION, BUCKET_CAP_MB, GROWTH_INTERVAL, INIT_SCALE, MAX_NORM,
+                                                SCHEDULE, examples, flat, model, overflow_on, rows, settle)
 
 STEPS = 6
 SAVE_AT = 3
