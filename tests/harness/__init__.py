@@ -1,7 +1,7 @@
 """The test system's machinery: what the tests start, fake, share and read, and no test of its own.
 
-- paths, commands, demo, shared_folder: where things are, commands run as a user runs them, the
-  session's demo data and the trainer flags for it;
+- paths, commands, demo, shared_folder, file_order: where things are, commands run as a user runs
+  them, the session's demo data and the trainer flags for it, the order the test files start in;
 - served, launches, ports, cpu_run: trainer and dry-run processes (served to a module, launched
   per rank, or built in this process) and the ports their ranks agree on;
 - workers/: the programs those processes run, one rank or one probe each;
@@ -11,6 +11,6 @@
 - open_audit/: the file-open audit the clock tests put on PYTHONPATH;
 - data/: published MLPerf logs and the MLCommons scripts' reference outputs.
 
-May import: the project (mlperf_bert, data_prep, mlperf_tools) and the benchmarks; never a test module
-(tools/check_layering.py checks it).
+The tests import the project and this package; this package imports the project (mlperf_bert, data_prep,
+mlperf_tools) and itself, never a test module nor a conftest.py (tools/check_layering.py checks both).
 """

@@ -1,7 +1,7 @@
 // What a CUDA build of PyTorch registers as `import torch` loads libtorch_cuda, after the fake CUDA
 // device where a dry run loaded one: CUDA hooks at the registry's default priority and a CUDA guard,
 // in its place. As on a machine without a GPU, the hooks see none and the guard fails on every call
-// (the dry run must never call it). Loaded by sitecustomize.py beside it (tests/test_cuda_build.py).
+// (the dry run must never call it). Loaded by sitecustomize.py beside it (tests/trainer/dryrun/test_cuda_build.py).
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>

@@ -2,7 +2,7 @@
 
 On PYTHONPATH, with $CUDA_BUILD_LIBRARY naming cuda_build.cpp compiled (mlperf_bert.dryrun.native.build),
 every Python process started loads that library when it first imports torch: after the fake CUDA device
-where the dry run loads one (tests/test_cuda_build.py).
+where the dry run loads one (tests/trainer/dryrun/test_cuda_build.py).
 """
 
 from __future__ import annotations

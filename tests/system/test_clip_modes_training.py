@@ -253,7 +253,7 @@ def test_study_rewrites_only_its_own_section(tmp_path):
 
 @pytest.mark.benchmark
 def test_clip_study_trains_the_demo_and_writes_its_table(tmp_path):
-    """Two real demo runs (minutes): `pytest -m benchmark tests/test_clip_modes_training.py`."""
+    """Two real demo runs (minutes): `pytest -m benchmark tests/system/test_clip_modes_training.py`."""
     data = tmp_path / "demo_data"
     made = subprocess.run(["bash", "tools/run_demo.sh", "--data-only"], cwd=REPO,
                           env={**launch_env(), "DEMO_DATA": str(data), "PYTHON": sys.executable},

@@ -1,6 +1,6 @@
 """tools/gpu_perf.sh, the prepared GPU measurement, as a user starts it (its CPU smoke mode runs every step it
 has), its table of variants, and tools/gpu_perf_report.py's figures (throughput.py's --config_var:
-tests/test_config_benchmark.py)."""
+tests/benchmarks/test_config_benchmark.py)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_smoke_mode_runs_every_step_and_writes_one_folder(smoke):
     # (compiled_*.json only beside a GPU's steps: the smoke mode says so in a line)
     assert sorted(p.name for p in out.iterdir()) == ["gpu_perf.log", "kernels.txt", "kernels_fp8_delayed.txt",
                                                      "summary.txt", "throughput.json", "trainer.json"]
-    assert _row(summary, "compiled reports").endswith("skipped: the smoke mode (tests/test_compiled_step.py runs the "
+    assert _row(summary, "compiled reports").endswith("skipped: the smoke mode (tests/trainer/dryrun/test_compiled_step.py runs the "
                                                        "command)")
     assert "kernels_fp8_delayed.txt: the top 30" in summary
     assert "=== trainer: bash -c" in (out / "gpu_perf.log").read_text()

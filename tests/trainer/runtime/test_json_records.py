@@ -1,5 +1,5 @@
 """JSON records a command reads, edited by hand into valid JSON of another shape (`[]`, a table turned into a list):
-one line naming the file and the fix, no traceback. The trainer's VERIFIED.json: tests/test_unverified_data.py."""
+one line naming the file and the fix, no traceback. The trainer's VERIFIED.json: tests/trainer/input/test_unverified_data.py."""
 
 from __future__ import annotations
 

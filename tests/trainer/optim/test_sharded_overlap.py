@@ -5,7 +5,7 @@ post-accumulate-grad hook registered before DDP's own) and every collective the 
 (the `dist` functions wrapped). Two set-ups: the dry run's `BucketedDataParallel` on torch's
 fake process group at 4 ranks (collectives checked, nothing exchanged), and PyTorch's own DDP
 on a one-rank gloo group (its C++ reducer calls the comm hooks). The arithmetic is checked
-elsewhere (tests/test_sharded_ranks.py, tests/test_sharded_optimizer.py).
+elsewhere (tests/trainer/optim/test_sharded_ranks.py, tests/trainer/optim/test_sharded_optimizer.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Off a GPU the captured forward runs directly (`cuda_graphs.Replay`), so these tests check its
 arithmetic: the static shape, the packing of the eval set into rows, the copy into the graph's
 static input and the sums kept on the device. The fake-CUDA dry run checks the capture itself
-(tests/test_dryrun.py).
+(tests/trainer/dryrun/test_dryrun.py).
 """
 
 from __future__ import annotations

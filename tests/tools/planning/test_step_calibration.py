@@ -363,7 +363,7 @@ def test_traced_memory_matches_the_measured_peak(calibration: plan.OurCalibratio
     (`bert.LayerNorm`), LAYERNORM_FP32_GIB less: the same trace with the old LayerNorm (nn.LayerNorm's forward) gives
     37.92 GiB, today's 34.10 (2026-11-29, the set-up of the measurement, `shipped.trace`). Within 5 % of the measured
     peak less that: the trace leaves out the allocator's rounding and counts a kernel's unreturned scratch as an
-    output, a few percent either way (tests/test_cost.py), while a lost or doubled buffer of the step (the graph pool
+    output, a few percent either way (tests/trainer/dryrun/test_cost.py), while a lost or doubled buffer of the step (the graph pool
     alone is 24 GiB) moves it far more. The memory comes from the step run eagerly (`shipped.trace`): the compiled
     layers' trace saves fewer activations than the GPU held. With the margins the planner adds, the need stays above
     what was measured."""

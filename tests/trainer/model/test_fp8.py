@@ -2,7 +2,7 @@
 
 The CPU runs torchao's emulation: the same FP8 rounding (E4M3 inputs and weights, E5M2 output
 gradients, one scale per tensor), matmuls in high precision. The fake-CUDA dry run
-(tests/test_dryrun.py) checks that on a GPU the same layers call torch._scaled_mm.
+(tests/trainer/dryrun/test_dryrun.py) checks that on a GPU the same layers call torch._scaled_mm.
 
 Tolerances, measured on the demo's BERT (2 layers x 128) after 150 fp32 steps (dropout off, same
 weights and batch):

@@ -1,7 +1,7 @@
 """input/slots.py on its own: the slot layout at every world size and accumulation, the resume rule over
 every saved layout, and the streams' order, state and closing (stand-in streams, no data read).
 
-tests/test_resume_world_size.py runs the same slots over real shards and through the trainer.
+tests/trainer/input/test_resume_world_size.py runs the same slots over real shards and through the trainer.
 """
 
 from __future__ import annotations

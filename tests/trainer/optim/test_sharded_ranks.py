@@ -5,7 +5,7 @@ Each rank is a thread of this process; the three collectives the sharded step ma
 tensors in rank order. So the layouts that only show at real world sizes run in milliseconds:
 a total that no world size divides, shards of one element, ranks whose shard holds no piece
 of a parameter group (the groups lie one after the other in the flat buffer), 32 ranks.
-tests/test_sharded_optimizer.py runs the real thing (gloo processes, DDP, clip modes, fp16).
+tests/trainer/optim/test_sharded_optimizer.py runs the real thing (gloo processes, DDP, clip modes, fp16).
 
 Tolerance: the same formulas on the same numbers, except that a tensor's norm is the root of a
 sum of per-rank partial sums instead of one reduction, and the mean gradient is the sum of the

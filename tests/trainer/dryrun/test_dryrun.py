@@ -52,7 +52,7 @@ def _extra_reads(output: str) -> set[str]:
 # Through run_and_time.sh and the dry run's command line, one config of each kind of step (layout, training
 # graphs, sharded optimizer): the H100, B200 and GB200 configs take the H200's step at other sizes. Every
 # shipped GPU config is also dry-run at BERT-Large shapes by the planner, with the same findings refused
-# (tests/test_plan.py, test_traced_dry_runs_raise_no_findings).
+# (tests/tools/planning/test_plan.py, test_traced_dry_runs_raise_no_findings).
 STEP_KINDS = ["config_DGXH200_1x8.sh", "config_DGXA100_1x8.sh", "config_DGXA100_128x8.sh", "config_SamsungA100_128x8.sh"]
 
 

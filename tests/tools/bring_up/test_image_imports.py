@@ -24,7 +24,7 @@ from tests.harness.paths import REPO
 OPTIONAL = {
     "apex": "--optimizer_impl apex (NVIDIA's container)",
     "flash_attn": "--attention_backend varlen takes PyTorch's own kernel without it",
-    "nvidia": "--input_pipeline dali; bring_up.sh leaves tests/test_dali_input.py out without DALI",
+    "nvidia": "--input_pipeline dali; bring_up.sh leaves tests/trainer/input/test_dali_input.py out without DALI",
     "tensorflow": "data_prep convert-checkpoint of a TensorFlow checkpoint",
 }
 SCRIPT = re.compile(r"(?:\$\{?\w+\}?/)?([\w./-]+\.py)\b")  # "$here/pytorch/run_pretraining.py": the path
@@ -117,7 +117,7 @@ def test_bring_up_entries_are_followed_from_its_commands() -> None:
     entries = bring_up_entries()
     assert {"tools/numerics_check.py", "benchmarks/throughput.py", "tools/plan.py", "pytorch/run_pretraining.py",
             "mlperf_bert.dryrun", "mlperf_bert.model.fp8", "data_prep/prepare.py", "data_prep/make_demo_data.py",
-            "tests/test_fast_training.py", "tests.harness.workers.instrumented_trainer"} <= entries, sorted(entries)
+            "tests/trainer/train/test_fast_training.py", "tests.harness.workers.instrumented_trainer"} <= entries, sorted(entries)
 
 
 def test_bring_up_imports_only_the_image_and_the_carried_wheels(tmp_path: Path) -> None:

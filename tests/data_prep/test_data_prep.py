@@ -3,7 +3,7 @@
 The corpus is Python's own documentation (and /usr/share/common-licenses) arranged into
 MLCommons-format documents, with a WordPiece vocabulary trained on it in the test. The
 compiled pipeline is compared row for row with data_prep/reference_algorithm.py, a
-token-by-token rendering of the MLCommons algorithm; tests/test_reference_samples.py holds
+token-by-token rendering of the MLCommons algorithm; tests/data_prep/test_reference_samples.py holds
 both against the outputs of the MLCommons scripts themselves.
 """
 
