@@ -1,10 +1,10 @@
 """The folder tree is the architecture: imports flow one way, and a wheel ships it all.
 
 `tools/check_layering.py` reads every module's imports (lazy ones too) with `ast`; these tests
-run it on the real package and the whole repository (the tools' package, their entry points and
-the benchmarks included), and on copies with a wrong-way import, an import of the spine, a
-circle and an entry point that reaches past its package added, to show that it names both files
-and the rule.
+run it on the real package and the whole repository (the tools' package, their entry points,
+the benchmarks and the tests included), and on copies with a wrong-way import, an import of the
+spine, a circle, an entry point that reaches past its package and test machinery that imports a
+test added, to show that it names both files and the rule.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_the_package_imports_flow_one_way():
 
 def test_the_repository_imports_flow_one_way():
     """The three packages by their own rules, and the parts between them (PARTS): every file of
-    tools/ and benchmarks/ is read."""
+    tools/, benchmarks/ and tests/ is read."""
     found, files = check_layering.repository_problems(REPO)
     assert found == []
-    assert files >= len(list(REPO.glob("tools/**/*.py"))) + len(list(REPO.glob("benchmarks/*.py")))
+    assert files >= sum(len(list(REPO.glob(files))) for files in ("tools/**/*.py", "benchmarks/*.py", "tests/**/*.py"))
 
 
 def test_the_parts_rules_form_layers():
@@ -47,6 +47,7 @@ def test_the_parts_rules_form_layers():
     assert check_layering.PARTS["mlperf_bert"].may_import == frozenset()
     assert check_layering.PARTS["tools"].may_import == {"mlperf_tools"}  # entry points stay thin
     assert not any("tools" in part.may_import for part in check_layering.PARTS.values())
+    assert not any(check_layering.TESTS in part.may_import for part in check_layering.PARTS.values())  # nor a test
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -78,6 +79,30 @@ def test_imports_between_parts_are_named_with_the_rule(tmp_path):
         f"tools/plan.py imports pytorch/mlperf_bert/: rule: tools may import mlperf_tools, not mlperf_bert {rule}",
         "import circle between files: benchmarks/a.py -> benchmarks/b.py "
         "(rule: no module imports itself through others)",
+    ]
+
+
+def test_the_test_machinery_imports_no_test_and_a_test_no_other_test(tmp_path):
+    """The package `tests` in miniature: machinery that imports a test, and a test that imports another test or a
+    conftest.py, are each one line with the file and the rule; a test importing the machinery is none."""
+    repo = _tree(tmp_path, {
+        "pytorch/mlperf_bert/__init__.py": "",
+        "tests/__init__.py": "",
+        "tests/conftest.py": "from tests.harness import served\n",
+        "tests/harness/__init__.py": "",
+        "tests/harness/served.py": "import mlperf_bert\nfrom tests.harness.ports import free_port\n",
+        "tests/harness/ports.py": "def free_port():\n    from tests.model.test_bert import TINY  # lazy\n",
+        "tests/model/__init__.py": "",
+        "tests/model/test_bert.py": "from mlperf_bert import model\nfrom tests.harness.served import Served\nTINY = 1\n",
+        "tests/model/test_fp8.py": "from .test_bert import TINY\nfrom tests import conftest\n",
+    })
+    rule = "(PARTS in tools/mlperf_tools/testing/check_layering.py)"
+    tests_rule = "rule: tests may import benchmarks, data_prep, mlperf_bert, mlperf_tools, test machinery, not tests"
+    assert check_layering.part_problems(repo) == [
+        "tests/harness/ports.py imports tests/model/test_bert.py: rule: test machinery may import data_prep, "
+        f"mlperf_bert, mlperf_tools, test machinery, not tests {rule}",
+        f"tests/model/test_fp8.py imports tests/conftest.py: {tests_rule} {rule}",
+        f"tests/model/test_fp8.py imports tests/model/test_bert.py: {tests_rule} {rule}",
     ]
 
 
