@@ -11,6 +11,7 @@ from tests.harness.commands import run_cli
 from tests.harness.demo import trainer_args, verify_folder
 from tests.harness.launches import mllog_events
 
+
 def closed_run_inputs(demo_data: Path, tmp_path: Path) -> list[str]:
     """Demo data made closed-compliant: 10,000 eval samples (the demo's, repeated), a 24-layer
     tiny BERT with 512 positions and its saved initial weights as the init checkpoint."""

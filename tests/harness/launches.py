@@ -148,5 +148,3 @@ def mllog_events(path: Path) -> list[dict]:
 
 def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
-
-

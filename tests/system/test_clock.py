@@ -30,6 +30,7 @@ from tests.harness.launches import mllog_events
 from tests.harness.paths import OPEN_AUDIT, REPO, TRAINER
 from tests.harness.refusals import refused_before_the_clock
 
+
 def _audited(env: dict[str, str], log: Path, *folders: Path) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([str(OPEN_AUDIT), env.get("PYTHONPATH", "")]),
             "OPEN_AUDIT_LOG": str(log), "OPEN_AUDIT_DIRS": os.pathsep.join(map(str, folders))}

@@ -22,7 +22,6 @@ from tests.harness.paths import FAKE_COMMANDS, REPO
 from tests.harness.tensors import assert_same_tensors
 
 
-
 def _flags(demo_data: Path, out: Path, *extra: str) -> list[str]:
     # 2 ranks x 4 = 8 samples per step, 12 steps, evals every 32 samples. Periodic checkpoints
     # are on (every 1,000 samples: never inside this run) so the run ends with a final checkpoint.

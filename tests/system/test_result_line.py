@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.harness.paths import REPO
 
+from tests.harness.paths import REPO
 
 
 def _fake_python(path: Path, status: str | None) -> Path:

@@ -17,9 +17,9 @@ from mlperf_bert.input.device_input import DevicePrefetcher
 from mlperf_bert.data.static_batch import static_packed_batch
 from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items, pad_items
 from mlperf_bert.input.dali_input import DaliPrefetcher, dali_available
+from tests.harness.commands import require_tool
 
 import input_pipeline
-from tests.harness.commands import require_tool
 
 ROW_LEN, MAX_SEQS, MAX_PREDICTIONS = 24, 3, 6
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
