@@ -101,7 +101,7 @@ def step_kernels(log: Any, phase: str) -> StepKernels:
             out.launches[launch.kind] += runs
             out.bytes[launch.kind] += runs * (launch.bytes or 0)
             out.unknown_bytes += runs if launch.bytes is None else 0
-            key = f"{module.index}:{launch.name}"
+            key = f"{module.index}:{launch.name}:{launch.bytes}"  # one op's calls differ in size
             seen = out.kernels.get(key)
             out.kernels[key] = KernelLine(launch.name, launch.kind, launch.bytes or 0,
                                           runs + (seen.launches if seen else 0))

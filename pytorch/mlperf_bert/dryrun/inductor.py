@@ -35,7 +35,8 @@ from unittest import mock
 import torch
 
 from .gpus import Gpu
-from .kernels import Launch, launches
+from ..model.fp8_cast import SINGLE_PASS_OPS, single_pass_bytes
+from .kernels import Launch, launches, with_op_bytes
 
 
 @dataclass
@@ -164,11 +165,28 @@ def _run_as_fx(graph: Any, log: CompileLog, module: CompiledModule) -> Any:
     return SimpleNamespace(call=call, __file__=f"<fake device: compiled module {module.index}>", runner=None)
 
 
+def single_pass_calls(fx: Any) -> dict[str, list[int]]:
+    """The bytes of each call of the single-pass ops (`fp8_cast.SINGLE_PASS_OPS`) in the graph, in its order:
+    their operands' and results' sizes, from the fake values the graph's nodes carry."""
+    calls: dict[str, list[int]] = {}
+    for node in fx.graph.nodes:
+        name = f"{getattr(node.target, 'namespace', '')}.{getattr(node.target, '_opname', '')}"
+        if node.op != "call_function" or name not in SINGLE_PASS_OPS:
+            continue
+        args = [a for arg in node.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]  # lists flat
+        inputs = [arg.meta.get("val") for arg in args if hasattr(arg, "meta")]
+        value = node.meta["val"]
+        outputs = list(value) if isinstance(value, (tuple, list)) else [value]
+        calls.setdefault(name, []).append(single_pass_bytes(inputs + outputs))
+    return calls
+
+
 def _keep_source(log: CompileLog) -> Any:
     def compile_to_module(graph: Any) -> Any:
         wrapper, _ = graph.codegen()
         kind = "backward" if graph.is_backward else "inference" if graph.is_inference else "forward"
-        module = CompiledModule(len(log.modules), kind, launches(wrapper.value), wrapper.value)
+        found = with_op_bytes(launches(wrapper.value), single_pass_calls(graph.orig_gm))
+        module = CompiledModule(len(log.modules), kind, found, wrapper.value)
         log.modules.append(module)
         return _run_as_fx(graph, log, module)
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# Inductor's kernel categories (its heuristics decorators); "extern" for everything it calls instead.
-POINTWISE, REDUCTION, PERSISTENT_REDUCTION, FOREACH, TEMPLATE, EXTERN = (
-    "pointwise", "reduction", "persistent_reduction", "foreach", "template", "extern")
+# Inductor's kernel categories (its heuristics decorators); "extern" for everything it calls instead, and
+# "fused op" for the project's own single-pass element-wise kernels that it calls (`with_op_bytes`).
+POINTWISE, REDUCTION, PERSISTENT_REDUCTION, FOREACH, TEMPLATE, EXTERN, FUSED_OP = (
+    "pointwise", "reduction", "persistent_reduction", "foreach", "template", "extern", "fused op")
 # Kernels of element-wise work: what the element-wise bytes of a step sum.
-ELEMENTWISE = (POINTWISE, REDUCTION, PERSISTENT_REDUCTION, FOREACH)
+ELEMENTWISE = (POINTWISE, REDUCTION, PERSISTENT_REDUCTION, FOREACH, FUSED_OP)
 # What an extern call is, by the op's name.
 GEMM, ATTENTION, CUSTOM, FALLBACK = "gemm", "attention", "custom op", "aten fallback"
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm", "_scaled_grouped_mm")
@@ -117,3 +118,23 @@ def launches(source: str) -> list[Launch]:
             namespace, name = op.group(1) or op.group(2), op.group(3)
             found.append(Launch(f"{namespace}.{name}", EXTERN, None, extern_kind(namespace, name)))
     return found
+
+
+def with_op_bytes(found: list[Launch], op_bytes: dict[str, list[int]]) -> list[Launch]:
+    """`found` with each call of a single-pass op (`op_bytes`: the op's name -> the bytes of its calls, in the
+    order the graph makes them) as a FUSED_OP launch with its bytes. Inductor keeps the calls of one extern
+    op in their graph order; a count that differs is an error, never a guess."""
+    left = {name: list(sizes) for name, sizes in op_bytes.items()}
+    out = []
+    for launch in found:
+        sizes = left.get(launch.name)
+        if launch.kind != EXTERN or sizes is None:
+            out.append(launch)
+            continue
+        if not sizes:
+            raise ValueError(f"{launch.name}: the module calls it more often than its graph does")
+        out.append(Launch(launch.name, FUSED_OP, sizes.pop(0), launch.extern))
+    missing = {name: len(sizes) for name, sizes in left.items() if sizes}
+    if missing:
+        raise ValueError(f"calls of the graph the module does not make: {missing}")
+    return out

@@ -28,8 +28,11 @@ GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA runs them):
 the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout of `_scaled_mm` wants its first
 operand row-major and its second column-major, hence the transposed copies of W for dX, and of dY
 and X for dW; token counts that are not a multiple of 16 are padded with zero rows for dW (a no-op
-for packed rows of 512). Off a GPU the GEMMs are emulated (`scaled_mm`: the same FP8 operands
-dequantised, multiplied in fp32); everything else is the same code.
+for packed rows of 512). dY's two FP8 copies, the bias gradient and dY's amax come from one pass over dY
+(`fp8_cast.grad_cast_transpose`, a Triton kernel on the GPU); the layer that GELU follows runs GELU
+itself (`forward(x, gelu=True)`), so that pass also applies GELU's derivative. Off a GPU the GEMMs are
+emulated (`scaled_mm`: the same FP8 operands dequantised, multiplied in fp32); everything else is the
+same code.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_cast import gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts, saturated_cast
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-# torch._scaled_mm wants the inner dimension of each GEMM to be a multiple of 16.
-ALIGN = 16
 # A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way).
 _TINY = 1e-12
 INPUT, GRAD = 0, 1  # slots of the amax buffer: the last input and output-gradient amax
@@ -56,10 +59,7 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > _TINY, fp8_max(dtype) / amax.clamp(min=_TINY), torch.ones_like(amax))
 
 
-def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * scale, saturated to the format's range (a value above last step's amax clamps), then cast."""
-    limit = fp8_max(dtype)
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+to_fp8 = saturated_cast
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     """Zero rows up to a multiple of ALIGN (the token dimension, the inner one of dW's GEMM)."""
-    extra = -x.shape[0] % ALIGN
+    extra = padded(x.shape[0]) - x.shape[0]
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
@@ -90,37 +90,134 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inverse: torch.Tensor, b_inver
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
+def _input_fp8(x: torch.Tensor, amax: torch.Tensor, calibrated: bool,
+               records: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in E4M3, its scale): by the history's amax once calibrated, else its own; a training forward
+    (`records`) leaves its amax for the next one."""
+    x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
+    x8 = to_fp8(x, x_scale, E4M3)
+    if records:
+        amax[INPUT].copy_(amax_of(x))
+    return x8, x_scale
+
+
+def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w_scale = scale_of(amax_of(weight), E4M3)
+    return to_fp8(weight, w_scale, E4M3), w_scale
+
+
+def _backward_gemms(grads: list[torch.Tensor], pre: torch.Tensor | None, amax: torch.Tensor, grad_calibrated: bool,
+                    x8_columns: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
+                    w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dX, dW fp32, bias gradient fp32) of one FP8 layer from its output gradient, given as its column-wise parts
+    (through GELU's derivative at `pre` when given): the gradient's FP8 copies, bias gradient and amax in one
+    pass, then the two GEMMs. `x8_columns`: the layer's FP8 input, column-major, tokens padded to ALIGN."""
+    grads = [g.contiguous() for g in grads]
+    if not read_in_parts(grads, pre):
+        grads = [torch.cat(grads, dim=1)]
+    if grad_calibrated:
+        g_scale = scale_of(amax[GRAD], E5M2)
+    else:  # the first backward: its own amax, from a pass of its own
+        g_scale = scale_of(grad_cast_transpose(grads, pre, torch.ones_like(w_scale), E5M2)[3], E5M2)
+    g8, g8_t, grad_b, g_amax = grad_cast_transpose(grads, pre, g_scale, E5M2)
+    amax[GRAD].copy_(g_amax)
+    g_inverse = g_scale.reciprocal()
+    grad_x = scaled_mm(g8, _column_major(w8), g_inverse, w_scale.reciprocal(), grads[0].dtype)
+    grad_w = scaled_mm(g8_t, x8_columns, g_inverse, x_scale.reciprocal(), torch.float32)
+    return grad_x, grad_w, grad_b
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias.to(dtype)
+
+
 class _DelayedFp8Matmul(torch.autograd.Function):
-    """Y = X W^T (+ b) with FP8 operands; the amax buffer's INPUT and GRAD slots give and take the scales."""
+    """Y = X W^T (+ b) with FP8 operands, and GELU(Y) with `gelu`; the amax buffer's INPUT and GRAD slots give
+    and take the scales. With `split` (stacked layers' output sizes) Y is returned as those column blocks, and
+    their gradients come back apart: the backward reads them in place, never concatenated. The backward's output
+    gradient (through GELU's derivative with `gelu`) becomes its FP8 copies, bias gradient and amax in one pass
+    (`fp8_cast.grad_cast_transpose`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 amax: torch.Tensor, calibrated: bool, grad_calibrated: bool,
-                out_dtype: torch.dtype, records: bool) -> torch.Tensor:
-        x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
-        x8 = to_fp8(x, x_scale, E4M3)
-        if records:  # a training forward: the next one scales by this amax
-            amax[INPUT].copy_(amax_of(x))
-        w_scale = scale_of(amax_of(weight), E4M3)
-        w8 = to_fp8(weight, w_scale, E4M3)
-        out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype,
-                        None if bias is None else bias.to(out_dtype))
-        ctx.save_for_backward(x8, x_scale, w8, w_scale, amax)
+                out_dtype: torch.dtype, records: bool, gelu: bool,
+                split: tuple[int, ...] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        x8, x_scale = _input_fp8(x, amax, calibrated, records)
+        w8, w_scale = _weight_fp8(weight)
+        out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype, _bias(bias, out_dtype))
+        # With GELU its input is kept for its derivative, which the backward's one pass applies.
+        ctx.save_for_backward(x8, x_scale, w8, w_scale, amax, out if gelu else None)
         ctx.grad_calibrated, ctx.has_bias, ctx.x_dtype = grad_calibrated, bias is not None, x.dtype
+        ctx.widths = split or (out.shape[-1],)
+        out = F.gelu(out) if gelu else out
+        return out if split is None else tuple(out.split(split, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grad_outs: torch.Tensor | None) -> tuple:
+        x8, x_scale, w8, w_scale, amax, pre = ctx.saved_tensors
+        # an unused block's gradient is None: zeros of its width
+        grads = [g if g is not None else x8.new_zeros((x8.shape[0], width), dtype=ctx.x_dtype)
+                 for g, width in zip(grad_outs, ctx.widths)]
+        grad_x, grad_w, grad_b = _backward_gemms(grads, pre, amax, ctx.grad_calibrated,
+                                                 _column_major(_pad_rows(x8)), x_scale, w8, w_scale)
+        return (grad_x.to(ctx.x_dtype), grad_w, grad_b if ctx.has_bias else None,
+                None, None, None, None, None, None, None)
+
+
+class _DelayedFp8Mlp(torch.autograd.Function):
+    """FC2(GELU(FC1(x))) with both layers' GEMMs in FP8, as NVIDIA's LayerNormMLP runs it: FC1's output is read
+    once to make FC2's FP8 input, its transposed copy (saved for FC2's dW) and its amax
+    (`fp8_cast.gelu_cast_transpose`), and nothing of GELU is recomputed in the backward, whose pass over FC2's
+    input gradient applies GELU's derivative. The same values as the two layers apart (`_DelayedFp8Matmul`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+                b2: torch.Tensor | None, amax1: torch.Tensor, amax2: torch.Tensor, calibrated: tuple[bool, bool],
+                grad_calibrated: tuple[bool, bool], out_dtype: torch.dtype, records: bool) -> torch.Tensor:
+        x8, x_scale = _input_fp8(x, amax1, calibrated[0], records)
+        w1_8, w1_scale = _weight_fp8(w1)
+        pre = scaled_mm(x8, w1_8.t(), x_scale.reciprocal(), w1_scale.reciprocal(), out_dtype, _bias(b1, out_dtype))
+        if calibrated[1]:
+            y_scale = scale_of(amax2[INPUT], E4M3)
+        else:  # the first forward: GELU's own amax, from a pass of its own
+            y_scale = scale_of(gelu_cast_transpose(pre, torch.ones_like(x_scale), E4M3)[2], E4M3)
+        y8, y8_t, y_amax = gelu_cast_transpose(pre, y_scale, E4M3)
+        if records:
+            amax2[INPUT].copy_(y_amax)
+        w2_8, w2_scale = _weight_fp8(w2)
+        out = scaled_mm(y8, w2_8.t(), y_scale.reciprocal(), w2_scale.reciprocal(), out_dtype, _bias(b2, out_dtype))
+        ctx.save_for_backward(x8, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8, w2_scale, amax1, amax2)
+        ctx.grad_calibrated, ctx.x_dtype = grad_calibrated, x.dtype
+        ctx.has_bias = (b1 is not None, b2 is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
-        x8, x_scale, w8, w_scale, amax = ctx.saved_tensors
-        g_scale = scale_of(amax[GRAD] if ctx.grad_calibrated else amax_of(grad_out), E5M2)
-        g8 = to_fp8(grad_out, g_scale, E5M2)
-        amax[GRAD].copy_(amax_of(grad_out))
-        g_inverse = g_scale.reciprocal()
-        grad_x = scaled_mm(g8, _column_major(w8), g_inverse, w_scale.reciprocal(), grad_out.dtype)
-        grad_w = scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)), g_inverse,
-                           x_scale.reciprocal(), torch.float32)
-        grad_b = grad_out.float().sum(0) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None, None, None
+        x8, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8, w2_scale, amax1, amax2 = ctx.saved_tensors
+        grad_y, grad_w2, grad_b2 = _backward_gemms([grad_out], None, amax2, ctx.grad_calibrated[1], y8_t.t(),
+                                                   y_scale, w2_8, w2_scale)
+        grad_x, grad_w1, grad_b1 = _backward_gemms([grad_y], pre, amax1, ctx.grad_calibrated[0],
+                                                   _column_major(_pad_rows(x8)), x_scale, w1_8, w1_scale)
+        return (grad_x.to(ctx.x_dtype), grad_w1, grad_b1 if ctx.has_bias[0] else None, grad_w2,
+                grad_b2 if ctx.has_bias[1] else None, None, None, None, None, None, None)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+def delayed_fp8_mlp(fc1: "DelayedFp8Linear", fc2: "DelayedFp8Linear", x: torch.Tensor) -> torch.Tensor:
+    """fc2(GELU(fc1(x))) (exact GELU) in one FP8 function (`_DelayedFp8Mlp`), each layer with its own history."""
+    flat = x.reshape(-1, x.shape[-1])
+    records = torch.is_grad_enabled()
+    out = _DelayedFp8Mlp.apply(flat, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1.amax, fc2.amax,
+                               (fc1.calibrated and records, fc2.calibrated and records),
+                               (fc1.grad_calibrated, fc2.grad_calibrated), _out_dtype(x), records)
+    fc1.ran_forward(records, fc1.weight)
+    fc2.ran_forward(records, fc2.weight)
+    return out.reshape(*x.shape[:-1], fc2.weight.shape[0])
 
 
 class DelayedFp8Linear(nn.Linear):
@@ -146,26 +243,45 @@ class DelayedFp8Linear(nn.Linear):
         new.amax = torch.zeros(2, device=linear.weight.device)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stacked(self, self.weight, self.bias, x)
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """x W^T + b in FP8, and GELU of it with `gelu` (the exact, erf form: `F.gelu`'s default)."""
+        return self.stacked(self, self.weight, self.bias, x, gelu)
 
     @staticmethod
     def stacked(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None,
-                x: torch.Tensor) -> torch.Tensor:
+                x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x W^T + b in FP8 with `owner`'s amax history: the layer's own weight, or the stacked weights of
-        several layers that read the same input (query, key and value: `bert.fused_projection`)."""
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        several layers that read the same input (`split_outputs` gives them apart)."""
+        out = DelayedFp8Linear._matmul(owner, weight, bias, x, gelu, None)
+        assert isinstance(out, torch.Tensor)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def split_outputs(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                      sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The outputs of several layers that read the same input (query, key and value: `bert.fused_projection`):
+        one FP8 GEMM over their stacked weights, with `owner`'s history, given back as the column blocks `sizes`,
+        whose gradients the backward reads where they are (no concatenation)."""
+        blocks = DelayedFp8Linear._matmul(owner, weight, bias, x, False, sizes)
+        return tuple(block.reshape(*x.shape[:-1], size) for block, size in zip(blocks, sizes))
+
+    @staticmethod
+    def _matmul(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+               gelu: bool, split: tuple[int, ...] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])
         # Only a forward that records gradients (a training step) reads and writes the history; an eval
         # forward (no_grad) scales by its own amax and leaves the history to the next training step.
         records = torch.is_grad_enabled()
         out = _DelayedFp8Matmul.apply(flat, weight, bias, owner.amax, owner.calibrated and records,
-                                      owner.grad_calibrated, out_dtype, records)
-        owner.calibrated = owner.calibrated or records
+                                      owner.grad_calibrated, _out_dtype(x), records, gelu, split)
+        owner.ran_forward(records, weight)
+        return out
+
+    def ran_forward(self, records: bool, weight: torch.Tensor) -> None:
+        """A forward ran: a training one has set amax[INPUT], and its backward will set amax[GRAD]."""
+        self.calibrated = self.calibrated or records
         if torch.is_grad_enabled() and weight.requires_grad:
-            owner.grad_calibrated = True
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+            self.grad_calibrated = True
 
     def scaling_state(self) -> dict[str, torch.Tensor | bool]:
         """What the next training step reads besides the weights: the amax history (a copy, on the layer's

@@ -7,25 +7,22 @@ previous call's amax gives (saturating), dequantise, multiply in fp32. Fast accu
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from mlperf_bert.config.cli import parse_config
 from mlperf_bert.config.settings import ConfigError
-from mlperf_bert.data.batch import FlatBatch, Sample, flatten_items
-from mlperf_bert.model.bert import BertConfig, BertForPreTraining, fused_projection
+from mlperf_bert.data.batch import FlatBatch
+from mlperf_bert.model.bert import BertForPreTraining, fused_projection
 from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8, fp8_layer_names, fp8_unavailable
 from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear, _pad_rows
 from mlperf_bert.train.eval_step import EagerEval
 from mlperf_bert.train.step import forward_backward
+from tests.harness.fp8_bert import NO_DROPOUT, TINY, random_batch
 from tests.harness.paths import REPO
 
 CPU = torch.device("cpu")
-TINY = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
 
 def quantised(x: torch.Tensor, amax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -177,16 +174,6 @@ def test_the_bias_gradient_is_summed_over_the_tokens_in_fp32():
 
 # ---------------------------------------------------------------- eval between training steps
 
-NO_DROPOUT = dataclasses.replace(TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-
-
-def _batch(seed: int, sequences: int, length: int, scale_ids: bool = False) -> FlatBatch:
-    rng = np.random.default_rng(seed)
-    items = [(Sample(rng.integers(1, 8 if scale_ids else TINY.vocab_size, length), (np.arange(length) >= length // 2),
-                     np.sort(rng.choice(np.arange(1, length), 3, replace=False)), rng.integers(1, TINY.vocab_size, 3),
-                     int(rng.integers(0, 2))),) for _ in range(sequences)]
-    return flatten_items(items)
-
 
 def _delayed_model() -> BertForPreTraining:
     torch.manual_seed(0)
@@ -204,7 +191,7 @@ def _step(model: BertForPreTraining, batch: FlatBatch) -> None:
 
 def _eval(model: BertForPreTraining) -> torch.Tensor:
     """The trainer's eval (eval mode, no gradients: eval_step.scoring) on other tokens than training's."""
-    return EagerEval(model, "fp8", CPU).totals([_batch(9, 6, 24, scale_ids=True)])
+    return EagerEval(model, "fp8", CPU).totals([random_batch(9, 6, 24, scale_ids=True)])
 
 
 def _histories(model: nn.Module) -> dict[str, tuple[list[float], bool, bool]]:
@@ -215,7 +202,7 @@ def _histories(model: nn.Module) -> dict[str, tuple[list[float], bool, bool]]:
 def test_an_eval_between_training_steps_leaves_the_scales_and_the_next_step_as_without_it():
     """An eval forward reads and writes no amax history: the training step after an eval scales by the previous
     training step's amax, and its weights equal, bitwise, those of the same steps without the eval between."""
-    batches = [_batch(seed, 4, 16) for seed in range(3)]
+    batches = [random_batch(seed, 4, 16) for seed in range(3)]
     plain, evaluated = _delayed_model(), _delayed_model()
     for model in (plain, evaluated):
         _step(model, batches[0])

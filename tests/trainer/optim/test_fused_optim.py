@@ -13,13 +13,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import platform
 import re
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -32,21 +26,12 @@ from mlperf_bert.optim.capturable import capturable
 from mlperf_bert.optim.optimizers import build_optimizer, parameter_groups
 from tests.harness import optimizer_runs
 from tests.harness import thread_ranks as ranks
-from tests.harness.commands import require_tool
-from tests.harness.paths import REPO
+from tests.harness.triton_interpreter import SM90, needs_triton, run_interpreted
 
 WORKER = "tests.harness.workers.fused_kernels"
 # Relative to the largest value compared: the kernels round every product, quotient and root as the
 # multi-tensor ops do; sums (the norms) are added in another order.
 TOLERANCE = 1e-6
-SM90 = ("cuda", 90, 32)
-
-
-def needs_triton() -> None:
-    """Triton is a test dependency on x86-64 Linux (pyproject.toml), where `make test` installs it."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        pytest.skip("Triton's wheels are for x86-64 Linux")
-    require_tool(importlib.util.find_spec("triton") is not None, "Triton is not installed")
 
 
 # ---------------------------------------------------------------- passes over the parameters
@@ -153,13 +138,7 @@ def _uncounted(collective: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, Any]:
-    needs_triton()
-    out = tmp_path_factory.mktemp("fused") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", WORKER, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(out.read_text())
+    return run_interpreted(WORKER, tmp_path_factory.mktemp("fused") / "results.json")
 
 
 def test_each_kernel_pass_equals_the_multi_tensor_ops(interpreted):

@@ -48,6 +48,7 @@ EVAL_STEP = "pytorch/mlperf_bert/train/eval_step.py"
 DATA_CHECK = "pytorch/mlperf_bert/input/data_check.py"
 VARLEN = "pytorch/mlperf_bert/model/varlen_flash.py"
 FP8_DELAYED = "pytorch/mlperf_bert/model/fp8_delayed.py"
+FP8_CAST = "pytorch/mlperf_bert/model/fp8_cast.py"
 PREFLIGHT = "pytorch/mlperf_bert/runtime/preflight.py"
 NCCL_PREFLIGHT = "pytorch/nccl_preflight.py"
 STARTUP = "pytorch/mlperf_bert/startup.py"
@@ -55,6 +56,7 @@ PRECISION = "pytorch/mlperf_bert/model/precision.py"  # the capability threshold
 ATTENTION = "pytorch/mlperf_bert/model/attention.py"
 # round 3: the fused optimizer's bugs, each planted by hand and seen to fail its test before the code was committed
 FUSED_KERNELS = "pytorch/mlperf_bert/optim/fused_kernels.py"
+FP8_KERNELS = "pytorch/mlperf_bert/model/fp8_kernels.py"
 OPTIMIZERS = "pytorch/mlperf_bert/optim/optimizers.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
@@ -93,6 +95,8 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     FP8_DELAYED: ("tests/trainer/model/test_fp8_delayed.py", "tests/trainer/model/test_fp8.py",
                   "tests/trainer/dryrun/test_dryrun.py::test_delayed_fp8_recipe_takes_token_counts_that_are_not_multiples_of_16",
                   "-k", "delayed"),
+    FP8_CAST: ("tests/trainer/model/test_fp8_delayed.py", "tests/trainer/model/test_fp8_kernels.py", "-k",
+               "delayed or padded or bias or gelu or mlp or parts"),
     PREFLIGHT: ("tests/trainer/runtime/test_preflight.py",),
     NCCL_PREFLIGHT: ("tests/trainer/runtime/test_preflight.py",),
     STARTUP: ("tests/trainer/test_device_choices.py", "tests/trainer/model/test_bert_config.py",
@@ -106,6 +110,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                 "tests/trainer/model/test_grouped_attention.py", "-k", "not trainer"),
     # round 3
     FUSED_KERNELS: ("tests/trainer/optim/test_fused_optim.py",),
+    FP8_KERNELS: ("tests/trainer/model/test_fp8_kernels.py",),
     OPTIMIZERS: ("tests/trainer/optim/test_fused_optim.py", "tests/trainer/optim/test_optim.py"),
 }
 
@@ -582,18 +587,21 @@ MUTANTS: list[Mutant] = [
         "lse = q.new_empty((heads, tokens, 1), dtype=torch.float32)",
         "cuDNN's fake logsumexp is [heads, T, 1], the kernel's [T, heads, 1] (the dry run and compile disagree)"),
     # ------------------------------------------------------------ model/fp8_delayed.py
-    _m2("fp8d-01", FP8_DELAYED, "g8 = to_fp8(grad_out, g_scale, E5M2)", "g8 = to_fp8(grad_out, g_scale, E4M3)",
+    _m2("fp8d-01", FP8_DELAYED, "grad_cast_transpose(grads, pre, g_scale, E5M2)",
+        "grad_cast_transpose(grads, pre, g_scale, E4M3)",
         "the output gradient cast to E4M3 (saturating at 448) instead of E5M2"),
     _m2("fp8d-02", FP8_DELAYED, "x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)",
         "x_scale = scale_of(amax_of(x), E4M3)", "the input scaled by its current amax: the delayed history ignored"),
     _m2("fp8d-03", FP8_DELAYED, "if torch.is_grad_enabled() and weight.requires_grad:", "if weight.requires_grad:",
         "an eval forward (no grad) marks the gradient history set: the first backward scales by amax 0"),
-    _m2("fp8d-04", FP8_DELAYED, "grad_b = grad_out.float().sum(0)", "grad_b = grad_out.sum(0)",
+    _m2("fp8d-04", FP8_CAST, "g.float().sum(0)", "g.sum(0)",
         "the bias gradient summed over the tokens in bf16"),
-    _m2("fp8d-05", FP8_DELAYED, "g_inverse, w_scale.reciprocal(), grad_out.dtype)",
-        "g_inverse, x_scale.reciprocal(), grad_out.dtype)", "dX dequantised with the input's scale, not the weight's"),
-    _m2("fp8d-06", FP8_DELAYED, "extra = -x.shape[0] % ALIGN", "extra = x.shape[0] % ALIGN",
+    _m2("fp8d-05", FP8_DELAYED, "g_inverse, w_scale.reciprocal(), grads[0].dtype)",
+        "g_inverse, x_scale.reciprocal(), grads[0].dtype)", "dX dequantised with the input's scale, not the weight's"),
+    _m2("fp8d-06", FP8_CAST, "return rows + (-rows % ALIGN)", "return rows + (rows % ALIGN)",
         "dW's token padding miscounted (17 rows padded to 18, not 32)"),
+    _m3("fp8c-01", FP8_CAST, "len(shapes) == 1 and grads[0].shape[1] % tile == 0)", "len(shapes) == 1)",
+        "gradient parts read in place whatever their width: a tile straddles two parts"),
     # ------------------------------------------------------------ runtime/preflight.py, nccl_preflight.py
     _m2("preflight-01", PREFLIGHT, "    if world < 2:\n", "    if world < 1:\n",
         "a job of one rank measured (bus bandwidth 0 fails any threshold)"),
@@ -679,4 +687,18 @@ MUTANTS: list[Mutant] = [
         "        sums = fused.moments_and_norms(params, grads, exp_avg, exp_avg_sq, hyper, divisor)\n"
         "        sums = torch.stack([fused.squared_norms(params), sums[:, 1]], dim=1)\n",
         "the weights' norms taken in a pass of their own (four passes)"),
+    # ------------------------------------------------------------ model/fp8_kernels.py
+    _m3("fp8k-01", FP8_KERNELS, 'g = (g * (cdf + h * pdf)).to(ROUND, fp_downcast_rounding="rtne").to(tl.float32)',
+        "g = g * (cdf + h * pdf)", "GELU's derivative applied in fp32, not rounded to the gradient's dtype as autograd's"),
+    _m3("fp8k-02", FP8_KERNELS, "mask=(cols[:, None] < N) & (rows[None, :] < M_pad))",
+        "mask=(cols[:, None] < N) & (rows[None, :] < M))", "the transposed copy's padding tokens left unwritten"),
+    _m3("fp8k-03", FP8_KERNELS, "tl.store(partials + tile_m * N + cols, tl.sum(g, axis=0), mask=cols < N)",
+        "tl.store(partials + tile_m * N + cols, tl.sum(g * tl.load(scale), axis=0), mask=cols < N)",
+        "the bias gradient summed from the scaled values"),
+    _m3("fp8k-04", FP8_KERNELS, "tl.atomic_max(amax, tl.max(tl.abs(g)))", "tl.atomic_max(amax, tl.max(g))",
+        "the amax taken of the signed gradient (negative peaks missed)"),
+    _m3("fp8k-05", FP8_KERNELS, "        if part == 2:\n            source = x2\n", "",
+        "the value gradient's columns read from the key gradient"),
+    _m3("fp8k-06", FP8_KERNELS, "g = (g * 0.5 * (1.0 + tl.math.erf(g * _SQRT_HALF))).to(ROUND,",
+        "g = (g * (1.0 + tl.math.erf(g * _SQRT_HALF))).to(ROUND,", "the forward's GELU without its factor 1/2"),
 ]

@@ -1,0 +1,161 @@
+"""FP8 operands made in one pass each, as custom ops: an FP8 linear layer's output gradient made ready for its
+two backward GEMMs (`mlperf_bert::fp8_grad_cast_transpose`), and FC2's input made from FC1's output
+(`mlperf_bert::fp8_gelu_cast_transpose`).
+
+The backward of `fp8_delayed._DelayedFp8Matmul` needs, of its output gradient G [tokens, outputs]
+(and, for the layer that GELU follows, of dGELU(H) * G): G in FP8 row-major for dX = G W, the same
+values transposed for dW = G^T X, the bias gradient (G's column sums) and the amax the next step
+scales by. Left to Inductor these are four consumers of G that it cannot put in one kernel (a global
+max, column sums, a transposed copy, a row-major one): it reads G (and recomputes dGELU) once for
+each, and writes the transposed copy with one-byte stores. NVIDIA's layers make all four in one pass
+(TransformerEngine's `fp8_cast_transpose_bgrad_fused`, and its dGELU variant), and so does this op:
+
+- CUDA: `fp8_kernels.py`'s Triton kernel, one read of G (and H), one write of each FP8 copy;
+- CPU (and any other device): the same values from torch's own ops, `reference`: what the kernel
+  is tested against (`tests/trainer/model/test_fp8_kernels.py`, through Triton's interpreter on the CPU);
+- the fake device of the dry run: shapes only. The dry run counts the op's bytes as one pass
+  (`single_pass_bytes`), as the kernel moves them.
+
+FC2's input is GELU of FC1's output, cast to FP8 with FC2's delayed scale; its dW GEMM wants the transposed
+copy. Left to Inductor, the forward reads FC1's output twice (GELU for the amax, GELU and the cast) and the
+backward a third time (GELU and the cast again, transposed, as the partitioner recomputes rather than
+saves them). `gelu_cast_transpose` reads it once and writes both FP8 copies and the amax; the transposed
+copy is saved for the backward (`fp8_delayed._DelayedFp8Mlp`).
+
+A `custom_op` and not a `triton_op`: the op is opaque to torch.compile either way (Inductor would not
+fuse into the user kernel), and as a custom op its CPU implementation is torch's ops, not the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+NAMESPACE = "mlperf_bert"
+# Tokens are padded to a multiple of this in the transposed copy: torch._scaled_mm wants the inner
+# dimension of each GEMM to be a multiple of 16 (for dW that is the token dimension).
+ALIGN = 16
+# The ops that read each input once and write each output once, by the name the dry run's wrapper code
+# calls them (`torch.ops.NS.OP.default`): their bytes are their operands' (`single_pass_bytes`).
+# The kernel's tile (`fp8_kernels.py`): 4096 values, 8 KiB of bf16 read per operand. A gradient given in
+# parts (the query, key and value gradients) is read in place when each part's width is a multiple of TILE_N.
+TILE_M, TILE_N = 64, 64
+SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose")
+
+
+def padded(rows: int) -> int:
+    return rows + (-rows % ALIGN)
+
+
+def saturated_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale, saturated to the format's range (a value above last step's amax clamps), then cast."""
+    limit = float(torch.finfo(dtype).max)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def transposed(x8: torch.Tensor) -> torch.Tensor:
+    """x8 [M, N] as [N, padded(M)] row-major, zero columns past M."""
+    extra = padded(x8.shape[0]) - x8.shape[0]
+    return (F.pad(x8, (0, 0, 0, extra)) if extra else x8).t().contiguous()
+
+
+def reference(grads: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor,
+              fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`grad_cast_transpose`'s values from torch's ops: G, the column-wise concatenation of `grads` (dGELU(pre) *
+    grad in grad's dtype when `pre` is given, with one part), then (G8 [M, N], G8T [N, padded(M)] with zero
+    columns past M, G's column sums fp32, max |G| fp32)."""
+    grad = grads[0] if len(grads) == 1 else torch.cat(grads, dim=1)
+    g = grad if pre is None else torch.ops.aten.gelu_backward(grad, pre)
+    g8 = saturated_cast(g, scale, fp8_dtype)
+    return g8, transposed(g8), g.float().sum(0), g.detach().abs().amax().float()
+
+
+def gelu_reference(pre: torch.Tensor, scale: torch.Tensor,
+                   fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gelu_cast_transpose`'s values from torch's ops: Y = GELU(pre) in pre's dtype, then (Y8 [M, N],
+    Y8T [N, padded(M)] with zero columns past M, max |Y| fp32)."""
+    y = F.gelu(pre)
+    y8 = saturated_cast(y, scale, fp8_dtype)
+    return y8, transposed(y8), y.detach().abs().amax().float()
+
+
+def read_in_parts(grads: list[torch.Tensor], pre: torch.Tensor | None, tile: int = TILE_N) -> bool:
+    """Whether `grad_cast_transpose` reads these parts in place (else the caller concatenates them first, where
+    the compiled graph shows the copy): at most 3 parts of one shape, their width a multiple of the tile's
+    (`tile` columns), no GELU."""
+    shapes = {tuple(g.shape) for g in grads}
+    return len(grads) == 1 or (pre is None and len(grads) <= 3 and len(shapes) == 1 and grads[0].shape[1] % tile == 0)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_grad_cast_transpose", mutates_args=())
+def grad_cast_transpose(grads: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor,
+                        fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(G8, G8T, bias gradient, amax) of the 2-D output gradient given as `grads`, its column-wise parts (one
+    tensor, or the query, key and value gradients: `read_in_parts`) (module docstring, `reference`)."""
+    return reference(grads, pre, scale, fp8_dtype)
+
+
+@grad_cast_transpose.register_fake
+def _grad_cast_transpose_fake(grads: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor,
+                              fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    rows, cols, grad = grads[0].shape[0], sum(g.shape[1] for g in grads), grads[0]
+    return (grad.new_empty((rows, cols), dtype=fp8_dtype), grad.new_empty((cols, padded(rows)), dtype=fp8_dtype),
+            grad.new_empty((cols,), dtype=torch.float32), grad.new_empty((), dtype=torch.float32))
+
+
+@grad_cast_transpose.register_kernel("cuda")
+def _grad_cast_transpose_cuda(grads: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor,
+                              fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    module = _triton_module()
+    if module is None or not read_in_parts(grads, pre):
+        return reference(grads, pre, scale, fp8_dtype)
+    act = module.NONE if pre is None else module.DGELU
+    g8, g8t, sums, amax = module.cast_transpose(
+        module.kernel(TILE_M, TILE_N), [g.contiguous() for g in grads], None if pre is None else pre.contiguous(),
+        scale.float(), fp8_dtype, padded(grads[0].shape[0]), act, sums=True)
+    return g8, g8t, sums, amax
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_gelu_cast_transpose", mutates_args=())
+def gelu_cast_transpose(pre: torch.Tensor, scale: torch.Tensor,
+                        fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Y8, Y8T, amax) of Y = GELU(pre) (module docstring, `gelu_reference`)."""
+    return gelu_reference(pre, scale, fp8_dtype)
+
+
+@gelu_cast_transpose.register_fake
+def _gelu_cast_transpose_fake(pre: torch.Tensor, scale: torch.Tensor,
+                              fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    rows, cols = pre.shape
+    return (pre.new_empty((rows, cols), dtype=fp8_dtype), pre.new_empty((cols, padded(rows)), dtype=fp8_dtype),
+            pre.new_empty((), dtype=torch.float32))
+
+
+@gelu_cast_transpose.register_kernel("cuda")
+def _gelu_cast_transpose_cuda(pre: torch.Tensor, scale: torch.Tensor,
+                              fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    module = _triton_module()
+    if module is None:
+        return gelu_reference(pre, scale, fp8_dtype)
+    y8, y8t, _, amax = module.cast_transpose(module.kernel(TILE_M, TILE_N), [pre.contiguous()], None, scale.float(),
+                                             fp8_dtype, padded(pre.shape[0]), module.GELU, sums=False)
+    return y8, y8t, amax
+
+
+@functools.cache
+def _triton_module() -> Any:
+    """`fp8_kernels`, or None where Triton does not import (torch's CPU wheels come without it)."""
+    try:
+        from . import fp8_kernels
+    except ImportError:
+        return None
+    return fp8_kernels
+
+
+def single_pass_bytes(operands: Sequence[Any]) -> int:
+    """What a single-pass op moves: every tensor among its inputs read once, every output written once
+    (`operands`: both, as tensors or anything else, which moves nothing)."""
+    return sum(t.numel() * t.element_size() for t in operands if isinstance(t, torch.Tensor))
