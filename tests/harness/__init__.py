@@ -5,8 +5,9 @@
 - served, launches, ports, cpu_run: trainer and dry-run processes (served to a module, launched
   per rank, or built in this process) and the ports their ranks agree on;
 - workers/: the programs those processes run, one rank or one probe each;
-- tiny_bert, optimizer_runs, thread_ranks, tensors, golden_samples, rcp_results, broken_packages,
-  closed_runs, refusals: models, runs, data and checks that tests of several files share;
+- tiny_bert, fp8_bert, optimizer_runs, thread_ranks, tensors, golden_samples, rcp_results,
+  broken_packages, closed_runs, refusals, triton_interpreter: models, runs, data and checks that
+  tests of several files share;
 - fakes/: stand-ins for what a CPU machine lacks (srun, scontrol, docker, apex, a CUDA build, the trainer);
 - open_audit/: the file-open audit the clock tests put on PYTHONPATH;
 - data/: published MLPerf logs and the MLCommons scripts' reference outputs.
