@@ -3,7 +3,7 @@
 # Base: NGC PyTorch 26.03 (PyTorch 2.11, CUDA 13.2, Python 3.12, NCCL, cuDNN), with Hopper and
 # Blackwell support. The trainer needs torch 2.11 or newer (pytorch/mlperf_bert/runtime/torch_version.py:
 # the torch it is tested on, and torchao 0.18 for --precision fp8) and refuses an older one at
-# start-up; tests/test_torch_version.py keeps this base, that minimum, tools/device_image.txt and the
+# start-up; tests/trainer/runtime/test_torch_version.py keeps this base, that minimum, tools/device_image.txt and the
 # Makefile's TORCH_SPEC in agreement. NVIDIA's PyTorch release notes
 # (docs.nvidia.com/deeplearning/frameworks/pytorch-release-notes/) name each release's torch:
 # rel-25-12.html, "PyTorch container image version 25.12 is based on 2.10.0a0", one release short;

@@ -72,7 +72,7 @@ gpu-perf:
 # (CARRY_PYTHON: 3.12, x86-64 Linux) that has torch and no package registry: torchao for --precision
 # fp8 (0.18 loads on torch >= 2.11), mlperf-logging (the trainer's MLPerf log) and crc32c (data_prep,
 # which the GPU tests' packed data comes from). What the machine's image holds is tools/device_image.txt;
-# tests/test_image_imports.py fails on an import of the bring-up's that is in neither. flash-attn is not
+# tests/tools/bring_up/test_image_imports.py fails on an import of the bring-up's that is in neither. flash-attn is not
 # carried: the registry has no wheel of it (a source build needs nvcc and about an hour); on torch >= 2.9
 # --attention_backend varlen runs PyTorch's own kernel instead.
 CARRY_DIR := carry/wheels

@@ -97,6 +97,9 @@ if [[ $SMOKE != 1 ]]; then
   done
 fi
 
+# The test files with GPU tests (pytest -m gpu), under every folder of tests/.
+gpu_test_files() { (cd "$here" && grep -rl --include='test_*.py' 'mark.gpu' tests | sort); }
+
 work="" log="" failed=0 ran_steps=0 precisions=()  # tools/budget_steps.sh sets them, and summary
 open_folder bring_up.sh bring_up.log numerics.json throughput.json pytest_gpu.xml
 machine_lines bring-up "$device"
@@ -104,7 +107,7 @@ machine_lines bring-up "$device"
 if [[ $SMOKE == 1 ]]; then
   # The demo-size model, one precision, each step in its smallest form: the script cannot rot.
   numerics fp32 --precision fp32 --input_layout packed --rows 1 --batches 1
-  note "pytest gpu: skipped (CPU smoke mode; would run $(cd "$here" && grep -l 'mark.gpu' tests/test_*.py | tr '\n' ' '))"
+  note "pytest gpu: skipped (CPU smoke mode; would run $(gpu_test_files | tr '\n' ' '))"
   step "throughput tiny" 60 "$PYTHON" benchmarks/throughput.py --config tiny --device cpu --precision fp32 \
     --layouts packed --rounds 1 --steps 1 --warmup 0 --json "$out/throughput.json"
   note "gpu-check: skipped (CPU smoke mode; make gpu-check needs a GPU)"
@@ -126,10 +129,10 @@ JSON
   done
   [[ " ${precisions[*]} " == *" bf16 "* ]] && numerics "varlen bf16" --precision bf16 --input_layout unpadded \
     --attention_backend varlen "${large[@]}"
-  mapfile -t gpu_tests < <(cd "$here" && grep -l 'mark.gpu' tests/test_*.py)
+  mapfile -t gpu_tests < <(gpu_test_files)
   if ! "$PYTHON" -c 'import nvidia.dali' 2> /dev/null; then  # its wheel is far over what can be carried
     mapfile -t gpu_tests < <(printf '%s\n' "${gpu_tests[@]}" | grep -v test_dali_input.py)
-    note "pytest gpu: tests/test_dali_input.py left out: NVIDIA DALI is not installed here"
+    note "pytest gpu: tests/trainer/input/test_dali_input.py left out: NVIDIA DALI is not installed here"
   fi
   step "pytest gpu" 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/pytest_gpu.xml" \
     "${gpu_tests[@]}"

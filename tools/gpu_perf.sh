@@ -217,11 +217,11 @@ keep_kernels() {
 }
 
 # The compiled-step reports (CPU only, `nice`d beside the GPU steps): the shipped step and the FP8 delayed one.
-# Started first, collected last (compiled_wait). Not in the smoke mode: tests/test_compiled_step.py runs the
+# Started first, collected last (compiled_wait). Not in the smoke mode: tests/trainer/dryrun/test_compiled_step.py runs the
 # command, and a CPU-only machine has no GPU step to run it beside.
 compiled_start() {
   if [[ $SMOKE == 1 ]]; then
-    note "$(printf '%-26s %s' "compiled reports" "skipped: the smoke mode (tests/test_compiled_step.py runs the command)")"
+    note "$(printf '%-26s %s' "compiled reports" "skipped: the smoke mode (tests/trainer/dryrun/test_compiled_step.py runs the command)")"
     return
   fi
   local name vars

@@ -2,7 +2,7 @@
 
 `CostTracer` is a TorchDispatchMode beside the `Recorder` (it takes the Recorder's phase and
 capture flag). It works on fake tensors and on real ones alike, which is how its accounting
-is checked against the CPU allocator (tests/test_cost.py):
+is checked against the CPU allocator (tests/trainer/dryrun/test_cost.py):
 
 - Memory: every op output on the traced device type adds its storage's bytes once (views share
   a storage); the bytes leave when the storage dies (a weak reference's callback). Storages made

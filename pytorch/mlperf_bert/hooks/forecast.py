@@ -36,7 +36,7 @@ INTERVAL = (0.10, 0.90)  # residual quantiles: an 80% interval
 
 # Fitted on 405 converged runs of 41 systems, MLPerf Training v2.0, v3.1, v4.0, v4.1 and v5.0
 # (benchmarks/data/forecast_logs.tar.gz). The rows below are what `python benchmarks/forecast_backtest.py
-# --rows` prints for these runs; tests/test_forecast.py refits them from the same logs.
+# --rows` prints for these runs; tests/trainer/hooks/test_forecast.py refits them from the same logs.
 SCHEDULE_RANGE = (2_358_400.0, 8_704_000.0)  # schedule samples of the runs fitted on
 SCHEDULE_MARGIN = 1.25  # how far past that range the fit is still used
 

@@ -286,7 +286,7 @@ class BertLayer(nn.Module):
     def _mlp_unobserved(self) -> bool:
         """The FP8 MLP function applies (exact GELU) and no hook asks for what it never makes: FC1's output and
         GELU's in the autocast dtype (the numerics check's FFN rows). With a hook, FC1 + GELU and FC2 run apart:
-        the same values, bit for bit (tests/test_single_pass_ops.py)."""
+        the same values, bit for bit (tests/trainer/model/test_single_pass_ops.py)."""
         watched = (self.intermediate, self.intermediate.dense, self.output.dense)
         return self.intermediate.act == "gelu" and not any(m._forward_hooks or m._forward_pre_hooks for m in watched)
 

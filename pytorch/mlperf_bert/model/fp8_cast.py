@@ -12,7 +12,7 @@ each, and writes the transposed copy with one-byte stores. NVIDIA's layers make 
 
 - CUDA: `fp8_kernels.py`'s Triton kernel, one read of G (and H), one write of each FP8 copy;
 - CPU (and any other device): the same values from torch's own ops, `reference`: what the kernel
-  is tested against (`tests/test_single_pass_ops.py`, through Triton's interpreter on the CPU);
+  is tested against (`tests/trainer/model/test_single_pass_ops.py`, through Triton's interpreter on the CPU);
 - the fake device of the dry run: shapes only. The dry run counts the op's bytes as one pass
   (`single_pass_bytes`), as the kernel moves them.
 

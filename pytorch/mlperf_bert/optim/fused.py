@@ -19,7 +19,7 @@ Each op runs, per device:
 - CUDA: the Triton kernels of `fused_kernels.py`, one launch per pass over a whole list of tensors;
   tensors that are not all float32 and contiguous, or no Triton, take the multi-tensor code instead;
 - CPU (and any other device): the multi-tensor code, `torch._foreach_*` as before: the reference the
-  kernels are tested against (`tests/test_fused_optim.py`, through Triton's interpreter on the CPU);
+  kernels are tested against (`tests/trainer/optim/test_fused_optim.py`, through Triton's interpreter on the CPU);
 - the fake device of the dry run: shapes only (`register_fake`).
 
 Why these, and not another library's:

@@ -56,7 +56,7 @@ norms) stays within the group.
 Collectives per step: 1 reduce-scatter + 1 all-gather per block (the bytes of the all-reduce
 they replace), with shard groups 1 all-reduce across groups per block, + 1 small all-reduce
 (ADAM) or 2 (LAMB) of T+1 and 2T floats (T = number of parameter tensors, 398 for
-BERT-Large): `tests/test_sharded_optimizer.py` counts them, `tests/test_sharded_overlap.py`
+BERT-Large): `tests/trainer/optim/test_sharded_optimizer.py` counts them, `tests/trainer/optim/test_sharded_overlap.py`
 checks when they are issued relative to the backward.
 
 Why this implementation, and not a library's (the evidence):

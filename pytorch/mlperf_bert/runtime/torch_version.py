@@ -9,7 +9,7 @@ MIN_TORCH is 2.11. What sets it:
   machine's image, tools/device_image.txt) and 2.13 (the tests, the Makefile's TORCH_SPEC) only;
   an older torch fails somewhere inside a run, after its clock started, or not at all but silently
   otherwise.
-The Dockerfile's default base ships a torch at least this new; tests/test_torch_version.py keeps
+The Dockerfile's default base ships a torch at least this new; tests/trainer/runtime/test_torch_version.py keeps
 the base, the GPU image, the Makefile's pin and this number in agreement.
 
 NGC images carry pre-release builds (`2.11.0a0+<commit>`): a release counts by its major and

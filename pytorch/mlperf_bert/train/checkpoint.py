@@ -42,7 +42,7 @@ calibrates on its own amax, as a fresh run's does, so that step is equivalent, n
 Another number of ranks: everything but `rng` is free of the world size, so a run saved at W
 ranks resumes at W' ranks when the slots stay the same (W' x A' = W x A, same micro-batch): every
 later step trains on the same samples, and with dropout 0 the weights equal the uninterrupted
-run's up to the order of the gradient sums (tests/test_resume_world_size.py). A rank without a
+run's up to the order of the gradient sums (tests/trainer/input/test_resume_world_size.py). A rank without a
 saved RNG entry gets a state derived from the run seed, its rank and the samples consumed
 (`derived_rng_seed`), and each rank's generator now draws for other slots than before: dropout
 masks differ, so with dropout the steps are equivalent, not equal (and so is the first step of a

@@ -64,9 +64,9 @@ with its LayerNorm, the two FFN GEMMs; the heads. Errors add up along the path i
 GROWTH covers what the sum leaves out: each stage's amplification of the error it receives
 (LayerNorm's 1/sigma, softmax, GELU) and the spread of a normwise error around its rms. It is 8,
 set from measurements (docs/BRING_UP.md): clean runs of three model sizes on the CPU in fp32 and
-bf16, packed, unpadded and padded, over seeds (tests/test_numerics_bands.py's property test), and
+bf16, packed, unpadded and padded, over seeds (tests/tools/bring_up/test_numerics_bands.py's property test), and
 of the demo model in emulated FP8 stay within 0.28 of their bands, while the planted faults of
-tests/test_numerics_check.py leave theirs by 16x to 10^6x in fp32.
+tests/tools/bring_up/test_numerics_check.py leave theirs by 16x to 10^6x in fp32.
 
 Cancellation: the condition factor kappa. The variance above is relative to each row's own size,
 which holds for a sum of random-signed terms (a random walk: |sum| ~ sqrt(sum of squares)) but not

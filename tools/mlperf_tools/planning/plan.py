@@ -66,7 +66,7 @@ from mlperf_bert.runtime.optional import matplotlib_problem
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/<kind>/<module>.py: the tools work on a checkout
 RULESET = "5.0.0"
-LOGS = REPO / "tests" / "data" / "mlperf_logs"
+LOGS = REPO / "tests" / "harness" / "data" / "mlperf_logs"
 # DGXSYSTEM prefixes -> device (the configs' systems).
 SYSTEM_DEVICES = {"DGXA100": "A100", "SamsungA100": "A100", "DGXH100": "H100", "DGXH200": "H200",
                   "DGXB200": "B200", "GB200": "GB200"}
@@ -259,22 +259,22 @@ def _tar_texts(archive: Path, inner: str) -> list[str]:
 
 
 def published() -> dict[str, Published]:
-    """The published figure each shipped GPU config is compared with (REFERENCE.md; logs in tests/data)."""
+    """The published figure each shipped GPU config is compared with (REFERENCE.md; logs in tests/harness/data)."""
     a100 = interval_rate(_log_texts(LOGS / "v2.0/NVIDIA/results/dgxa100_ngc22.04_pytorch/bert"), 8)
     h200 = training_rate(_log_texts(LOGS / "v4.0/NVIDIA/results/h200_ngc23.09_pytorch/bert"), 8)
     gb200 = training_rate(_tar_texts(LOGS / "v5.0/Dell.tar.gz", "Dell/results/2xXE9712x4GB200/bert/"), 8)
     return {
-        "config_DGXA100_1x8.sh": Published(a100, 18.442, "NVIDIA v2.0 logs (tests/data), eval to eval, evals "
+        "config_DGXA100_1x8.sh": Published(a100, 18.442, "NVIDIA v2.0 logs (tests/harness/data), eval to eval, evals "
                                                          "included (no eval_start lines); 18.442 min", True),
         "config_DGXH100_1x8.sh": Published(1031.0, 5.47, "REFERENCE.md: NVIDIA v4.0 H100, between evals; 5.47 min"),
-        "config_DGXH200_1x8.sh": Published(h200, 5.21, "NVIDIA v4.0 H200 logs (tests/data), eval_stop to eval_start; "
-                                                       "5.21 min"),
+        "config_DGXH200_1x8.sh": Published(h200, 5.21, "NVIDIA v4.0 H200 logs (tests/harness/data), eval_stop to "
+                                                       "eval_start; 5.21 min"),
         "config_DGXB200_1x8.sh": Published(1528.0, 3.50, "REFERENCE.md: NVIDIA v5.0 B200, 1,517-1,540 between evals; "
                                                          "3.50 min"),
-        "config_GB200_2x4.sh": Published(gb200, 3.42, "Dell v5.0 2x4 GB200 logs (tests/data), eval_stop to "
+        "config_GB200_2x4.sh": Published(gb200, 3.42, "Dell v5.0 2x4 GB200 logs (tests/harness/data), eval_stop to "
                                                       "eval_start; NVIDIA's 3.42 min"),
         # Open division, its own kernels: compared for time to train only, not calibrated on.
-        "config_SamsungA100_128x8.sh": Published(None, 0.372, "Samsung v2.0 logs (tests/data/mlperf_logs/v2.0/"
+        "config_SamsungA100_128x8.sh": Published(None, 0.372, "Samsung v2.0 logs (tests/harness/data/mlperf_logs/v2.0/"
                                                               "Samsung.tar.gz): olympic mean, tools/compare.py"),
     }
 

@@ -17,8 +17,10 @@ Between the parts of the repository the rules are `PARTS` below: the trainer imp
 others; the data preparation imports the trainer's data format; the tools' package imports both;
 an entry point in `tools/` imports only the tools' package (it is a few lines that call a `main`
 there); a benchmark imports the packages and other benchmarks, without circles; nothing imports an
-entry point or a benchmark from outside benchmarks/. Each problem is one line naming both files
-and the rule. Exit 0 when there is none, 1 otherwise.
+entry point or a benchmark from outside benchmarks/. The tests are the package `tests`: its machinery
+(tests/harness) imports the three packages and itself, never a test; a test module (or a conftest.py)
+imports the packages, the benchmarks and the machinery, never another test. Each problem is one line
+naming both files and the rule. Exit 0 when there is none, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -202,6 +204,7 @@ def _describe(allowed: set[str]) -> str:
 
 REPO = Path(__file__).resolve().parents[3]  # tools/mlperf_tools/testing/check_layering.py
 PACKAGES = {"mlperf_bert": "pytorch/mlperf_bert", "data_prep": "data_prep", "mlperf_tools": "tools/mlperf_tools"}
+TESTS, HARNESS = "tests", "test machinery"  # the package `tests`: its test modules, and tests/harness
 
 
 @dataclass(frozen=True)
@@ -221,56 +224,87 @@ PARTS: dict[str, Part] = {
     "tools": _part("tools/*.py", "mlperf_tools"),  # entry points: a few lines calling mlperf_tools
     "trainer entry points": _part("pytorch/*.py", "mlperf_bert"),
     "benchmarks": _part("benchmarks/*.py", "mlperf_bert", "data_prep", "mlperf_tools", "benchmarks"),
+    # The first part whose files match owns a file: the machinery before the tests around it.
+    HARNESS: _part("tests/harness/**/*.py", "mlperf_bert", "data_prep", "mlperf_tools", HARNESS),
+    TESTS: _part("tests/**/*.py", "mlperf_bert", "data_prep", "mlperf_tools", "benchmarks", HARNESS),
 }
 
 
 def _owners(repo: Path) -> dict[Path, str]:
-    """Each file of the repository's parts -> its part (the globs do not overlap)."""
-    return {path: name for name, part in PARTS.items() for path in sorted(repo.glob(part.files))}
+    """Each file of the repository's parts -> its part."""
+    owners: dict[Path, str] = {}
+    for name, part in PARTS.items():
+        for path in sorted(repo.glob(part.files)):
+            owners.setdefault(path, name)
+    return owners
 
 
 def _scripts(owners: dict[Path, str]) -> dict[str, Path]:
-    """Top-level import name -> file, for the files imported as plain modules (not packages)."""
-    return {path.stem: path for path, part in owners.items() if part not in PACKAGES}
+    """Top-level import name -> file, for the files imported as plain modules (not packages, not the tests)."""
+    return {path.stem: path for path, part in owners.items() if part not in PACKAGES and part not in (TESTS, HARNESS)}
 
 
-def _top_imports(path: Path) -> set[str]:
-    """The top-level names a file imports absolutely, at the top or lazily."""
+def _is_module(name: str, repo: Path) -> bool:
+    path = repo.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imports(path: Path, repo: Path) -> set[str]:
+    """The modules a file imports, at the top or lazily, by dotted name: `from a import b` names a.b where that
+    is a module of the repository, else a; a relative import is resolved against the file's folder."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    folder = list(path.parent.relative_to(repo).parts)
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(folder[: len(folder) - node.level + 1] + ([base] if base else []))
+            named = [f"{base}.{alias.name}" for alias in node.names]
+            found.update([name for name in named if _is_module(name, repo)] or [base])
     return found
 
 
+def _target(name: str, scripts: dict[str, Path], owners: dict[Path, str], repo: Path) -> tuple[str, str] | None:
+    """The part a module of `name` belongs to and its file, or None for the standard library or a dependency."""
+    top = name.split(".")[0]
+    if top in PACKAGES:
+        return top, f"{PACKAGES[top]}/"
+    if top == "tests":
+        path = repo.joinpath(*name.split("."))
+        shown = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        return HARNESS if name.startswith("tests.harness") else TESTS, str(shown.relative_to(repo))
+    if top in scripts:
+        return owners[scripts[top]], str(scripts[top].relative_to(repo))
+    return None
+
+
 def part_problems(repo: Path = REPO) -> list[str]:
-    """Every import between parts that PARTS does not allow, and every circle between benchmarks."""
+    """Every import between parts that PARTS does not allow, and every circle between the files of a part that
+    imports itself (the benchmarks, the test machinery)."""
     owners = _owners(repo)
     scripts = _scripts(owners)
     found: list[str] = []
-    benchmark_graph: dict[str, set[str]] = {}
+    graph: dict[str, set[str]] = {}  # file -> file, inside a part that may import itself
     for path, source in sorted(owners.items()):
-        for name in sorted(_top_imports(path)):
-            if name in PACKAGES:
-                target, target_file = name, f"{PACKAGES[name]}/"
-            elif name in scripts:
-                target, target_file = owners[scripts[name]], str(scripts[name].relative_to(repo))
-            else:
+        for name in sorted(_imports(path, repo)):
+            resolved = _target(name, scripts, owners, repo)
+            if resolved is None:
                 continue  # the standard library or a dependency
+            target, target_file = resolved
             if target == source and target in PACKAGES:
                 continue  # inside a package: its own May-import rules
-            if source == target == "benchmarks":
-                benchmark_graph.setdefault(path.stem, set()).add(name)
+            if target == source and target in PARTS[source].may_import:
+                graph.setdefault(str(path.relative_to(repo)), set()).add(target_file)
             if target not in PARTS[source].may_import:
                 allowed = ", ".join(sorted(PARTS[source].may_import)) or "nothing else"
                 found.append(f"{path.relative_to(repo)} imports {target_file}: rule: {source} may import "
                              f"{allowed}, not {target} (PARTS in tools/mlperf_tools/testing/check_layering.py)")
-    for cycle in _cycles(benchmark_graph):
-        chain = " -> ".join(f"benchmarks/{n}.py" for n in cycle)
-        found.append(f"import circle between files: {chain} (rule: no module imports itself through others)")
+    for cycle in _cycles(graph):
+        found.append(f"import circle between files: {' -> '.join(cycle)} (rule: no module imports itself through "
+                     "others)")
     return found
 
 
@@ -295,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         found, summary = problems(root), f"{root}: {len(modules(root))} modules"
     else:
         found, count = repository_problems()
-        summary = f"{count} files in {len(PACKAGES)} packages, the tools' entry points and the benchmarks"
+        summary = f"{count} files in {len(PACKAGES)} packages, the tools' entry points, the benchmarks and the tests"
     for line in found:
         print(line)
     if not found:

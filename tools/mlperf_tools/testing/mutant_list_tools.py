@@ -21,14 +21,14 @@ PACKAGE = "tools/mlperf_tools/results/package_results.py"
 NUMERICS = "tools/mlperf_tools/bring_up/numerics_check.py"
 
 TOOL_MODULE_TESTS: dict[str, tuple[str, ...]] = {
-    PLAN: ("tests/test_plan.py", "tests/test_step_calibration.py"),
-    STEP_MODEL: ("tests/test_plan.py", "tests/test_step_calibration.py"),
-    CALIBRATION: ("tests/test_step_calibration.py",),
-    RECIPE: ("tests/test_recipe.py",),
-    FORECAST: ("tests/test_forecast.py",),
-    SCORING: ("tests/test_scoring.py", "tests/test_package_results.py"),
-    PACKAGE: ("tests/test_package_results.py",),
-    NUMERICS: ("tests/test_numerics_check.py", "tests/test_numerics_bands.py"),
+    PLAN: ("tests/tools/planning/test_plan.py", "tests/tools/planning/test_step_calibration.py"),
+    STEP_MODEL: ("tests/tools/planning/test_plan.py", "tests/tools/planning/test_step_calibration.py"),
+    CALIBRATION: ("tests/tools/planning/test_step_calibration.py",),
+    RECIPE: ("tests/tools/planning/test_recipe.py",),
+    FORECAST: ("tests/trainer/hooks/test_forecast.py",),
+    SCORING: ("tests/tools/results/test_scoring.py", "tests/tools/results/test_package_results.py"),
+    PACKAGE: ("tests/tools/results/test_package_results.py",),
+    NUMERICS: ("tests/tools/bring_up/test_numerics_check.py", "tests/tools/bring_up/test_numerics_bands.py"),
 }
 
 TOOL_MUTANTS: list[Mutant] = [

@@ -85,7 +85,8 @@ def mutated_source(mutant: Mutant, root: Path = REPO) -> tuple[str, str]:
 
 
 def check_list(mutants: Iterable[Mutant], root: Path = REPO) -> None:
-    """ListError for the first mutant that does not fit the source or repeats an id."""
+    """ListError for the first mutant that does not fit the source, repeats an id or names a test file that is
+    not there."""
     seen: set[str] = set()
     for mutant in mutants:
         if mutant.id in seen:
@@ -95,6 +96,11 @@ def check_list(mutants: Iterable[Mutant], root: Path = REPO) -> None:
             raise ListError(f"mutant {mutant.id}: no description of the bug it stands for")
         if mutant.module not in MODULE_TESTS and not mutant.tests:
             raise ListError(f"mutant {mutant.id}: no tests given and no default tests for {mutant.module}")
+        for test in tests_of(mutant):
+            path = test.split("::")[0]
+            if path.endswith(".py") and not (root / path).is_file():
+                raise ListError(f"mutant {mutant.id}: its test file {path} does not exist; update "
+                                "tools/mlperf_tools/testing/mutant_list.py to where the test is now")
         mutated_source(mutant, root)
 
 

@@ -1,0 +1,1 @@
+"""benchmarks/: the throughput, attention and config benchmarks in their tiny CPU forms."""

@@ -1,0 +1,1 @@
+"""data_prep: each preparation step, verification, the MLCommons reference outputs, text to the trainer."""

@@ -1,0 +1,1 @@
+"""mlperf_tools.results: packaging, scoring and comparing MLPerf logs against the official checkers."""

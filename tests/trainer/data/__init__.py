@@ -1,0 +1,1 @@
+"""mlperf_bert.data: reading and validating shards, the training stream, copied-data integrity."""
