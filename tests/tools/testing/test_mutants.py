@@ -94,3 +94,18 @@ def test_round_selects_the_mutants_of_that_round_only_and_an_unknown_round_is_re
     assert mutants.select("closed_division", None, 2) == []
     assert mutants.main(["--round", "99", "--list"]) == 2
     assert "--round 99: no mutant of that round; the list has rounds 1, 2, 3" in capsys.readouterr().err
+
+
+def test_no_keyword_filter_names_a_test_folder():
+    """pytest's -k matches the folders of a test's path too: a filter word inside a folder's name ("not trainer"
+    against tests/trainer/) would deselect, or select, every test of a mutant's set."""
+    import re
+
+    from mlperf_tools.testing.mutant_list import MODULE_TESTS
+
+    for tests in [*MODULE_TESTS.values(), *(m.tests for m in MUTANTS)]:  # a mutant's own (), its module's
+        folders = {part for test in tests if test.startswith("tests/") for part in Path(test.split("::")[0]).parent.parts}
+        for flag, expression in zip(tests, tests[1:]):
+            if flag == "-k":
+                words = set(re.findall(r"\w+", expression)) - {"and", "or", "not"}
+                assert not {w for w in words for f in folders if w in f}, (expression, tests)
