@@ -1,6 +1,7 @@
 """FP8 operands made in one pass each, as custom ops: an FP8 linear layer's output gradient made ready for its
-two backward GEMMs (`mlperf_bert::fp8_grad_cast_transpose`), and FC2's input made from FC1's output
-(`mlperf_bert::fp8_gelu_cast_transpose`).
+two backward GEMMs (`mlperf_bert::fp8_grad_cast_transpose`), FC2's input made from FC1's output
+(`mlperf_bert::fp8_gelu_cast_transpose`), and a layer's input made ready for its forward GEMM and its weight
+gradient's (`mlperf_bert::fp8_cast_transpose`).
 
 The backward of `fp8_delayed._DelayedFp8Matmul` needs, of its output gradient G [tokens, outputs]
 (and, for the layer that GELU follows, of dGELU(H) * G): G in FP8 row-major for dX = G W, the same
@@ -21,6 +22,12 @@ copy. Left to Inductor, the forward reads FC1's output twice (GELU for the amax,
 backward a third time (GELU and the cast again, transposed, as the partitioner recomputes rather than
 saves them). `gelu_cast_transpose` reads it once and writes both FP8 copies and the amax; the transposed
 copy is saved for the backward (`fp8_delayed._DelayedFp8Mlp`).
+
+A training forward casts each FP8 layer's input X (a LayerNorm's output, or the layer's input) the same way:
+`cast_transpose` writes X8 for the forward GEMM and X8T for the weight gradient's, with X's amax, in one pass.
+Left to Inductor, the cast is fused into the LayerNorm's kernel and the transposed copy is made in the
+backward, where the partitioner recomputes X8 from the LayerNorm's input (a transposed store that splits the
+LayerNorm's backward in two kernels); an op's output is saved, never recomputed.
 
 A `custom_op` and not a `triton_op`: the op is opaque to torch.compile either way (Inductor would not
 fuse into the user kernel), and as a custom op its CPU implementation is torch's ops, not the kernel.
@@ -44,7 +51,7 @@ ALIGN = 16
 # parts (the query, key and value gradients) is read in place when each part's width is a multiple of TILE_N.
 TILE_M, TILE_N = 64, 64
 SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose",
-                   f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
+                   f"{NAMESPACE}.fp8_cast_transpose", f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
 
 
 def padded(rows: int) -> int:
@@ -81,6 +88,14 @@ def gelu_reference(pre: torch.Tensor, scale: torch.Tensor,
     y = F.gelu(pre)
     y8 = saturated_cast(y, scale, fp8_dtype)
     return y8, transposed(y8), y.detach().abs().amax().float()
+
+
+def cast_reference(x: torch.Tensor, scale: torch.Tensor,
+                   fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cast_transpose`'s values from torch's ops: (X8 [M, N], X8T [N, padded(M)] with zero columns past M,
+    max |X| fp32)."""
+    x8 = saturated_cast(x, scale, fp8_dtype)
+    return x8, transposed(x8), x.detach().abs().amax().float()
 
 
 def read_in_parts(grads: list[torch.Tensor], pre: torch.Tensor | None, tile: int = TILE_N) -> bool:
@@ -142,12 +157,37 @@ def _gelu_cast_transpose_fake(pre: torch.Tensor, scale: torch.Tensor,
 @gelu_cast_transpose.register_kernel("cuda")
 def _gelu_cast_transpose_cuda(pre: torch.Tensor, scale: torch.Tensor,
                               fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return _forward_cast(pre, scale, fp8_dtype, gelu=True)
+
+
+def _forward_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                  gelu: bool) -> tuple[torch.Tensor, ...]:
+    """(X8, X8T, amax) of X, or of GELU(X), on CUDA: the kernel with no column sums (the reference without Triton)."""
     module = _triton_module()
     if module is None:
-        return gelu_reference(pre, scale, fp8_dtype)
-    y8, y8t, _, amax = module.cast_transpose(module.kernel(TILE_M, TILE_N), [pre.contiguous()], None, scale.float(),
-                                             fp8_dtype, padded(pre.shape[0]), module.GELU, sums=False)
-    return y8, y8t, amax
+        return (gelu_reference if gelu else cast_reference)(x, scale, fp8_dtype)
+    x8, x8t, _, amax = module.cast_transpose(module.kernel(TILE_M, TILE_N), [x.contiguous()], None, scale.float(),
+                                             fp8_dtype, padded(x.shape[0]), module.GELU if gelu else module.NONE,
+                                             sums=False)
+    return x8, x8t, amax
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_cast_transpose", mutates_args=())
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor,
+                   fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X8, X8T, amax) of a layer's input X (module docstring, `cast_reference`): the FP8 operand of the forward
+    GEMM and the transposed one its weight gradient's GEMM reads, made in the forward in one pass."""
+    return cast_reference(x, scale, fp8_dtype)
+
+
+@cast_transpose.register_fake
+def _cast_transpose_fake(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return _gelu_cast_transpose_fake(x, scale, fp8_dtype)
+
+
+@cast_transpose.register_kernel("cuda")
+def _cast_transpose_cuda(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return _forward_cast(x, scale, fp8_dtype, gelu=False)
 
 
 @functools.cache

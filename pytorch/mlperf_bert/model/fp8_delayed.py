@@ -28,7 +28,8 @@ GEMMs (`torch._scaled_mm`, fast accumulation in all three, as NVIDIA runs them):
 the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout of `_scaled_mm` wants its first
 operand row-major and its second column-major, hence the transposed copies of W for dX, and of dY
 and X for dW; token counts that are not a multiple of 16 are padded with zero rows for dW (a no-op
-for packed rows of 512). dY's two FP8 copies, the bias gradient and dY's amax come from one pass over dY
+for packed rows of 512). A training forward makes X's two FP8 copies and its amax in one pass
+(`fp8_cast.cast_transpose`) and saves the transposed one for dW. dY's two FP8 copies, the bias gradient and dY's amax come from one pass over dY
 (`fp8_cast.grad_cast_transpose`, a Triton kernel on the GPU); the layer that GELU follows runs GELU
 itself (`forward(x, gelu=True)`), so that pass also applies GELU's derivative. Off a GPU the GEMMs are
 emulated (`scaled_mm`: the same FP8 operands dequantised, multiplied in fp32); everything else is the
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8_cast import gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts, saturated_cast
+from .fp8_cast import cast_transpose, gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts, saturated_cast
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way).
@@ -91,14 +92,22 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inverse: torch.Tensor, b_inver
 
 
 def _input_fp8(x: torch.Tensor, amax: torch.Tensor, calibrated: bool,
-               records: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in E4M3, its scale): by the history's amax once calibrated, else its own; a training forward
-    (`records`) leaves its amax for the next one."""
+               records: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(x in E4M3, its transposed copy for the weight gradient or None, its scale): by the history's amax once
+    calibrated, else its own. A training forward (`records`) makes the transposed copy and the amax it leaves for
+    the next step in the same pass (`fp8_cast.cast_transpose`); an eval forward only casts."""
     x_scale = scale_of(amax[INPUT] if calibrated else amax_of(x), E4M3)
-    x8 = to_fp8(x, x_scale, E4M3)
-    if records:
-        amax[INPUT].copy_(amax_of(x))
-    return x8, x_scale
+    if not records:
+        return to_fp8(x, x_scale, E4M3), None, x_scale
+    x8, x8_t, x_amax = cast_transpose(x, x_scale, E4M3)
+    amax[INPUT].copy_(x_amax)
+    return x8, x8_t, x_scale
+
+
+def _input_columns(saved: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The saved FP8 input as dW's second operand: column-major, tokens padded to ALIGN. A training forward saved
+    its transposed copy (`_input_fp8`), which is that already; otherwise it is made here."""
+    return saved.t() if transposed else _column_major(_pad_rows(saved))
 
 
 def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,11 +152,12 @@ class _DelayedFp8Matmul(torch.autograd.Function):
                 amax: torch.Tensor, calibrated: bool, grad_calibrated: bool,
                 out_dtype: torch.dtype, records: bool, gelu: bool,
                 split: tuple[int, ...] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        x8, x_scale = _input_fp8(x, amax, calibrated, records)
+        x8, x8_t, x_scale = _input_fp8(x, amax, calibrated, records)
         w8, w_scale = _weight_fp8(weight)
         out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype, _bias(bias, out_dtype))
         # With GELU its input is kept for its derivative, which the backward's one pass applies.
-        ctx.save_for_backward(x8, x_scale, w8, w_scale, amax, out if gelu else None)
+        ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w8, w_scale, amax, out if gelu else None)
+        ctx.rows, ctx.transposed = x8.shape[0], x8_t is not None
         ctx.grad_calibrated, ctx.has_bias, ctx.x_dtype = grad_calibrated, bias is not None, x.dtype
         ctx.widths = split or (out.shape[-1],)
         out = F.gelu(out) if gelu else out
@@ -157,10 +167,10 @@ class _DelayedFp8Matmul(torch.autograd.Function):
     def backward(ctx, *grad_outs: torch.Tensor | None) -> tuple:
         x8, x_scale, w8, w_scale, amax, pre = ctx.saved_tensors
         # an unused block's gradient is None: zeros of its width
-        grads = [g if g is not None else x8.new_zeros((x8.shape[0], width), dtype=ctx.x_dtype)
+        grads = [g if g is not None else x8.new_zeros((ctx.rows, width), dtype=ctx.x_dtype)
                  for g, width in zip(grad_outs, ctx.widths)]
         grad_x, grad_w, grad_b = _backward_gemms(grads, pre, amax, ctx.grad_calibrated,
-                                                 _column_major(_pad_rows(x8)), x_scale, w8, w_scale)
+                                                 _input_columns(x8, ctx.transposed), x_scale, w8, w_scale)
         return (grad_x.to(ctx.x_dtype), grad_w, grad_b if ctx.has_bias else None,
                 None, None, None, None, None, None, None)
 
@@ -175,7 +185,7 @@ class _DelayedFp8Mlp(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                 b2: torch.Tensor | None, amax1: torch.Tensor, amax2: torch.Tensor, calibrated: tuple[bool, bool],
                 grad_calibrated: tuple[bool, bool], out_dtype: torch.dtype, records: bool) -> torch.Tensor:
-        x8, x_scale = _input_fp8(x, amax1, calibrated[0], records)
+        x8, x8_t, x_scale = _input_fp8(x, amax1, calibrated[0], records)
         w1_8, w1_scale = _weight_fp8(w1)
         pre = scaled_mm(x8, w1_8.t(), x_scale.reciprocal(), w1_scale.reciprocal(), out_dtype, _bias(b1, out_dtype))
         if calibrated[1]:
@@ -187,8 +197,9 @@ class _DelayedFp8Mlp(torch.autograd.Function):
             amax2[INPUT].copy_(y_amax)
         w2_8, w2_scale = _weight_fp8(w2)
         out = scaled_mm(y8, w2_8.t(), y_scale.reciprocal(), w2_scale.reciprocal(), out_dtype, _bias(b2, out_dtype))
-        ctx.save_for_backward(x8, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8, w2_scale, amax1, amax2)
-        ctx.grad_calibrated, ctx.x_dtype = grad_calibrated, x.dtype
+        ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8,
+                              w2_scale, amax1, amax2)
+        ctx.grad_calibrated, ctx.x_dtype, ctx.transposed = grad_calibrated, x.dtype, x8_t is not None
         ctx.has_bias = (b1 is not None, b2 is not None)
         return out
 
@@ -198,7 +209,7 @@ class _DelayedFp8Mlp(torch.autograd.Function):
         grad_y, grad_w2, grad_b2 = _backward_gemms([grad_out], None, amax2, ctx.grad_calibrated[1], y8_t.t(),
                                                    y_scale, w2_8, w2_scale)
         grad_x, grad_w1, grad_b1 = _backward_gemms([grad_y], pre, amax1, ctx.grad_calibrated[0],
-                                                   _column_major(_pad_rows(x8)), x_scale, w1_8, w1_scale)
+                                                   _input_columns(x8, ctx.transposed), x_scale, w1_8, w1_scale)
         return (grad_x.to(ctx.x_dtype), grad_w1, grad_b1 if ctx.has_bias[0] else None, grad_w2,
                 grad_b2 if ctx.has_bias[1] else None, None, None, None, None, None, None)
 

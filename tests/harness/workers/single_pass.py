@@ -16,7 +16,8 @@ not, the scale), against `fp8_cast.reference`: the FP8 copies' bytes that differ
 the padding columns that are not zero, the amax's difference, and the bias gradient's largest difference
 relative to its largest value (the kernel sums tiles in another order); `gelu`, per case (shape, dtype),
 the forward's GELU and E4M3 cast against `fp8_cast.gelu_reference`: the same counts, and whether the
-column sums were left out as asked; `bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
+column sums were left out as asked; `cast`, per case, a layer's input cast against `fp8_cast.cast_reference`,
+the same counts; `bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
 layer's gradient pass against `fused_linear.reference`: the gradient's elements that differ and by how many
 units in the last place at most (GELU's derivative: the interpreter's erf and exp are not torch's), and
 the column sums' largest difference relative to their largest value.
@@ -92,15 +93,19 @@ def case(rows: int, cols: int | tuple[int, ...], dtype: torch.dtype, gelu: bool,
 
 
 GELU_CASES = [(37, 40, torch.bfloat16), (16, 48, torch.float16), (9, 8, torch.float32)]  # rows, columns, dtype
+CAST_CASES = [(37, 40, torch.bfloat16), (48, 33, torch.float16), (9, 8, torch.float32)]
 
 
-def gelu_case(rows: int, cols: int, dtype: torch.dtype, k: fp8_kernels.Kernel) -> dict[str, float]:
-    """GELU of FC1's output cast to E4M3 by its own amax: the forward's op (`fp8_cast.gelu_reference`)."""
-    pre = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)) * 2).to(dtype)
-    scale = torch.tensor(448.0) / fp8_cast.gelu_reference(pre, torch.tensor(1.0), torch.float8_e4m3fn)[2]
-    want = fp8_cast.gelu_reference(pre, scale, torch.float8_e4m3fn)
-    got = fp8_kernels.cast_transpose(k, [pre], None, scale, torch.float8_e4m3fn, fp8_cast.padded(rows),
-                                     fp8_kernels.GELU, sums=False)
+def forward_case(rows: int, cols: int, dtype: torch.dtype, k: fp8_kernels.Kernel, gelu: bool) -> dict[str, float]:
+    """A forward operand cast to E4M3 by its own amax: GELU of FC1's output (`fp8_cast.gelu_reference`) or a
+    layer's input (`fp8_cast.cast_reference`), both copies and the amax."""
+    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols + gelu)) * 2).to(dtype)
+    x[0, :2] = 0.0  # exact zeros
+    reference = fp8_cast.gelu_reference if gelu else fp8_cast.cast_reference
+    scale = torch.tensor(448.0) / reference(x, torch.tensor(1.0), torch.float8_e4m3fn)[2]
+    want = reference(x, scale, torch.float8_e4m3fn)
+    got = fp8_kernels.cast_transpose(k, [x], None, scale, torch.float8_e4m3fn, fp8_cast.padded(rows),
+                                     fp8_kernels.GELU if gelu else fp8_kernels.NONE, sums=False)
     return {"rows_differ": int((got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum()),
             "transposed_differ": int((got[1].view(torch.uint8) != want[1].view(torch.uint8)).sum()),
             "padding_not_zero": int(got[1].view(torch.uint8)[:, rows:].ne(0).sum()),
@@ -131,10 +136,11 @@ def main(out: Path) -> None:
     results = {f"{r}x{sum(c) if isinstance(c, tuple) else c} {str(d).split('.')[-1]} gelu={g} scale={s} "
                f"{str(t).split('.')[-1]} parts={len(c) if isinstance(c, tuple) else 1}": case(r, c, d, g, s, t, k)
                for r, c, d, g, s, t in CASES}
-    gelu = {f"{r}x{c} {str(t).split('.')[-1]}": gelu_case(r, c, t, k) for r, c, t in GELU_CASES}
+    gelu = {f"{r}x{c} {str(t).split('.')[-1]}": forward_case(r, c, t, k, gelu=True) for r, c, t in GELU_CASES}
     bf16 = {f"{r}x{sum(w)} parts={len(w)} gelu={g} {str(t).split('.')[-1]}": gradient_case(r, w, g, t, k)
             for r, w, g, t in BF16_CASES}
-    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16}, indent=1))
+    cast = {f"{r}x{c} {str(t).split('.')[-1]}": forward_case(r, c, t, k, gelu=False) for r, c, t in CAST_CASES}
+    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16, "cast": cast}, indent=1))
 
 
 if __name__ == "__main__":

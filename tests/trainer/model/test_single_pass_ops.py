@@ -43,11 +43,13 @@ def test_the_kernel_gives_torchs_fp8_bytes_bias_gradient_and_amax(interpreted):
         assert result["amax_difference"] == 0.0 and result["bias_relative"] <= 1e-6, name
 
 
-def test_the_kernel_gives_torchs_fp8_bytes_and_amax_of_gelu_in_the_forward(interpreted):
-    """FC1's output through GELU (rounded to its dtype, as F.gelu), cast to E4M3: both copies byte for byte,
-    zero padding, the amax exactly; no column sums (the forward asks for none)."""
-    assert len(interpreted["gelu"]) == 3
-    for name, result in interpreted["gelu"].items():
+@pytest.mark.parametrize("part", ["gelu", "cast"])
+def test_the_kernel_gives_torchs_fp8_bytes_and_amax_of_the_forwards_operands(interpreted, part):
+    """FC1's output through GELU (rounded to its dtype, as F.gelu) and a layer's input (bf16, fp16, fp32), cast to
+    E4M3 with the transposed copy dW reads: both copies byte for byte, zero padding, the amax exactly; no column
+    sums (the forward asks for none)."""
+    assert len(interpreted[part]) == 3
+    for name, result in interpreted[part].items():
         rows, cols = (int(n) for n in name.split()[0].split("x"))
         assert result["transposed_shape"] == [cols, fp8_cast.padded(rows)], name
         assert (result["rows_differ"], result["transposed_differ"], result["padding_not_zero"]) == (0, 0, 0), name
@@ -116,6 +118,15 @@ def test_the_op_and_its_fake_give_the_same_shapes_and_the_reference_values():
     with FakeTensorMode() as mode:
         fakes = torch.ops.mlperf_bert.fp8_grad_cast_transpose([mode.from_tensor(grad)], None, mode.from_tensor(
             torch.tensor(1.0)), E5M2)
+    assert [(t.shape, t.dtype) for t in fakes] == [(t.shape, t.dtype) for t in want]
+    x = torch.randn(17, 8, dtype=torch.bfloat16)
+    got = torch.ops.mlperf_bert.fp8_cast_transpose(x, torch.tensor(100.0), torch.float8_e4m3fn)
+    want = fp8_cast.cast_reference(x, torch.tensor(100.0), torch.float8_e4m3fn)
+    assert all(a.dtype == b.dtype and torch.equal(a.float(), b.float()) for a, b in zip(got, want))
+    assert torch.equal(got[1].t()[:17].float(), got[0].float()) and got[1][:, 17:].float().eq(0).all()
+    with FakeTensorMode() as mode:
+        fakes = torch.ops.mlperf_bert.fp8_cast_transpose(mode.from_tensor(x), mode.from_tensor(torch.tensor(1.0)),
+                                                         torch.float8_e4m3fn)
     assert [(t.shape, t.dtype) for t in fakes] == [(t.shape, t.dtype) for t in want]
 
 
@@ -234,6 +245,33 @@ def test_the_fused_linears_equal_torchs_layers(precision):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_on_cuda_the_weight_gradient_is_the_gemms_fp32_accumulator():
+    """Traced on the fake CUDA device, a bf16 layer's weight gradient is one GEMM writing fp32 (`mm(out_dtype=)`):
+    no bf16 product and no conversion after it; on the CPU, torch's bf16 product converted, as autocast gives it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mlperf_bert.model.fused_linear import weight_gradient
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode(), Ops() as ops:
+        g = torch.empty(48, 32, dtype=torch.bfloat16, device="cuda")
+        x = torch.empty(48, 16, dtype=torch.bfloat16, device="cuda")
+        grad_w = weight_gradient(g, x, torch.float32)
+    assert grad_w.dtype == torch.float32 and grad_w.shape == (32, 16)
+    assert [op for op in ops.seen if "mm" in op or "copy" in op or "convert" in op] == ["aten.mm.dtype"]
+    g, x = torch.randn(48, 32, dtype=torch.bfloat16), torch.randn(48, 16, dtype=torch.bfloat16)
+    assert torch.equal(weight_gradient(g, x, torch.float32), (g.t() @ x).float())
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_token_count_stays_symbolic_through_the_compiled_backward(fp8):
     """Under torch.compile with dynamic shapes (the unpadded layout: a token count per batch) the functions'
@@ -350,7 +388,8 @@ def test_on_the_gpu_the_kernels_give_the_reference_values():
     scale = torch.tensor(900.0)
     cases = [(fp8_cast.grad_cast_transpose, (grads, None, scale, E5M2), fp8_cast.reference),
              (fp8_cast.grad_cast_transpose, ([grads[0]], pre, scale, E5M2), fp8_cast.reference),
-             (fp8_cast.gelu_cast_transpose, (pre, scale, torch.float8_e4m3fn), fp8_cast.gelu_reference)]
+             (fp8_cast.gelu_cast_transpose, (pre, scale, torch.float8_e4m3fn), fp8_cast.gelu_reference),
+             (fp8_cast.cast_transpose, (pre, scale, torch.float8_e4m3fn), fp8_cast.cast_reference)]
     for op, args, reference in cases:
         on_gpu = op(*[[g.to(cuda) for g in a] if isinstance(a, list) else a.to(cuda) if isinstance(a, torch.Tensor)
                       else a for a in args])
@@ -364,3 +403,10 @@ def test_on_the_gpu_the_kernels_give_the_reference_values():
         want = bf16_reference(*args)
         torch.testing.assert_close(got[0].cpu(), want[0], rtol=8e-3, atol=1e-6)
         torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-3)
+    from mlperf_bert.model.fused_linear import weight_gradient
+
+    g, x = grads[0].to(cuda), pre.to(cuda)
+    exact = grads[0].double().t() @ pre.double()
+    got = weight_gradient(g, x, torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu().double(), exact, rtol=1e-5, atol=1e-3)  # fp32 accumulation, not bf16

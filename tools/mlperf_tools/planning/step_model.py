@@ -132,7 +132,7 @@ CALIBRATION: dict[str, Constant] = {
     "network_efficiency": Constant(0.80, "NCCL bus bandwidth over the link's rate (nccl-tests all_reduce_perf)"),
     "eval_fixed_s": Constant(0.5, "per eval: the accuracy all-reduce, its host read and the MLPerf log lines"),
     "run_fixed_s": Constant(5.0, "after run_start, outside steps and evals: first batches, the eval set's read"),
-    "step_time_spread": Constant(0.288, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
+    "step_time_spread": Constant(0.278, "`tools/plan.py --calibrate`: the largest |log(predicted / published)| "
                                         "left by the fit of NVIDIA's code to the published rates"),
     "init_fixed_s": Constant(30.0, "before run_start, besides graph warm-up and capture: processes, model and "
                                    "optimizer on the device (NVIDIA v2.0 A100 logs: init_start to run_start 17 s)"),
@@ -390,7 +390,7 @@ OURS: dict[str, Constant] = {
                                             "9.4 GB; 33.6 GB of `_foreach_` ops then), as a share of HBM bandwidth: "
                                             "the step keeps the measured optimizer time until a GPU times the fused "
                                             "passes", True),
-    "inductor_bandwidth": Constant(0.3528, "fitted: the compiled steps (bf16 and FP8 tensorwise, CUDA graph): the "
+    "inductor_bandwidth": Constant(0.343, "fitted: the compiled steps (bf16 and FP8 tensorwise, CUDA graph): the "
                                            "bytes Inductor counts for the compiled regions' kernels (the set-ups' "
                                            "code generated for the H200 on the fake device) per second over HBM "
                                            "bandwidth", True),

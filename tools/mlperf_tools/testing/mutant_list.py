@@ -58,6 +58,7 @@ ATTENTION = "pytorch/mlperf_bert/model/attention.py"
 FUSED_KERNELS = "pytorch/mlperf_bert/optim/fused_kernels.py"
 FP8_KERNELS = "pytorch/mlperf_bert/model/fp8_kernels.py"
 FUSED_LINEAR = "pytorch/mlperf_bert/model/fused_linear.py"
+BERT = "pytorch/mlperf_bert/model/bert.py"
 OPTIMIZERS = "pytorch/mlperf_bert/optim/optimizers.py"
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
@@ -711,4 +712,21 @@ MUTANTS: list[Mutant] = [
         "the bias gradient kept in fp32 where autocast's linear rounds it to bf16"),
     _m3("fused-linear-02", FUSED_LINEAR, "                return F.gelu(out)\n", "                return F.gelu(out, approximate=\"tanh\")\n",
         "FC1's GELU in its tanh form where the model's is exact"),
+    _m3("fused-linear-03", FUSED_LINEAR, "return torch.mm(g.t(), x, out_dtype=torch.float32)",
+        "return (g.t() @ x).float()",
+        "on CUDA the weight gradient rounded to bf16 and converted in a kernel of its own",
+        "tests/trainer/model/test_single_pass_ops.py", "-k", "weight_gradient"),
+    _m3("add-norm-01", BERT, "CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.add.Tensor else",
+        "CheckpointPolicy.PREFER_RECOMPUTE if op is torch.ops.aten.add.Tensor else",
+        "the residual sum left to the partitioner, which recomputes it: the LayerNorm backward in two kernels",
+        "tests/trainer/model/test_add_and_norm.py", "tests/trainer/dryrun/test_compiled_step.py", "-k",
+        "saved or shipped"),
+    _m3("fp8c-03", FP8_CAST, "    return x8, transposed(x8), x.detach().abs().amax().float()",
+        "    return x8, x8.t().contiguous(), x.detach().abs().amax().float()",
+        "a layer input's transposed copy not padded to the GEMM's 16-token alignment",
+        "tests/trainer/model/test_single_pass_ops.py", "tests/trainer/model/test_fp8_delayed.py"),
+    _m3("fp8d-07", FP8_DELAYED, "    amax[INPUT].copy_(x_amax)\n",
+        "    amax[INPUT].copy_(x8.float().abs().amax())\n",
+        "the next step's input amax read off the scaled FP8 copy, not the input",
+        "tests/trainer/model/test_fp8_delayed.py"),
 ]
