@@ -45,8 +45,6 @@ from torch import nn
 from .fp8_cast import cast_transpose, gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts, saturated_cast
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-# A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way).
-_TINY = 1e-12
 INPUT, GRAD = 0, 1  # slots of the amax buffer: the last input and output-gradient amax
 
 
@@ -56,8 +54,13 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 factor that maps amax onto the largest value of `dtype` (1 for an all-zero tensor)."""
+    # A tensor of zeros has amax 0: its scale is then 1 (anything times 0 is 0 either way). The bound is a literal:
+    # with dynamic shapes torch.compile reads a module-level float as an input (a symbolic float), which a second
+    # FP8 layer's autograd function in the same graph cannot take (torch 2.13's Dynamo stops with
+    # "lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
+    tiny = 1e-12
     amax = amax.float()
-    return torch.where(amax > _TINY, fp8_max(dtype) / amax.clamp(min=_TINY), torch.ones_like(amax))
+    return torch.where(amax > tiny, fp8_max(dtype) / amax.clamp(min=tiny), torch.ones_like(amax))
 
 
 to_fp8 = saturated_cast

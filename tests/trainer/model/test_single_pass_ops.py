@@ -276,8 +276,9 @@ def test_on_cuda_the_weight_gradient_is_the_gemms_fp32_accumulator():
 def test_the_token_count_stays_symbolic_through_the_compiled_backward(fp8):
     """Under torch.compile with dynamic shapes (the unpadded layout: a token count per batch) the functions'
     forward and backward, the op calls included, trace once for every count: nothing in them specialises the
-    graph to one (a recompile each batch). One layer per compiled module: two delayed-FP8 layers in one
-    dynamic-shape graph stop Dynamo itself (an assertion in its tracer, with or without these ops)."""
+    graph to one (a recompile each batch). Both layers in one compiled module too, as an encoder layer holds
+    four: a module-level float read by the FP8 scale made the second layer's function stop Dynamo (an
+    assertion in its tracer)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(6)
@@ -305,7 +306,15 @@ def test_the_token_count_stays_symbolic_through_the_compiled_backward(fp8):
                 self.qkv, self.qkv.weight, self.qkv.bias, x, (64, 64, 64))
             return (blocks[0] * blocks[1]).sum() + blocks[2].square().sum()
 
-    for module in (Ffn(), Qkv()):
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ffn, self.qkv = Ffn(), Qkv()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ffn(x) + self.qkv(x)
+
+    for module in (Ffn(), Qkv(), Both()):
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(module, backend=counter, dynamic=True)
         for tokens in (21, 37, 50):
