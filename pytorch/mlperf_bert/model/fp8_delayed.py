@@ -29,9 +29,10 @@ the autocast dtype, dX = dY W, dW = dY^T X in fp32. The FP8 layout of `_scaled_m
 operand row-major and its second column-major, hence the transposed copies of W for dX, and of dY
 and X for dW; token counts that are not a multiple of 16 are padded with zero rows for dW (a no-op
 for packed rows of 512). A training forward makes X's two FP8 copies and its amax in one pass
-(`fp8_cast.cast_transpose`) and saves the transposed one for dW. dY's two FP8 copies, the bias gradient and dY's amax come from one pass over dY
-(`fp8_cast.grad_cast_transpose`, a Triton kernel on the GPU); the layer that GELU follows runs GELU
-itself (`forward(x, gelu=True)`), so that pass also applies GELU's derivative. Off a GPU the GEMMs are
+(`fp8_cast.cast_transpose`) and saves the transposed one for dW. dY's two FP8 copies, the bias
+gradient and dY's amax come from one pass over dY (`fp8_cast.grad_cast_transpose`, a Triton kernel
+on the GPU); the layer that GELU follows runs GELU itself (`forward(x, gelu=True)`), so that pass also
+applies GELU's derivative. Off a GPU the GEMMs are
 emulated (`scaled_mm`: the same FP8 operands dequantised, multiplied in fp32); everything else is the
 same code.
 """
