@@ -24,7 +24,8 @@ POINTWISE, REDUCTION, PERSISTENT_REDUCTION, FOREACH, TEMPLATE, EXTERN, FUSED_OP 
 ELEMENTWISE = (POINTWISE, REDUCTION, PERSISTENT_REDUCTION, FOREACH, FUSED_OP)
 # What an extern call is, by the op's name.
 GEMM, ATTENTION, CUSTOM, FALLBACK = "gemm", "attention", "custom op", "aten fallback"
-_GEMMS = ("mm", "mm_dtype", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm", "_scaled_grouped_mm")  # mm_dtype: `mm(out_dtype=)`
+# mm_dtype: `mm(out_dtype=)`, an fp32 product of bf16 operands
+_GEMMS = ("mm", "mm_dtype", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm", "_scaled_grouped_mm")
 _ATTENTION_WORDS = ("attention", "flash", "cudnn_attention", "efficient_attention")
 
 _DEFINITION = re.compile(r"^(\w+) = async_compile\.triton\('\w+', '''(.*?)'''", re.S | re.M)

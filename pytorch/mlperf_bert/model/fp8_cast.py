@@ -83,11 +83,8 @@ def reference(grads: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.
 
 def gelu_reference(pre: torch.Tensor, scale: torch.Tensor,
                    fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gelu_cast_transpose`'s values from torch's ops: Y = GELU(pre) in pre's dtype, then (Y8 [M, N],
-    Y8T [N, padded(M)] with zero columns past M, max |Y| fp32)."""
-    y = F.gelu(pre)
-    y8 = saturated_cast(y, scale, fp8_dtype)
-    return y8, transposed(y8), y.detach().abs().amax().float()
+    """`gelu_cast_transpose`'s values from torch's ops: `cast_reference` of Y = GELU(pre) in pre's dtype."""
+    return cast_reference(F.gelu(pre), scale, fp8_dtype)
 
 
 def cast_reference(x: torch.Tensor, scale: torch.Tensor,
