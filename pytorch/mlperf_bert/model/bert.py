@@ -170,12 +170,13 @@ def fused_projection(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[tor
     kinds = {type(linear) for linear in linears}
     if kinds != {nn.Linear} and kinds != {DelayedFp8Linear}:
         return tuple(linear(x) for linear in linears)
-    weight = torch.cat([linear.weight for linear in linears])
     biases = [linear.bias for linear in linears]
     bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
     sizes = tuple(linear.out_features for linear in linears)
-    if kinds == {DelayedFp8Linear}:  # its backward reads the blocks' gradients where they are
-        return DelayedFp8Linear.split_outputs(linears[0], weight, bias, x, sizes)  # type: ignore[arg-type]
+    if kinds == {DelayedFp8Linear}:  # its cast reads the weights, and its backward their gradients, where they are
+        weights = [linear.weight for linear in linears]
+        return DelayedFp8Linear.split_outputs(linears[0], weights, bias, x, sizes)  # type: ignore[arg-type]
+    weight = torch.cat([linear.weight for linear in linears])
     if bias is not None:  # the same, with the bias gradient in the same pass
         return split_linear(weight, bias, x, sizes)
     return F.linear(x, weight, bias).split(sizes, dim=-1)

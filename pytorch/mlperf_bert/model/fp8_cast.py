@@ -51,7 +51,8 @@ ALIGN = 16
 # parts (the query, key and value gradients) is read in place when each part's width is a multiple of TILE_N.
 TILE_M, TILE_N = 64, 64
 SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose",
-                   f"{NAMESPACE}.fp8_cast_transpose", f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
+                   f"{NAMESPACE}.fp8_cast_transpose", f"{NAMESPACE}.fp8_weight_cast_transpose",
+                   f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
 
 
 def padded(rows: int) -> int:
@@ -93,6 +94,12 @@ def cast_reference(x: torch.Tensor, scale: torch.Tensor,
     max |X| fp32)."""
     x8 = saturated_cast(x, scale, fp8_dtype)
     return x8, transposed(x8), x.detach().abs().amax().float()
+
+
+def weight_reference(parts: Sequence[torch.Tensor], scale: torch.Tensor,
+                     fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight_cast_transpose`'s values from torch's ops: `cast_reference` of the row-wise parts stacked."""
+    return cast_reference(parts[0] if len(parts) == 1 else torch.cat(list(parts)), scale, fp8_dtype)
 
 
 def read_in_parts(grads: list[torch.Tensor], pre: torch.Tensor | None, tile: int = TILE_N) -> bool:
@@ -185,6 +192,45 @@ def _cast_transpose_fake(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.
 @cast_transpose.register_kernel("cuda")
 def _cast_transpose_cuda(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return _forward_cast(x, scale, fp8_dtype, gelu=False)
+
+
+def stacked_in_place(parts: Sequence[torch.Tensor], tile: int = TILE_M) -> bool:
+    """Whether `weight_cast_transpose` reads these row-wise parts in place (else the caller stacks them first,
+    where the compiled graph shows the copy): at most 3 parts of one shape, their height a multiple of the
+    tile's (`tile` rows)."""
+    first = parts[0]
+    same = all(p.shape[0] == first.shape[0] and p.shape[1] == first.shape[1] for p in parts)
+    return len(parts) == 1 or (len(parts) <= 3 and same and first.shape[0] % tile == 0)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_weight_cast_transpose", mutates_args=())
+def weight_cast_transpose(parts: list[torch.Tensor], scale: torch.Tensor,
+                          fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W8, W8T, amax) of a layer's weight W given as its row-wise parts (one tensor, or the query, key and value
+    weights stacked: `stacked_in_place`): `cast_reference` of W, read once and where it is. W8 is the forward
+    GEMM's operand, W8T (the same values transposed) the input gradient's; both are saved, not recomputed."""
+    return weight_reference(parts, scale, fp8_dtype)
+
+
+@weight_cast_transpose.register_fake
+def _weight_cast_transpose_fake(parts: list[torch.Tensor], scale: torch.Tensor,
+                                fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    rows, cols, first = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0]
+    return (first.new_empty((rows, cols), dtype=fp8_dtype), first.new_empty((cols, padded(rows)), dtype=fp8_dtype),
+            first.new_empty((), dtype=torch.float32))
+
+
+@weight_cast_transpose.register_kernel("cuda")
+def _weight_cast_transpose_cuda(parts: list[torch.Tensor], scale: torch.Tensor,
+                                fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    module = _triton_module()
+    if module is None or not stacked_in_place(parts):
+        return weight_reference(parts, scale, fp8_dtype)
+    rows = sum(p.shape[0] for p in parts)
+    w8, w8t, _, amax = module.cast_transpose(module.kernel(TILE_M, TILE_N), [p.contiguous() for p in parts], None,
+                                             scale.float(), fp8_dtype, padded(rows), module.NONE, sums=False,
+                                             stacked=len(parts) > 1)
+    return w8, w8t, amax
 
 
 @functools.cache

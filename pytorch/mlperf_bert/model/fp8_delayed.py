@@ -9,8 +9,12 @@ scaling (`--fp8_recipe tensorwise`) must reduce the whole tensor first and cast 
 
 What each tensor gets:
 - input x (E4M3): the scale of the previous forward's amax of x;
-- weight W (E4M3): its own amax, each forward: the weights are small (at most 4M values per layer)
-  and change every step, so they are cast once per step from their current value;
+- weight W (E4M3): the previous training forward's amax of W, as TransformerEngine's delayed recipe scales
+  weights. A step's update moves each weight by about the learning rate's fraction of it, so last step's
+  amax bounds this step's but for that fraction, whose values saturate at the format's largest (the nearest
+  E4M3 value to them anyway). The cast then reads W once: W8 for the forward GEMM, its transposed copy for
+  dX, and the amax the next step scales by, in one pass (`fp8_cast.weight_cast_transpose`, which reads the
+  query, key and value weights where they are), both copies saved for the backward;
 - output gradient dY (E5M2, the wider range gradients need): the previous backward's amax.
 
 The first forward and backward of a layer have no history: they scale by the tensor's own amax
@@ -39,14 +43,18 @@ same code.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8_cast import cast_transpose, gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts, saturated_cast
+from .fp8_cast import (cast_transpose, gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts,
+                       saturated_cast, stacked_in_place, weight_cast_transpose)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-INPUT, GRAD = 0, 1  # slots of the amax buffer: the last input and output-gradient amax
+INPUT, GRAD, WEIGHT = 0, 1, 2  # slots of the amax buffer: the last training step's input, output-gradient and weight amax
+SLOTS = 3
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -114,17 +122,36 @@ def _input_columns(saved: torch.Tensor, transposed: bool) -> torch.Tensor:
     return saved.t() if transposed else _column_major(_pad_rows(saved))
 
 
-def _weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w_scale = scale_of(amax_of(weight), E4M3)
-    return to_fp8(weight, w_scale, E4M3), w_scale
+def _weight_fp8(weights: tuple[torch.Tensor, ...], amax: torch.Tensor, calibrated: bool,
+                records: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(W in E4M3, its transposed copy for dX or None, its scale) of the weight given as its row-wise parts (one,
+    or the query, key and value weights: `stacked_in_place`). A training forward (`records`) scales by the
+    history's amax once calibrated, else by W's own, and makes both copies and the amax it leaves for the next
+    step in one pass; an eval forward scales by W's own amax and only casts (the history is the training's)."""
+    if not records:
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        w_scale = scale_of(amax_of(weight), E4M3)
+        return to_fp8(weight, w_scale, E4M3), None, w_scale
+    parts = list(weights) if stacked_in_place(weights) else [torch.cat(weights)]  # else the graph shows the copy
+    w_scale = scale_of(amax[WEIGHT] if calibrated else torch.stack([amax_of(w) for w in parts]).amax(), E4M3)
+    w8, w8_t, w_amax = weight_cast_transpose(parts, w_scale, E4M3)
+    amax[WEIGHT].copy_(w_amax)
+    return w8, w8_t, w_scale
+
+
+def _weight_columns(saved: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The saved FP8 weight as dX's second operand, column-major: a training forward saved its transposed copy
+    (`_weight_fp8`), which is that already; otherwise it is made here."""
+    return saved.t() if transposed else _column_major(saved)
 
 
 def _backward_gemms(grads: list[torch.Tensor], pre: torch.Tensor | None, amax: torch.Tensor, grad_calibrated: bool,
-                    x8_columns: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
+                    x8_columns: torch.Tensor, x_scale: torch.Tensor, w8_columns: torch.Tensor,
                     w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dX, dW fp32, bias gradient fp32) of one FP8 layer from its output gradient, given as its column-wise parts
     (through GELU's derivative at `pre` when given): the gradient's FP8 copies, bias gradient and amax in one
-    pass, then the two GEMMs. `x8_columns`: the layer's FP8 input, column-major, tokens padded to ALIGN."""
+    pass, then the two GEMMs. `x8_columns`: the layer's FP8 input, column-major, tokens padded to ALIGN;
+    `w8_columns`: its FP8 weight, column-major."""
     grads = [g.contiguous() for g in grads]
     if not read_in_parts(grads, pre):
         grads = [torch.cat(grads, dim=1)]
@@ -135,7 +162,7 @@ def _backward_gemms(grads: list[torch.Tensor], pre: torch.Tensor | None, amax: t
     g8, g8_t, grad_b, g_amax = grad_cast_transpose(grads, pre, g_scale, E5M2)
     amax[GRAD].copy_(g_amax)
     g_inverse = g_scale.reciprocal()
-    grad_x = scaled_mm(g8, _column_major(w8), g_inverse, w_scale.reciprocal(), grads[0].dtype)
+    grad_x = scaled_mm(g8, w8_columns, g_inverse, w_scale.reciprocal(), grads[0].dtype)
     grad_w = scaled_mm(g8_t, x8_columns, g_inverse, x_scale.reciprocal(), torch.float32)
     return grad_x, grad_w, grad_b
 
@@ -152,16 +179,20 @@ class _DelayedFp8Matmul(torch.autograd.Function):
     (`fp8_cast.grad_cast_transpose`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, weight1: torch.Tensor | None,
+                weight2: torch.Tensor | None, bias: torch.Tensor | None,
                 amax: torch.Tensor, calibrated: bool, grad_calibrated: bool,
                 out_dtype: torch.dtype, records: bool, gelu: bool,
                 split: tuple[int, ...] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        weights = tuple(w for w in (weight, weight1, weight2) if w is not None)  # row-wise parts of one weight
         x8, x8_t, x_scale = _input_fp8(x, amax, calibrated, records)
-        w8, w_scale = _weight_fp8(weight)
+        w8, w8_t, w_scale = _weight_fp8(weights, amax, calibrated, records)
         out = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), out_dtype, _bias(bias, out_dtype))
         # With GELU its input is kept for its derivative, which the backward's one pass applies.
-        ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w8, w_scale, amax, out if gelu else None)
-        ctx.rows, ctx.transposed = x8.shape[0], x8_t is not None
+        ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w8 if w8_t is None else w8_t, w_scale, amax,
+                              out if gelu else None)
+        ctx.rows, ctx.transposed, ctx.w_transposed = x8.shape[0], x8_t is not None, w8_t is not None
+        ctx.weight_rows = [w.shape[0] for w in weights]
         ctx.grad_calibrated, ctx.has_bias, ctx.x_dtype = grad_calibrated, bias is not None, x.dtype
         ctx.widths = split or (out.shape[-1],)
         out = F.gelu(out) if gelu else out
@@ -174,8 +205,11 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         grads = [g if g is not None else x8.new_zeros((ctx.rows, width), dtype=ctx.x_dtype)
                  for g, width in zip(grad_outs, ctx.widths)]
         grad_x, grad_w, grad_b = _backward_gemms(grads, pre, amax, ctx.grad_calibrated,
-                                                 _input_columns(x8, ctx.transposed), x_scale, w8, w_scale)
-        return (grad_x.to(ctx.x_dtype), grad_w, grad_b if ctx.has_bias else None,
+                                                 _input_columns(x8, ctx.transposed), x_scale,
+                                                 _weight_columns(w8, ctx.w_transposed), w_scale)
+        grad_ws = list(grad_w.split(ctx.weight_rows)) if len(ctx.weight_rows) > 1 else [grad_w]
+        grad_ws += [None] * (3 - len(grad_ws))
+        return (grad_x.to(ctx.x_dtype), *grad_ws, grad_b if ctx.has_bias else None,
                 None, None, None, None, None, None, None)
 
 
@@ -190,7 +224,7 @@ class _DelayedFp8Mlp(torch.autograd.Function):
                 b2: torch.Tensor | None, amax1: torch.Tensor, amax2: torch.Tensor, calibrated: tuple[bool, bool],
                 grad_calibrated: tuple[bool, bool], out_dtype: torch.dtype, records: bool) -> torch.Tensor:
         x8, x8_t, x_scale = _input_fp8(x, amax1, calibrated[0], records)
-        w1_8, w1_scale = _weight_fp8(w1)
+        w1_8, w1_8t, w1_scale = _weight_fp8((w1,), amax1, calibrated[0], records)
         pre = scaled_mm(x8, w1_8.t(), x_scale.reciprocal(), w1_scale.reciprocal(), out_dtype, _bias(b1, out_dtype))
         if calibrated[1]:
             y_scale = scale_of(amax2[INPUT], E4M3)
@@ -199,11 +233,12 @@ class _DelayedFp8Mlp(torch.autograd.Function):
         y8, y8_t, y_amax = gelu_cast_transpose(pre, y_scale, E4M3)
         if records:
             amax2[INPUT].copy_(y_amax)
-        w2_8, w2_scale = _weight_fp8(w2)
+        w2_8, w2_8t, w2_scale = _weight_fp8((w2,), amax2, calibrated[1], records)
         out = scaled_mm(y8, w2_8.t(), y_scale.reciprocal(), w2_scale.reciprocal(), out_dtype, _bias(b2, out_dtype))
-        ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8,
-                              w2_scale, amax1, amax2)
+        ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w1_8 if w1_8t is None else w1_8t, w1_scale, pre,
+                              y8_t, y_scale, w2_8 if w2_8t is None else w2_8t, w2_scale, amax1, amax2)
         ctx.grad_calibrated, ctx.x_dtype, ctx.transposed = grad_calibrated, x.dtype, x8_t is not None
+        ctx.w_transposed = w1_8t is not None  # both weights' copies are made by the same kind of forward
         ctx.has_bias = (b1 is not None, b2 is not None)
         return out
 
@@ -211,9 +246,10 @@ class _DelayedFp8Mlp(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
         x8, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8, w2_scale, amax1, amax2 = ctx.saved_tensors
         grad_y, grad_w2, grad_b2 = _backward_gemms([grad_out], None, amax2, ctx.grad_calibrated[1], y8_t.t(),
-                                                   y_scale, w2_8, w2_scale)
+                                                   y_scale, _weight_columns(w2_8, ctx.w_transposed), w2_scale)
         grad_x, grad_w1, grad_b1 = _backward_gemms([grad_y], pre, amax1, ctx.grad_calibrated[0],
-                                                   _input_columns(x8, ctx.transposed), x_scale, w1_8, w1_scale)
+                                                   _input_columns(x8, ctx.transposed), x_scale,
+                                                   _weight_columns(w1_8, ctx.w_transposed), w1_scale)
         return (grad_x.to(ctx.x_dtype), grad_w1, grad_b1 if ctx.has_bias[0] else None, grad_w2,
                 grad_b2 if ctx.has_bias[1] else None, None, None, None, None, None, None)
 
@@ -243,10 +279,10 @@ class DelayedFp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device)
-        # [input, output gradient]: the last training step's amax of each. Not in the state dict: the run
+        # [input, output gradient, weight]: the last training step's amax of each. Not in the state dict: the run
         # checkpoint keeps it apart (`scaling_state`).
-        self.register_buffer("amax", torch.zeros(2, device=device), persistent=False)
-        self.calibrated = False  # a training forward has set amax[INPUT]
+        self.register_buffer("amax", torch.zeros(SLOTS, device=device), persistent=False)
+        self.calibrated = False  # a training forward has set amax[INPUT] and amax[WEIGHT]
         self.grad_calibrated = False  # a training forward ran, so its backward has set amax[GRAD]
 
     @classmethod
@@ -255,7 +291,7 @@ class DelayedFp8Linear(nn.Linear):
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device=torch.device("meta"))
         new.weight = linear.weight
         new.bias = linear.bias
-        new.amax = torch.zeros(2, device=linear.weight.device)
+        new.amax = torch.zeros(SLOTS, device=linear.weight.device)
         return new
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
@@ -267,29 +303,34 @@ class DelayedFp8Linear(nn.Linear):
                 x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x W^T + b in FP8 with `owner`'s amax history: the layer's own weight, or the stacked weights of
         several layers that read the same input (`split_outputs` gives them apart)."""
-        out = DelayedFp8Linear._matmul(owner, weight, bias, x, gelu, None)
+        out = DelayedFp8Linear._matmul(owner, (weight,), bias, x, gelu, None)
         assert isinstance(out, torch.Tensor)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def split_outputs(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                      sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    def split_outputs(owner: "DelayedFp8Linear", weights: Sequence[torch.Tensor], bias: torch.Tensor | None,
+                      x: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """The outputs of several layers that read the same input (query, key and value: `bert.fused_projection`):
-        one FP8 GEMM over their stacked weights, with `owner`'s history, given back as the column blocks `sizes`,
-        whose gradients the backward reads where they are (no concatenation)."""
-        blocks = DelayedFp8Linear._matmul(owner, weight, bias, x, False, sizes)
+        one FP8 GEMM over their weights stacked row-wise (at most 3, given apart: the cast reads them where they
+        are), with `owner`'s history, given back as the column blocks `sizes`, whose gradients the backward reads
+        where they are (no concatenation)."""
+        blocks = DelayedFp8Linear._matmul(owner, tuple(weights), bias, x, False, sizes)
         return tuple(block.reshape(*x.shape[:-1], size) for block, size in zip(blocks, sizes))
 
     @staticmethod
-    def _matmul(owner: "DelayedFp8Linear", weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-               gelu: bool, split: tuple[int, ...] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def _matmul(owner: "DelayedFp8Linear", weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+                x: torch.Tensor, gelu: bool, split: tuple[int, ...] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if len(weights) > 3:
+            raise ValueError(f"an FP8 GEMM stacks at most 3 layers' weights, got {len(weights)}")
         flat = x.reshape(-1, x.shape[-1])
         # Only a forward that records gradients (a training step) reads and writes the history; an eval
         # forward (no_grad) scales by its own amax and leaves the history to the next training step.
         records = torch.is_grad_enabled()
-        out = _DelayedFp8Matmul.apply(flat, weight, bias, owner.amax, owner.calibrated and records,
-                                      owner.grad_calibrated, _out_dtype(x), records, gelu, split)
-        owner.ran_forward(records, weight)
+        weight1, weight2 = (*weights[1:], None, None)[:2]
+        out = _DelayedFp8Matmul.apply(flat, weights[0], weight1, weight2, bias, owner.amax,
+                                      owner.calibrated and records, owner.grad_calibrated, _out_dtype(x), records, gelu,
+                                      split)
+        owner.ran_forward(records, weights[0])
         return out
 
     def ran_forward(self, records: bool, weight: torch.Tensor) -> None:
@@ -314,8 +355,14 @@ class DelayedFp8Linear(nn.Linear):
                 return
             amax = state["amax"]
             assert isinstance(amax, torch.Tensor)
-            self.amax.copy_(amax)
+            if amax.numel() > SLOTS:
+                raise ValueError(f"an FP8 layer's amax history holds {SLOTS} values, the checkpoint's {amax.numel()}: "
+                                 "it was written by another release of the trainer; resume with that release")
+            self.amax.zero_()
+            self.amax[:amax.numel()].copy_(amax)
         self.calibrated, self.grad_calibrated = bool(state["calibrated"]), bool(state["grad_calibrated"])
+        if amax.numel() < SLOTS:  # a history saved before the weight's slot: the next forward calibrates on its own
+            self.calibrated = False
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp8 delayed scaling"

@@ -44,11 +44,12 @@ NONE, GELU, DGELU = 0, 1, 2  # ACT: what is applied to the tile before the cast
 
 def _cast_transpose(x, x1, x2, pre, scale, out, out_t, partials, amax, M, N, M_pad, WIDTH,
                     FP8_MAX: tl.constexpr, ACT: tl.constexpr, SUMS: tl.constexpr, PARTS: tl.constexpr,
-                    FP8: tl.constexpr, OUT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    STACKED: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr, ROUND: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile (module docstring). Programs: (M_pad / BLOCK_M, N / BLOCK_N), rounded up.
-    PARTS > 1: G is the column-wise concatenation of x, x1 (and x2), each [M, WIDTH], WIDTH a multiple of
-    BLOCK_N, so that each tile reads one part (the query, key and value gradients: no concatenated copy).
+    PARTS > 1: G is the concatenation of x, x1 (and x2), so that each tile reads one part in place (no
+    concatenated copy): column-wise, each [M, WIDTH] with WIDTH a multiple of BLOCK_N (the query, key and value
+    gradients), or with STACKED row-wise, each [WIDTH, N] with WIDTH a multiple of BLOCK_M (their weights).
     FP8 off (a bf16 layer's gradient): G itself is stored in its dtype (OUT = ROUND), no transposed copy, no
     amax; `scale`, `out_t` and `amax` are not touched."""
     tile_m = tl.program_id(0)
@@ -60,13 +61,17 @@ def _cast_transpose(x, x1, x2, pre, scale, out, out_t, partials, amax, M, N, M_p
     if PARTS == 1:
         g = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
     else:
-        part = tile_n * BLOCK_N // WIDTH
+        if STACKED:
+            part = tile_m * BLOCK_M // WIDTH
+            local = (rows[:, None] - part * WIDTH).to(tl.int64) * N + cols[None, :]
+        else:
+            part = tile_n * BLOCK_N // WIDTH
+            local = rows[:, None].to(tl.int64) * WIDTH + (cols[None, :] - part * WIDTH)
         source = x
         if part == 1:
             source = x1
         if part == 2:
             source = x2
-        local = rows[:, None].to(tl.int64) * WIDTH + (cols[None, :] - part * WIDTH)
         g = tl.load(source + local, mask=inside, other=0.0).to(tl.float32)
     if ACT == 1:  # h * Phi(h), F.gelu's exact form
         g = (g * 0.5 * (1.0 + tl.math.erf(g * _SQRT_HALF))).to(ROUND, fp_downcast_rounding="rtne").to(tl.float32)
@@ -113,18 +118,24 @@ def kernel(block_m: int, block_n: int, interpret: bool = False) -> Kernel:
 
 
 def cast_transpose(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor,
-                   fp8_dtype: torch.dtype, padded_rows: int, act: int, sums: bool
+                   fp8_dtype: torch.dtype, padded_rows: int, act: int, sums: bool, stacked: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(X8, X8T, column sums fp32 [N] with `sums` else None, amax fp32 []) of X, the column-wise concatenation
-    of the contiguous 2-D `parts` (at most 3, of one width, a multiple of the tile's when more than one), after
-    `act` (module docstring; `pre`: FC1's output, for DGELU, with one part)."""
-    rows, width = parts[0].shape
-    cols, device = width * len(parts), parts[0].device
+    of the contiguous 2-D `parts` (at most 3, of one width, a multiple of the tile's when more than one), or with
+    `stacked` their row-wise one (of one height, a multiple of the tile's, `padded_rows` their total), after `act`
+    (module docstring; `pre`: FC1's output, for DGELU, with one part)."""
+    rows, cols = _concatenated_shape(parts, stacked)
+    device = parts[0].device
     out = torch.empty((rows, cols), dtype=fp8_dtype, device=device)
     out_t = torch.empty((cols, padded_rows), dtype=fp8_dtype, device=device)
     amax = torch.zeros((), dtype=torch.float32, device=device)
-    sums_of = _launch(k, parts, pre, scale, out, out_t, amax, padded_rows, act, sums, fp8=True)
+    sums_of = _launch(k, parts, pre, scale, out, out_t, amax, padded_rows, act, sums, fp8=True, stacked=stacked)
     return out, out_t, sums_of, amax
+
+
+def _concatenated_shape(parts: list[torch.Tensor], stacked: bool) -> tuple[int, int]:
+    rows, width = parts[0].shape
+    return (rows * len(parts), width) if stacked else (rows, width * len(parts))
 
 
 def gradient_sums(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,14 +150,14 @@ def gradient_sums(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None
 
 def _launch(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor,
             out_t: torch.Tensor, amax: torch.Tensor, padded_rows: int, act: int, sums: bool,
-            fp8: bool) -> torch.Tensor | None:
-    rows, width = parts[0].shape
-    cols = width * len(parts)
+            fp8: bool, stacked: bool = False) -> torch.Tensor | None:
+    rows, cols = _concatenated_shape(parts, stacked)
+    width = parts[0].shape[0] if stacked else parts[0].shape[1]  # a part's extent along the concatenation
     tiles = (triton.cdiv(padded_rows, k.block_m), triton.cdiv(cols, k.block_n))
     partials = torch.empty((tiles[0] if sums else 1, cols), dtype=torch.float32, device=out.device)
     x, x1, x2 = (parts + parts[-1:] * 2)[:3]
     fp8_max = float(torch.finfo(out.dtype).max) if fp8 else 0.0
     k.run[tiles](x, x1, x2, x if pre is None else pre, scale, out, out_t, partials, amax, rows, cols, padded_rows,
-                 width, FP8_MAX=fp8_max, ACT=act, SUMS=sums, PARTS=len(parts), FP8=fp8, OUT=_TRITON_DTYPES[out.dtype],
-                 ROUND=_TRITON_DTYPES[x.dtype], BLOCK_M=k.block_m, BLOCK_N=k.block_n)
+                 width, FP8_MAX=fp8_max, ACT=act, SUMS=sums, PARTS=len(parts), STACKED=stacked, FP8=fp8,
+                 OUT=_TRITON_DTYPES[out.dtype], ROUND=_TRITON_DTYPES[x.dtype], BLOCK_M=k.block_m, BLOCK_N=k.block_n)
     return partials.sum(0) if sums else None

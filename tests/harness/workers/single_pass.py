@@ -17,7 +17,8 @@ the padding columns that are not zero, the amax's difference, and the bias gradi
 relative to its largest value (the kernel sums tiles in another order); `gelu`, per case (shape, dtype),
 the forward's GELU and E4M3 cast against `fp8_cast.gelu_reference`: the same counts, and whether the
 column sums were left out as asked; `cast`, per case, a layer's input cast against `fp8_cast.cast_reference`,
-the same counts; `bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
+the same counts; `weight`, per case (the parts' heights, columns), an fp32 weight given as row-wise parts
+cast against `fp8_cast.weight_reference`, the same counts; `bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
 layer's gradient pass against `fused_linear.reference`: the gradient's elements that differ and by how many
 units in the last place at most (GELU's derivative: the interpreter's erf and exp are not torch's), and
 the column sums' largest difference relative to their largest value.
@@ -113,6 +114,25 @@ def forward_case(rows: int, cols: int, dtype: torch.dtype, k: fp8_kernels.Kernel
             "no_sums": got[2] is None}
 
 
+WEIGHT_CASES = [((16, 16, 16), 40), ((32, 32), 24), ((48,), 33)]  # the parts' heights (stacked row-wise), columns
+
+
+def weight_case(heights: tuple[int, ...], cols: int, k: fp8_kernels.Kernel) -> dict[str, Any]:
+    """A layer's fp32 weight given as row-wise parts (the query, key and value weights) read in place, cast to E4M3
+    by its own amax with the transposed copy dX reads, against `fp8_cast.weight_reference`."""
+    generator = torch.Generator().manual_seed(sum(heights) * cols)
+    parts = [torch.randn(height, cols, generator=generator) * 0.05 * (i + 1) for i, height in enumerate(heights)]
+    assert fp8_cast.stacked_in_place(parts, k.block_m)
+    scale = torch.tensor(448.0) / fp8_cast.weight_reference(parts, torch.tensor(1.0), torch.float8_e4m3fn)[2]
+    want = fp8_cast.weight_reference(parts, scale, torch.float8_e4m3fn)
+    rows = sum(heights)
+    got = fp8_kernels.cast_transpose(k, parts, None, scale, torch.float8_e4m3fn, fp8_cast.padded(rows),
+                                     fp8_kernels.NONE, sums=False, stacked=len(parts) > 1)
+    return {"rows_differ": int((got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum()),
+            "transposed_differ": int((got[1].view(torch.uint8) != want[1].view(torch.uint8)).sum()),
+            "transposed_shape": list(got[1].shape), "amax_difference": float((got[3] - want[2]).abs())}
+
+
 BF16_CASES = [(21, (32, 32, 32), False, torch.bfloat16), (37, (40,), True, torch.bfloat16),
               (9, (16, 16), False, torch.float32), (16, (24,), True, torch.float16)]
 
@@ -140,7 +160,9 @@ def main(out: Path) -> None:
     bf16 = {f"{r}x{sum(w)} parts={len(w)} gelu={g} {str(t).split('.')[-1]}": gradient_case(r, w, g, t, k)
             for r, w, g, t in BF16_CASES}
     cast = {f"{r}x{c} {str(t).split('.')[-1]}": forward_case(r, c, t, k, gelu=False) for r, c, t in CAST_CASES}
-    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16, "cast": cast}, indent=1))
+    weight = {f"{'+'.join(map(str, h))}x{c}": weight_case(h, c, k) for h, c in WEIGHT_CASES}
+    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16, "cast": cast, "weight": weight},
+                              indent=1))
 
 
 if __name__ == "__main__":

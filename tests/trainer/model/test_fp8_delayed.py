@@ -16,7 +16,7 @@ from mlperf_bert.config.settings import ConfigError
 from mlperf_bert.data.batch import FlatBatch
 from mlperf_bert.model.bert import BertForPreTraining, fused_projection
 from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8, fp8_layer_names, fp8_unavailable
-from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, DelayedFp8Linear, _pad_rows
+from mlperf_bert.model.fp8_delayed import E4M3, E5M2, GRAD, INPUT, WEIGHT, DelayedFp8Linear, _pad_rows
 from mlperf_bert.train.eval_step import EagerEval
 from mlperf_bert.train.step import forward_backward
 from tests.harness.fp8_bert import NO_DROPOUT, TINY, random_batch
@@ -49,6 +49,47 @@ def test_second_forward_scales_by_the_first_ones_amax_and_saturates_above_it():
     own_scale = quantised(second, float(second.abs().max()), E4M3) @ w.t() + fp8.bias.detach().double()
     assert (got - own_scale).abs().max() > 1e-2  # dynamic scaling would give another result
     assert float(fp8.amax[INPUT]) == float(second.abs().max())  # what the next call will scale by
+
+
+def test_a_training_forward_scales_the_weight_by_the_previous_ones_amax_and_an_eval_by_its_own():
+    """The weight's scale is delayed as the input's: after an update that doubles the weight, the next training
+    forward casts it by the last forward's weight amax (its largest values saturate) and records the new amax;
+    an eval forward casts it by its own amax and leaves the history alone."""
+    fp8 = layer(3)
+    x = torch.randn(16, 32)
+    fp8(x)
+    first_amax = float(fp8.weight.detach().abs().max())
+    assert float(fp8.amax[WEIGHT]) == first_amax
+    with torch.no_grad():
+        fp8.weight.mul_(2.0)
+    w = fp8.weight.detach()
+    bias = fp8.bias.detach().double()
+    with torch.no_grad():
+        evaluated = fp8(x).double()
+    own = quantised(x, float(x.abs().max()), E4M3) @ quantised(w, float(w.abs().max()), E4M3).t() + bias
+    torch.testing.assert_close(evaluated, own, rtol=1e-5, atol=1e-5)
+    assert float(fp8.amax[WEIGHT]) == first_amax  # the eval left the history as the training forward left it
+    got = fp8(x).double()
+    delayed = quantised(x, float(x.abs().max()), E4M3) @ quantised(w, first_amax, E4M3).t() + bias
+    torch.testing.assert_close(got, delayed, rtol=1e-5, atol=1e-5)
+    assert (got - own).abs().max() > 1e-2  # the weight's own amax would give another result
+    assert float(fp8.amax[WEIGHT]) == float(w.abs().max())  # what the next training forward will scale by
+
+
+def test_a_history_without_the_weights_slot_loads_uncalibrated_and_a_longer_one_is_refused():
+    """A checkpoint's amax history of two values (input and gradient, before the weight's slot): the next forward
+    calibrates on its own amax, as a fresh layer's, rather than scaling the weight by an empty slot; more values
+    than the layer keeps: an error naming the release."""
+    fp8 = layer(4)
+    fp8.load_scaling_state({"amax": torch.tensor([2.0, 3.0]), "calibrated": True, "grad_calibrated": True})
+    assert fp8.amax.tolist() == [2.0, 3.0, 0.0] and not fp8.calibrated and fp8.grad_calibrated
+    x = torch.randn(16, 32)
+    w = fp8.weight.detach()
+    expected = (quantised(x, float(x.abs().max()), E4M3) @ quantised(w, float(w.abs().max()), E4M3).t()
+                + fp8.bias.detach().double())
+    torch.testing.assert_close(fp8(x).double(), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="another release"):
+        fp8.load_scaling_state({"amax": torch.ones(4), "calibrated": True, "grad_calibrated": True})
 
 
 def test_first_forward_and_backward_calibrate_on_their_own_amax():
@@ -268,6 +309,7 @@ def test_fused_projection_is_one_fp8_gemm_over_the_stacked_weights_scaled_by_the
     query, key, value = layers
     assert float(query.amax[INPUT]) == float(x2.abs().max())
     assert float(query.amax[GRAD]) == max(float(g.abs().max()) for g in grads)
+    assert float(query.amax[WEIGHT]) == float(weight.abs().max())  # the stacked weight's, read in its three parts
     assert not key.calibrated and not value.calibrated and key.amax.eq(0).all() and value.amax.eq(0).all()
 
     # Each FP8 result is about 0.06 from fp32 (relative L2); fused against separate measured up to 0.007 for the

@@ -56,6 +56,16 @@ def test_the_kernel_gives_torchs_fp8_bytes_and_amax_of_the_forwards_operands(int
         assert result["amax_difference"] == 0.0 and result["no_sums"], name
 
 
+def test_the_kernel_casts_a_weight_given_as_stacked_parts_where_they_are(interpreted):
+    """An fp32 weight as 3, 2 or 1 row-wise parts (the query, key and value weights), each 16 rows high (the
+    interpreter's tile): both E4M3 copies byte for byte with torch's cast of the stacked weight, the amax exactly."""
+    assert len(interpreted["weight"]) == 3
+    for name, result in interpreted["weight"].items():
+        rows, cols = sum(int(h) for h in name.split("x")[0].split("+")), int(name.split("x")[1])
+        assert result["transposed_shape"] == [cols, rows], name
+        assert (result["rows_differ"], result["transposed_differ"], result["amax_difference"]) == (0, 0, 0.0), name
+
+
 def test_the_kernel_compiles_for_the_gpu_with_rounded_conversions_and_whole_row_stores():
     """Compiled for sm_90 (no GPU needed): FP8 and bf16 conversions round to nearest (`cvt.rn`, saturating for
     FP8), and with 16-byte-aligned operands (Triton's specialisation of any launch on real tensors) every
@@ -68,18 +78,21 @@ def test_the_kernel_compiles_for_the_gpu_with_rounded_conversions_and_whole_row_
 
     from mlperf_bert.model import fp8_kernels
 
-    variants = [  # ACT, SUMS, PARTS, FP8, the output's Triton type and pointer type, the conversion it rounds with
-        (fp8_kernels.DGELU, True, 1, True, tl.float8e5, "fp8e5", "cvt.rn.satfinite.e5m2x2.f32"),  # FC1's gradient
-        (fp8_kernels.NONE, True, 3, True, tl.float8e5, "fp8e5", "cvt.rn.satfinite.e5m2x2.f32"),  # QKV gradients
-        (fp8_kernels.GELU, False, 1, True, tl.float8e4nv, "fp8e4nv", "cvt.rn.satfinite.e4m3x2.f32"),  # FC2's input
-        (fp8_kernels.DGELU, True, 1, False, tl.bfloat16, "bf16", "cvt.rn.bf16.f32")]  # a bf16 FC1's gradient
-    for act, sums, parts, fp8, out, pointer, conversion in variants:
-        signature = {"x": "*bf16", "x1": "*bf16", "x2": "*bf16", "pre": "*bf16", "scale": "*fp32",
+    variants = [  # ACT, SUMS, PARTS, STACKED, FP8, the input's and the output's pointer types, the output's Triton
+        # type, the conversion it rounds with
+        (fp8_kernels.DGELU, True, 1, False, True, "bf16", "fp8e5", tl.float8e5, "cvt.rn.satfinite.e5m2x2.f32"),  # FC1's gradient
+        (fp8_kernels.NONE, True, 3, False, True, "bf16", "fp8e5", tl.float8e5, "cvt.rn.satfinite.e5m2x2.f32"),  # QKV gradients
+        (fp8_kernels.GELU, False, 1, False, True, "bf16", "fp8e4nv", tl.float8e4nv, "cvt.rn.satfinite.e4m3x2.f32"),  # FC2's input
+        (fp8_kernels.NONE, False, 3, True, True, "fp32", "fp8e4nv", tl.float8e4nv, "cvt.rn.satfinite.e4m3x2.f32"),  # QKV weights
+        (fp8_kernels.DGELU, True, 1, False, False, "bf16", "bf16", tl.bfloat16, "cvt.rn.bf16.f32")]  # a bf16 FC1's gradient
+    for act, sums, parts, stacked, fp8, given, pointer, out, conversion in variants:
+        signature = {"x": f"*{given}", "x1": f"*{given}", "x2": f"*{given}", "pre": f"*{given}", "scale": "*fp32",
                      "out": f"*{pointer}", "out_t": f"*{pointer}", "partials": "*fp32", "amax": "*fp32",
                      "M": "i32", "N": "i32", "M_pad": "i32", "WIDTH": "i32"}
         aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
-        constants = dict(FP8_MAX=448.0, ACT=act, SUMS=sums, PARTS=parts, FP8=fp8, OUT=out, ROUND=tl.bfloat16,
-                         BLOCK_M=fp8_cast.TILE_M, BLOCK_N=fp8_cast.TILE_N)
+        constants = dict(FP8_MAX=448.0, ACT=act, SUMS=sums, PARTS=parts, STACKED=stacked, FP8=fp8, OUT=out,
+                         ROUND=tl.float32 if given == "fp32" else tl.bfloat16, BLOCK_M=fp8_cast.TILE_M,
+                         BLOCK_N=fp8_cast.TILE_N)
         source = ASTSource(fn=fp8_kernels.kernel(fp8_cast.TILE_M, fp8_cast.TILE_N).run, constexprs=constants,
                            attrs=aligned, signature={**signature, **dict.fromkeys(constants, "constexpr")})
         ptx = triton.compile(source, target=GPUTarget(*SM90), options={"num_warps": 4}).asm["ptx"]
@@ -302,8 +315,8 @@ def test_the_token_count_stays_symbolic_through_the_compiled_backward(fp8):
             self.qkv = qkv
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            blocks = (DelayedFp8Linear.split_outputs if fp8 else lambda _, *args: split_linear(*args))(
-                self.qkv, self.qkv.weight, self.qkv.bias, x, (64, 64, 64))
+            blocks = (DelayedFp8Linear.split_outputs(self.qkv, [self.qkv.weight], self.qkv.bias, x, (64, 64, 64)) if fp8
+                      else split_linear(self.qkv.weight, self.qkv.bias, x, (64, 64, 64)))
             return (blocks[0] * blocks[1]).sum() + blocks[2].square().sum()
 
     class Both(nn.Module):

@@ -729,4 +729,13 @@ MUTANTS: list[Mutant] = [
         "    amax[INPUT].copy_(x8.float().abs().amax())\n",
         "the next step's input amax read off the scaled FP8 copy, not the input",
         "tests/trainer/model/test_fp8_delayed.py"),
+    _m3("fp8d-08", FP8_DELAYED, "scale_of(amax[WEIGHT] if calibrated else", "scale_of(amax[WEIGHT] if False else",
+        "the weight scaled by its current amax each training forward: the delayed history ignored",
+        "tests/trainer/model/test_fp8_delayed.py"),
+    _m3("fp8d-09", FP8_DELAYED, "        if amax.numel() < SLOTS:", "        if amax.numel() < 2:",
+        "a checkpoint's history without the weight's slot resumes calibrated: the weight scaled by an empty slot",
+        "tests/trainer/model/test_fp8_delayed.py"),
+    _m3("fp8k-07", FP8_KERNELS, "part = tile_m * BLOCK_M // WIDTH", "part = tile_n * BLOCK_N // WIDTH",
+        "a stacked weight's part chosen by the tile's column: the key and value weights read as the query's",
+        "tests/trainer/model/test_single_pass_ops.py", "-k", "weight"),
 ]
