@@ -184,15 +184,22 @@ def fused_projection(linears: Sequence[nn.Linear], x: torch.Tensor) -> tuple[tor
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose output, under autocast, is in the autocast dtype (bf16 / fp16), as NVIDIA's fused
-    LayerNorm writes it. Statistics and normalisation stay fp32 (autocast runs layer_norm in fp32); only the
-    result is rounded, once. That result is the residual stream and what the next GEMM reads: the GEMM reads
-    it in the autocast dtype anyway, and an fp32 copy of it doubles what each LayerNorm, residual add and
-    their gradients move, for no gain the GEMMs can keep. Without autocast (fp32) nothing changes."""
+    LayerNorm writes it. Statistics and normalisation stay fp32; only the result is rounded, once. That result
+    is the residual stream and what the next GEMM reads: the GEMM reads it in the autocast dtype anyway, and an
+    fp32 copy of it doubles what each LayerNorm, residual add and their gradients move, for no gain the GEMMs
+    can keep. Without autocast (fp32) nothing changes.
+
+    The fp32 normalisation is explicit: CUDA's autocast runs layer_norm in fp32, but the CPU's runs it in the
+    autocast dtype, weight and bias rounded to it too (its weight and bias gradients then about 10 % off fp32's
+    in a bf16 step), so a CPU step would not be the GPU's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
         device = x.device.type
-        return out.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else out
+        if not torch.is_autocast_enabled(device):
+            return super().forward(x)
+        with torch.autocast(device, enabled=False):
+            out = F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps)
+        return out.to(torch.get_autocast_dtype(device))
 
 
 def _keep_the_sum(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
@@ -325,8 +332,16 @@ class BertLayer(nn.Module):
         x = self.attention(x, cu_seqlens, layout)
         fc1, fc2 = self.intermediate.dense, self.output.dense
         if isinstance(fc1, DelayedFp8Linear) and isinstance(fc2, DelayedFp8Linear) and self._mlp_unobserved():
+            if torch.is_grad_enabled() and self._end_unobserved():  # and the layer's end, fused with FC2's backward
+                dropout = self.output.dropout
+                return delayed_fp8_mlp(fc1, fc2, x, self.output.LayerNorm, dropout.p if dropout.training else 0.0)
             return self.output.after_dense(delayed_fp8_mlp(fc1, fc2, x), x)  # FC1, GELU and FC2 in one FP8 function
         return self.output(self.intermediate(x), x)
+
+    def _end_unobserved(self) -> bool:
+        """No hook asks for what the FP8 MLP function's end never makes apart: the dropped FC2 output and the
+        LayerNorm's input (with one, the dropout, sum and LayerNorm run after the function, as in eval)."""
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in (self.output.dropout, self.output.LayerNorm))
 
     def _mlp_unobserved(self) -> bool:
         """The FP8 MLP function applies (exact GELU) and no hook asks for what it never makes: FC1's output and

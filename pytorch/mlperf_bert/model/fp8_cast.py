@@ -52,7 +52,9 @@ ALIGN = 16
 TILE_M, TILE_N = 64, 64
 SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose",
                    f"{NAMESPACE}.fp8_cast_transpose", f"{NAMESPACE}.fp8_weight_cast_transpose",
-                   f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
+                   f"{NAMESPACE}.fp8_norm_grad_cast_transpose", f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
+# `norm_grad_cast_transpose`'s kernel: a program's rows, walked in steps of as many columns.
+NORM_ROWS, NORM_COLUMNS = 16, 128
 
 
 def padded(rows: int) -> int:
@@ -231,6 +233,57 @@ def _weight_cast_transpose_cuda(parts: list[torch.Tensor], scale: torch.Tensor,
                                              scale.float(), fp8_dtype, padded(rows), module.NONE, sums=False,
                                              stacked=len(parts) > 1)
     return w8, w8t, amax
+
+
+# dS, G8, G8T, bias gradient, amax, the LayerNorm weight's and bias's gradients (`norm_grad_cast_transpose`)
+NormGrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def norm_grad_reference(dy: torch.Tensor, s: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
+                        keep: torch.Tensor, drop_scale: float, scale: torch.Tensor,
+                        fp8_dtype: torch.dtype) -> NormGrads:
+    """`norm_grad_cast_transpose`'s values from torch's ops, as autograd takes them through `bert.LayerNorm` under
+    autocast (fp32 statistics, the result rounded once) and dropout: dS = LayerNorm's backward in fp32 rounded to
+    dY's dtype, G = dropout's backward of dS, then `reference` of G, and the LayerNorm weight's and bias's
+    gradients in fp32."""
+    ds, grad_gamma, grad_beta = torch.ops.aten.native_layer_norm_backward(
+        dy.float(), s.float(), [s.shape[-1]], mean, rstd, gamma, torch.zeros_like(gamma), [True, True, True])
+    ds = ds.to(dy.dtype)
+    g8, g8_t, grad_b, amax = reference([torch.ops.aten.native_dropout_backward(ds, keep, drop_scale)], None, scale,
+                                       fp8_dtype)
+    return ds, g8, g8_t, grad_b, amax, grad_gamma, grad_beta
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_norm_grad_cast_transpose", mutates_args=())
+def norm_grad_cast_transpose(dy: torch.Tensor, s: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                             gamma: torch.Tensor, keep: torch.Tensor, drop_scale: float, scale: torch.Tensor,
+                             fp8_dtype: torch.dtype) -> NormGrads:
+    """LayerNorm(S)'s backward from dY [tokens, N] and the FP8 operands of the layer whose output reached S through
+    dropout, in one pass over dY, S and the dropout's kept elements: (dS, G8, G8T, bias gradient, amax, the
+    LayerNorm weight's and bias's gradients), G the layer's output gradient (`norm_grad_reference`). `mean`,
+    `rstd`: the forward's statistics of S (`torch.native_layer_norm`'s). dS is the residual's gradient."""
+    return norm_grad_reference(dy, s, mean, rstd, gamma, keep, drop_scale, scale, fp8_dtype)
+
+
+@norm_grad_cast_transpose.register_fake
+def _norm_grad_cast_transpose_fake(dy: torch.Tensor, s: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                                   gamma: torch.Tensor, keep: torch.Tensor, drop_scale: float, scale: torch.Tensor,
+                                   fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    rows, cols = dy.shape
+    return (torch.empty_like(dy), *_grad_cast_transpose_fake([dy], None, scale, fp8_dtype),
+            gamma.new_empty((cols,), dtype=torch.float32), gamma.new_empty((cols,), dtype=torch.float32))
+
+
+@norm_grad_cast_transpose.register_kernel("cuda")
+def _norm_grad_cast_transpose_cuda(dy: torch.Tensor, s: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                                   gamma: torch.Tensor, keep: torch.Tensor, drop_scale: float, scale: torch.Tensor,
+                                   fp8_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    module = _triton_module()
+    if module is None:
+        return norm_grad_reference(dy, s, mean, rstd, gamma, keep, drop_scale, scale, fp8_dtype)
+    return module.norm_grad(module.norm_kernel(NORM_ROWS, NORM_COLUMNS), dy.contiguous(), s.contiguous(),
+                            mean.reshape(-1).float(), rstd.reshape(-1).float(), gamma.float().contiguous(),
+                            keep.contiguous(), drop_scale, scale.float(), fp8_dtype, padded(dy.shape[0]))
 
 
 @functools.cache

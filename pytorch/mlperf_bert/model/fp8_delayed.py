@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8_cast import (cast_transpose, gelu_cast_transpose, grad_cast_transpose, padded, read_in_parts,
-                       saturated_cast, stacked_in_place, weight_cast_transpose)
+from .fp8_cast import (cast_transpose, gelu_cast_transpose, grad_cast_transpose, norm_grad_cast_transpose, padded,
+                       read_in_parts, saturated_cast, stacked_in_place, weight_cast_transpose)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INPUT, GRAD, WEIGHT = 0, 1, 2  # slots of the amax buffer: the last training step's input, output-gradient and weight amax
@@ -161,10 +161,37 @@ def _backward_gemms(grads: list[torch.Tensor], pre: torch.Tensor | None, amax: t
         g_scale = scale_of(grad_cast_transpose(grads, pre, torch.ones_like(w_scale), E5M2)[3], E5M2)
     g8, g8_t, grad_b, g_amax = grad_cast_transpose(grads, pre, g_scale, E5M2)
     amax[GRAD].copy_(g_amax)
-    g_inverse = g_scale.reciprocal()
-    grad_x = scaled_mm(g8, w8_columns, g_inverse, w_scale.reciprocal(), grads[0].dtype)
-    grad_w = scaled_mm(g8_t, x8_columns, g_inverse, x_scale.reciprocal(), torch.float32)
+    grad_x, grad_w = _gradient_gemms(g8, g8_t, g_scale, x8_columns, x_scale, w8_columns, w_scale, grads[0].dtype)
     return grad_x, grad_w, grad_b
+
+
+def _gradient_gemms(g8: torch.Tensor, g8_t: torch.Tensor, g_scale: torch.Tensor, x8_columns: torch.Tensor,
+                    x_scale: torch.Tensor, w8_columns: torch.Tensor, w_scale: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX in `dtype`, dW fp32) from the output gradient's FP8 copies: dX = G W and dW = G^T X."""
+    g_inverse = g_scale.reciprocal()
+    grad_x = scaled_mm(g8, w8_columns, g_inverse, w_scale.reciprocal(), dtype)
+    grad_w = scaled_mm(g8_t, x8_columns, g_inverse, x_scale.reciprocal(), torch.float32)
+    return grad_x, grad_w
+
+
+def _norm_backward(grad_out: torch.Tensor, norm: list[torch.Tensor], drop_scale: float, amax: torch.Tensor,
+                   grad_calibrated: bool) -> tuple[torch.Tensor, ...]:
+    """(dS, G8, G8T, G's scale, bias gradient, the LayerNorm weight's and bias's gradients) of the layer whose
+    output reaches LayerNorm(S) through dropout, from the LayerNorm's output gradient, in one pass
+    (`fp8_cast.norm_grad_cast_transpose`); `norm`: S, its mean and rstd, the LayerNorm's weight, the kept mask."""
+    s, mean, rstd, gamma, keep = norm
+    grad_out = grad_out.contiguous()
+    if grad_calibrated:
+        g_scale = scale_of(amax[GRAD], E5M2)
+    else:  # the first backward: its own amax, from a pass of its own
+        ones = torch.ones((), dtype=torch.float32, device=grad_out.device)
+        g_scale = scale_of(norm_grad_cast_transpose(grad_out, s, mean, rstd, gamma, keep, drop_scale, ones, E5M2)[4],
+                           E5M2)
+    ds, g8, g8_t, grad_b, g_amax, grad_gamma, grad_beta = norm_grad_cast_transpose(
+        grad_out, s, mean, rstd, gamma, keep, drop_scale, g_scale, E5M2)
+    amax[GRAD].copy_(g_amax)
+    return ds, g8, g8_t, g_scale, grad_b, grad_gamma, grad_beta
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -217,12 +244,19 @@ class _DelayedFp8Mlp(torch.autograd.Function):
     """FC2(GELU(FC1(x))) with both layers' GEMMs in FP8, as NVIDIA's LayerNormMLP runs it: FC1's output is read
     once to make FC2's FP8 input, its transposed copy (saved for FC2's dW) and its amax
     (`fp8_cast.gelu_cast_transpose`), and nothing of GELU is recomputed in the backward, whose pass over FC2's
-    input gradient applies GELU's derivative. The same values as the two layers apart (`_DelayedFp8Matmul`)."""
+    input gradient applies GELU's derivative. The same values as the two layers apart (`_DelayedFp8Matmul`).
+
+    With `gamma` (a training step's encoder layer), the layer's end too: LayerNorm(x + dropout(FC2's output)),
+    the dropout drawn here (`torch.native_dropout`, what `F.dropout` runs on a GPU) and the sum and its
+    statistics kept. Its backward is one pass over the LayerNorm's output gradient that also makes FC2's output
+    gradient in FP8 (`fp8_cast.norm_grad_cast_transpose`), where apart from FC2 the LayerNorm's backward writes
+    that gradient for FC2's pass to read. The same values as `bert.add_and_norm` after the MLP."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                 b2: torch.Tensor | None, amax1: torch.Tensor, amax2: torch.Tensor, calibrated: tuple[bool, bool],
-                grad_calibrated: tuple[bool, bool], out_dtype: torch.dtype, records: bool) -> torch.Tensor:
+                grad_calibrated: tuple[bool, bool], out_dtype: torch.dtype, records: bool,
+                gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float, drop_p: float) -> torch.Tensor:
         x8, x8_t, x_scale = _input_fp8(x, amax1, calibrated[0], records)
         w1_8, w1_8t, w1_scale = _weight_fp8((w1,), amax1, calibrated[0], records)
         pre = scaled_mm(x8, w1_8.t(), x_scale.reciprocal(), w1_scale.reciprocal(), out_dtype, _bias(b1, out_dtype))
@@ -235,23 +269,40 @@ class _DelayedFp8Mlp(torch.autograd.Function):
             amax2[INPUT].copy_(y_amax)
         w2_8, w2_8t, w2_scale = _weight_fp8((w2,), amax2, calibrated[1], records)
         out = scaled_mm(y8, w2_8.t(), y_scale.reciprocal(), w2_scale.reciprocal(), out_dtype, _bias(b2, out_dtype))
+        norm: tuple[torch.Tensor, ...] = ()
+        if gamma is not None:
+            dropped, keep = torch.native_dropout(out, drop_p, True)
+            s = x + dropped
+            normed, mean, rstd = torch.native_layer_norm(s.float(), [s.shape[-1]], gamma, beta, eps)
+            norm, out = (s, mean, rstd, gamma, keep), normed.to(out_dtype)
         ctx.save_for_backward(x8 if x8_t is None else x8_t, x_scale, w1_8 if w1_8t is None else w1_8t, w1_scale, pre,
-                              y8_t, y_scale, w2_8 if w2_8t is None else w2_8t, w2_scale, amax1, amax2)
+                              y8_t, y_scale, w2_8 if w2_8t is None else w2_8t, w2_scale, amax1, amax2, *norm)
         ctx.grad_calibrated, ctx.x_dtype, ctx.transposed = grad_calibrated, x.dtype, x8_t is not None
         ctx.w_transposed = w1_8t is not None  # both weights' copies are made by the same kind of forward
         ctx.has_bias = (b1 is not None, b2 is not None)
+        ctx.drop_scale = 1.0 / (1.0 - drop_p) if drop_p < 1.0 else 0.0  # p = 1 keeps nothing: no gradient
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
-        x8, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8, w2_scale, amax1, amax2 = ctx.saved_tensors
-        grad_y, grad_w2, grad_b2 = _backward_gemms([grad_out], None, amax2, ctx.grad_calibrated[1], y8_t.t(),
-                                                   y_scale, _weight_columns(w2_8, ctx.w_transposed), w2_scale)
+        x8, x_scale, w1_8, w1_scale, pre, y8_t, y_scale, w2_8, w2_scale, amax1, amax2, *norm = ctx.saved_tensors
+        w2_columns = _weight_columns(w2_8, ctx.w_transposed)
+        grad_gamma = grad_beta = ds = None
+        if norm:
+            ds, g8, g8_t, g_scale, grad_b2, grad_gamma, grad_beta = _norm_backward(
+                grad_out, norm, ctx.drop_scale, amax2, ctx.grad_calibrated[1])
+            grad_y, grad_w2 = _gradient_gemms(g8, g8_t, g_scale, y8_t.t(), y_scale, w2_columns, w2_scale, ds.dtype)
+        else:
+            grad_y, grad_w2, grad_b2 = _backward_gemms([grad_out], None, amax2, ctx.grad_calibrated[1], y8_t.t(),
+                                                       y_scale, w2_columns, w2_scale)
         grad_x, grad_w1, grad_b1 = _backward_gemms([grad_y], pre, amax1, ctx.grad_calibrated[0],
                                                    _input_columns(x8, ctx.transposed), x_scale,
                                                    _weight_columns(w1_8, ctx.w_transposed), w1_scale)
+        if ds is not None:  # the residual's gradient: x reached the LayerNorm's input unchanged
+            grad_x = grad_x + ds
         return (grad_x.to(ctx.x_dtype), grad_w1, grad_b1 if ctx.has_bias[0] else None, grad_w2,
-                grad_b2 if ctx.has_bias[1] else None, None, None, None, None, None, None)
+                grad_b2 if ctx.has_bias[1] else None, None, None, None, None, None, None, grad_gamma, grad_beta,
+                None, None)
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -259,13 +310,18 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
-def delayed_fp8_mlp(fc1: "DelayedFp8Linear", fc2: "DelayedFp8Linear", x: torch.Tensor) -> torch.Tensor:
-    """fc2(GELU(fc1(x))) (exact GELU) in one FP8 function (`_DelayedFp8Mlp`), each layer with its own history."""
+def delayed_fp8_mlp(fc1: "DelayedFp8Linear", fc2: "DelayedFp8Linear", x: torch.Tensor,
+                    norm: nn.LayerNorm | None = None, drop_p: float = 0.0) -> torch.Tensor:
+    """fc2(GELU(fc1(x))) (exact GELU) in one FP8 function (`_DelayedFp8Mlp`), each layer with its own history; with
+    `norm`, norm(x + dropout(that, drop_p)), the encoder layer's end, in the same function (a training forward's:
+    the dropout is drawn, the backward fused with FC2's)."""
     flat = x.reshape(-1, x.shape[-1])
     records = torch.is_grad_enabled()
+    gamma, beta, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
     out = _DelayedFp8Mlp.apply(flat, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1.amax, fc2.amax,
                                (fc1.calibrated and records, fc2.calibrated and records),
-                               (fc1.grad_calibrated, fc2.grad_calibrated), _out_dtype(x), records)
+                               (fc1.grad_calibrated, fc2.grad_calibrated), _out_dtype(x), records, gamma, beta, eps,
+                               drop_p)
     fc1.ran_forward(records, fc1.weight)
     fc2.ran_forward(records, fc2.weight)
     return out.reshape(*x.shape[:-1], fc2.weight.shape[0])

@@ -92,6 +92,54 @@ def _cast_transpose(x, x1, x2, pre, scale, out, out_t, partials, amax, M, N, M_p
         tl.store(partials + tile_m * N + cols, tl.sum(g, axis=0), mask=cols < N)
 
 
+def _norm_grad_cast_transpose(dy, s, mean, rstd, gamma, keep, scale, ds_out, out, out_t, partials, norm_partials,
+                              amax, M, N, M_pad, DROP_SCALE, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
+                              ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M rows of LayerNorm's backward and the FP8 operands of the layer before its dropout (`norm_grad`'s
+    docstring). Programs: M_pad / BLOCK_M, rounded up; each walks its rows' N columns twice in BLOCK_N steps: the
+    first pass sums each row's two LayerNorm terms and writes the weight and bias gradients' column partials, the
+    second writes dS, G's two FP8 copies and G's column partials (its rows' tiles are in L2 from the first)."""
+    tile_m = tl.program_id(0)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = rows < M
+    mu = tl.load(mean + rows, mask=real, other=0.0)
+    inv = tl.load(rstd + rows, mask=real, other=0.0)
+    dot = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum over the row of dXhat * Xhat
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum over the row of dXhat
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = real[:, None] & (cols[None, :] < N)
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        d = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
+        xhat = (tl.load(s + offsets, mask=inside, other=0.0).to(tl.float32) - mu[:, None]) * inv[:, None]
+        dxhat = d * tl.load(gamma + cols, mask=cols < N, other=0.0)[None, :]
+        dot += tl.sum(dxhat * xhat, axis=1)
+        total += tl.sum(dxhat, axis=1)
+        tl.store(norm_partials + (2 * tile_m) * N + cols, tl.sum(d * xhat, axis=0), mask=cols < N)
+        tl.store(norm_partials + (2 * tile_m + 1) * N + cols, tl.sum(d, axis=0), mask=cols < N)
+    dot = dot / N
+    total = total / N
+    largest = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = real[:, None] & (cols[None, :] < N)
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        d = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
+        xhat = (tl.load(s + offsets, mask=inside, other=0.0).to(tl.float32) - mu[:, None]) * inv[:, None]
+        dxhat = d * tl.load(gamma + cols, mask=cols < N, other=0.0)[None, :]
+        ds = ((dxhat - total[:, None] - xhat * dot[:, None]) * inv[:, None]).to(ROUND, fp_downcast_rounding="rtne")
+        tl.store(ds_out + offsets, ds, mask=inside)
+        kept = tl.load(keep + offsets, mask=inside, other=0).to(tl.float32)
+        g = (ds.to(tl.float32) * kept * DROP_SCALE).to(ROUND, fp_downcast_rounding="rtne").to(tl.float32)
+        q = tl.clamp(g * tl.load(scale), -FP8_MAX, FP8_MAX).to(OUT, fp_downcast_rounding="rtne")
+        tl.store(out + offsets, q, mask=inside)
+        transposed = cols[:, None].to(tl.int64) * M_pad + rows[None, :]
+        tl.store(out_t + transposed, tl.trans(q), mask=(cols[:, None] < N) & (rows[None, :] < M_pad))
+        tl.store(partials + tile_m * N + cols, tl.sum(g, axis=0), mask=cols < N)
+        largest = tl.maximum(largest, tl.max(tl.abs(g), axis=1))
+    tl.atomic_max(amax, tl.max(largest))
+
+
 _TRITON_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5,
                   torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -115,6 +163,39 @@ def kernel(block_m: int, block_n: int, interpret: bool = False) -> Kernel:
 
         return Kernel(InterpretedFunction(_cast_transpose), block_m, block_n)
     return Kernel(triton.jit(_cast_transpose), block_m, block_n)
+
+
+@functools.cache
+def norm_kernel(block_m: int, block_n: int, interpret: bool = False) -> Kernel:
+    """`_norm_grad_cast_transpose` with BLOCK_M rows a program walked BLOCK_N columns at a time, for the GPU or
+    for Triton's interpreter (as `kernel`)."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return Kernel(InterpretedFunction(_norm_grad_cast_transpose), block_m, block_n)
+    return Kernel(triton.jit(_norm_grad_cast_transpose), block_m, block_n)
+
+
+def norm_grad(k: Kernel, dy: torch.Tensor, s: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+              gamma: torch.Tensor, keep: torch.Tensor, drop_scale: float, scale: torch.Tensor, fp8_dtype: torch.dtype,
+              padded_rows: int) -> tuple[torch.Tensor, ...]:
+    """(dS in dY's dtype, G8, G8T, G's column sums fp32, G's amax fp32, the LayerNorm weight's and bias's gradients
+    fp32) of LayerNorm(S)'s backward from dY [M, N], G = dropout's backward of dS (`keep` the kept elements, bool)
+    cast to FP8 by `scale` (`fp8_cast.norm_grad_reference`)."""
+    rows, cols = dy.shape
+    device = dy.device
+    ds = torch.empty_like(dy)
+    out = torch.empty((rows, cols), dtype=fp8_dtype, device=device)
+    out_t = torch.empty((cols, padded_rows), dtype=fp8_dtype, device=device)
+    amax = torch.zeros((), dtype=torch.float32, device=device)
+    tiles = triton.cdiv(padded_rows, k.block_m)
+    partials = torch.empty((tiles, cols), dtype=torch.float32, device=device)
+    norm_partials = torch.empty((tiles, 2, cols), dtype=torch.float32, device=device)
+    k.run[(tiles,)](dy, s, mean, rstd, gamma, keep, scale, ds, out, out_t, partials, norm_partials, amax, rows, cols,
+                    padded_rows, drop_scale, FP8_MAX=float(torch.finfo(fp8_dtype).max), OUT=_TRITON_DTYPES[fp8_dtype],
+                    ROUND=_TRITON_DTYPES[dy.dtype], BLOCK_M=k.block_m, BLOCK_N=k.block_n)
+    norm_sums = norm_partials.sum(0)
+    return ds, out, out_t, partials.sum(0), amax, norm_sums[0], norm_sums[1]
 
 
 def cast_transpose(k: Kernel, parts: list[torch.Tensor], pre: torch.Tensor | None, scale: torch.Tensor,

@@ -18,7 +18,9 @@ relative to its largest value (the kernel sums tiles in another order); `gelu`, 
 the forward's GELU and E4M3 cast against `fp8_cast.gelu_reference`: the same counts, and whether the
 column sums were left out as asked; `cast`, per case, a layer's input cast against `fp8_cast.cast_reference`,
 the same counts; `weight`, per case (the parts' heights, columns), an fp32 weight given as row-wise parts
-cast against `fp8_cast.weight_reference`, the same counts; `bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
+cast against `fp8_cast.weight_reference`, the same counts; `norm`, per case (shape, dropout, dtype), LayerNorm's
+backward with the FP8 operands of the layer before it against `fp8_cast.norm_grad_reference` (`norm_case`);
+`bf16`, per case (shape, parts, GELU's derivative or not, dtype), a bf16
 layer's gradient pass against `fused_linear.reference`: the gradient's elements that differ and by how many
 units in the last place at most (GELU's derivative: the interpreter's erf and exp are not torch's), and
 the column sums' largest difference relative to their largest value.
@@ -133,6 +135,47 @@ def weight_case(heights: tuple[int, ...], cols: int, k: fp8_kernels.Kernel) -> d
             "transposed_shape": list(got[1].shape), "amax_difference": float((got[3] - want[2]).abs())}
 
 
+NORM_CASES = [(37, 40, 0.1, torch.bfloat16), (48, 24, 0.0, torch.bfloat16), (9, 16, 0.5, torch.float32)]  # rows,
+# columns, dropout probability, dtype
+
+
+def norm_case(rows: int, cols: int, drop_p: float, dtype: torch.dtype) -> dict[str, Any]:
+    """LayerNorm's backward and the FP8 operands of the layer before its dropout (`fp8_cast.norm_grad_reference`),
+    with 16 x 16 tiles (several row blocks and column steps, ragged both ways): the gradients' largest differences
+    in units of their dtype's last place or relative to their largest value (the kernel sums a row in another
+    order), the FP8 copies' bytes that differ (where a rounded gradient moved, each by at most one FP8 step), and
+    the padding."""
+    generator = torch.Generator().manual_seed(rows * cols)
+    s = (torch.randn(rows, cols, generator=generator) * 2 + 0.5).to(dtype)
+    dy = torch.randn(rows, cols, generator=generator).to(dtype)
+    gamma = torch.rand(cols, generator=generator) + 0.5
+    keep = torch.rand(rows, cols, generator=generator) >= drop_p
+    _, mean, rstd = torch.native_layer_norm(s.float(), [cols], gamma, torch.zeros(cols), 1e-12)
+    drop_scale = 1.0 / (1.0 - drop_p)
+    plain = fp8_cast.norm_grad_reference(dy, s, mean, rstd, gamma, keep, drop_scale, torch.tensor(1.0),
+                                         torch.float8_e5m2)
+    scale = torch.tensor(57344.0) / plain[4]
+    want = fp8_cast.norm_grad_reference(dy, s, mean, rstd, gamma, keep, drop_scale, scale, torch.float8_e5m2)
+    got = fp8_kernels.norm_grad(fp8_kernels.norm_kernel(16, 16, interpret=True), dy, s, mean.reshape(-1),
+                                rstd.reshape(-1), gamma, keep, drop_scale, scale, torch.float8_e5m2,
+                                fp8_cast.padded(rows))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    ulps = (got[0].view(bits).long() - want[0].view(bits).long()).abs()
+    steps = (got[1].float() - want[1].float()).abs() / want[1].float().abs().clamp(min=2.0 ** -16)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
+    return {"ds_max_ulps": int(ulps.max()), "ds_differ": int((got[0] != want[0]).sum()), "ds_dtype": str(got[0].dtype),
+            "fp8_differ": int((got[1].view(torch.uint8) != want[1].view(torch.uint8)).sum()),
+            "fp8_largest_relative_step": float(steps.max()),
+            "transposed_equal": bool(torch.equal(got[2][:, :rows].view(torch.uint8), got[1].t().view(torch.uint8))),
+            "padding_not_zero": int(got[2].view(torch.uint8)[:, rows:].ne(0).sum()),
+            "transposed_shape": list(got[2].shape), "bias_relative": relative(got[3], want[3]),
+            "amax_relative": float((got[4] - want[4]).abs() / want[4]), "gamma_relative": relative(got[5], want[5]),
+            "beta_relative": relative(got[6], want[6]), "elements": rows * cols}
+
+
 BF16_CASES = [(21, (32, 32, 32), False, torch.bfloat16), (37, (40,), True, torch.bfloat16),
               (9, (16, 16), False, torch.float32), (16, (24,), True, torch.float16)]
 
@@ -161,8 +204,9 @@ def main(out: Path) -> None:
             for r, w, g, t in BF16_CASES}
     cast = {f"{r}x{c} {str(t).split('.')[-1]}": forward_case(r, c, t, k, gelu=False) for r, c, t in CAST_CASES}
     weight = {f"{'+'.join(map(str, h))}x{c}": weight_case(h, c, k) for h, c in WEIGHT_CASES}
-    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16, "cast": cast, "weight": weight},
-                              indent=1))
+    norm = {f"{r}x{c} p={p} {str(t).split('.')[-1]}": norm_case(r, c, p, t) for r, c, p, t in NORM_CASES}
+    out.write_text(json.dumps({"gradients": results, "gelu": gelu, "bf16": bf16, "cast": cast, "weight": weight,
+                               "norm": norm}, indent=1))
 
 
 if __name__ == "__main__":

@@ -141,3 +141,25 @@ def test_launches_are_read_from_the_wrapper_call_in_order() -> None:
 def test_a_module_without_a_call_is_refused() -> None:
     with pytest.raises(ValueError, match="not an Inductor wrapper module"):
         kernels.launches("x = 1\n")
+
+
+def test_the_fp8_delayed_layer_makes_each_fp8_operand_in_one_pass(tmp_path: Path) -> None:
+    """The H200 config with the delayed FP8 recipe, one layer: every FP8 operand comes from a single-pass op and
+    none from Inductor's kernels (no one-byte transposed stores): 3 inputs and 4 weights cast with their
+    transposed copies, FC2's input from GELU, FC2's output gradient from the last LayerNorm's backward, the other
+    three layers' output gradients (QKV's, the output projection's, FC1's through GELU's derivative) in passes
+    of their own."""
+    out = tmp_path / "fp8.json"
+    done = _compiled(str(SHIPPED), "--layers", "1", "--config_var", "PRECISION=fp8", "--config_var",
+                     "FP8_RECIPE=delayed", "--top", "100", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    largest = json.loads(out.read_text())["step"]["largest"]
+    ops: dict[str, int] = {}
+    for k in largest:
+        if k["kind"] == "fused op":
+            ops[k["name"]] = ops.get(k["name"], 0) + k["launches"]
+    assert ops == {"mlperf_bert.fp8_cast_transpose": 3, "mlperf_bert.fp8_weight_cast_transpose": 4,
+                   "mlperf_bert.fp8_gelu_cast_transpose": 1, "mlperf_bert.fp8_norm_grad_cast_transpose": 1,
+                   "mlperf_bert.fp8_grad_cast_transpose": 3}, ops
+    # no weight's amax reduced apart, no FP8 copy transposed by Inductor (what the casts were before the ops)
+    assert not [k["name"] for k in largest if k["bytes"] > 1e6 and ("amax" in k["name"] or "clone" in k["name"])]

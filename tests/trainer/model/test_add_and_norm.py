@@ -90,3 +90,27 @@ def test_compiled_values_and_gradients_are_eagers(dtype):
         results.append([out, residual.grad, update.grad, norm.weight.grad, norm.bias.grad])
     for got, want in zip(*results):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_under_the_cpus_autocast_the_layernorm_normalises_in_fp32_as_under_cudas():
+    """CUDA's autocast runs layer_norm in fp32 and the CPU's in bf16 (weight and bias rounded too); `LayerNorm`
+    normalises in fp32 on both, the result rounded once: under the CPU's autocast its output and all three
+    gradients equal an fp32 LayerNorm's, bit for bit (the CPU's own bf16 one is 10 % off fp32 in its weight
+    gradient: a CPU step would not be the GPU's)."""
+    torch.manual_seed(3)
+    norm = LayerNorm(64, eps=1e-12)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    reference = copy.deepcopy(norm)
+    x = (torch.randn(40, 64) * 3 + 1).to(torch.bfloat16)
+    grad = torch.randn(40, 64).to(torch.bfloat16)
+    got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = norm(got_x)
+    want = torch.nn.functional.layer_norm(want_x.float(), (64,), reference.weight, reference.bias, 1e-12)
+    want = want.to(torch.bfloat16)
+    got.backward(grad)
+    want.backward(grad)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and torch.equal(got_x.grad, want_x.grad)
+    assert torch.equal(norm.weight.grad, reference.weight.grad) and torch.equal(norm.bias.grad, reference.bias.grad)

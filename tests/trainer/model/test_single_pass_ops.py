@@ -66,6 +66,24 @@ def test_the_kernel_casts_a_weight_given_as_stacked_parts_where_they_are(interpr
         assert (result["rows_differ"], result["transposed_differ"], result["amax_difference"]) == (0, 0, 0.0), name
 
 
+def test_the_norm_kernel_gives_layernorms_backward_and_the_fp8_operands_of_the_layer_before_it(interpreted):
+    """LayerNorm's backward and the FP8 operands of the layer whose output reached it through dropout, with 0, 0.1
+    and 0.5 dropped, bf16 and fp32: dS in its dtype within a last-place unit of torch's (a row is summed in another
+    order), both FP8 copies within one FP8 step where a rounded value moved, zero padding, the bias, LayerNorm
+    weight and bias gradients and the amax to fp32 summation order."""
+    assert len(interpreted["norm"]) == 3
+    for name, result in interpreted["norm"].items():
+        rows, cols = (int(n) for n in name.split()[0].split("x"))
+        fp32 = name.endswith("float32")
+        assert result["ds_dtype"] == ("torch.float32" if fp32 else "torch.bfloat16"), name
+        assert result["ds_max_ulps"] <= (64 if fp32 else 1), name
+        assert result["fp8_differ"] <= max(result["ds_differ"], 1) and result["fp8_largest_relative_step"] <= 0.25, name
+        assert result["transposed_shape"] == [cols, fp8_cast.padded(rows)], name
+        assert result["transposed_equal"] and result["padding_not_zero"] == 0, name
+        assert max(result[k] for k in ("bias_relative", "gamma_relative", "beta_relative")) <= 1e-5, name
+        assert result["amax_relative"] <= 1e-2, name
+
+
 def test_the_kernel_compiles_for_the_gpu_with_rounded_conversions_and_whole_row_stores():
     """Compiled for sm_90 (no GPU needed): FP8 and bf16 conversions round to nearest (`cvt.rn`, saturating for
     FP8), and with 16-byte-aligned operands (Triton's specialisation of any launch on real tensors) every
@@ -102,6 +120,32 @@ def test_the_kernel_compiles_for_the_gpu_with_rounded_conversions_and_whole_row_
         assert "st.global.v4.b32" in stores and not stores & {"st.global.b8", "st.global.b16", "st.global.v2.b8"}
         assert not set(re.findall(r"\bld\.global\.[\w.]+", ptx)) - {"ld.global.v4.b32", "ld.global.b32"}
         assert ("atom.global" in ptx) == fp8  # the amax: FP8 outputs only
+
+
+def test_the_norm_kernel_compiles_for_the_gpu_with_rounded_conversions_and_no_byte_stores():
+    """The LayerNorm-backward kernel at the ops' tile, for sm_90: dS rounds to bf16 and G to E5M2 to nearest
+    (saturating), and no store is narrower than 32 bits (the transposed FP8 copy in whole 16-byte rows)."""
+    needs_triton()
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mlperf_bert.model import fp8_kernels
+
+    signature = {"dy": "*bf16", "s": "*bf16", "mean": "*fp32", "rstd": "*fp32", "gamma": "*fp32", "keep": "*i1",
+                 "scale": "*fp32", "ds_out": "*bf16", "out": "*fp8e5", "out_t": "*fp8e5", "partials": "*fp32",
+                 "norm_partials": "*fp32", "amax": "*fp32", "M": "i32", "N": "i32", "M_pad": "i32", "DROP_SCALE": "fp32"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature) - 1)}
+    constants = dict(FP8_MAX=57344.0, OUT=tl.float8e5, ROUND=tl.bfloat16, BLOCK_M=fp8_cast.NORM_ROWS,
+                     BLOCK_N=fp8_cast.NORM_COLUMNS)
+    source = ASTSource(fn=fp8_kernels.norm_kernel(fp8_cast.NORM_ROWS, fp8_cast.NORM_COLUMNS).run,
+                       constexprs=constants, attrs=aligned,
+                       signature={**signature, **dict.fromkeys(constants, "constexpr")})
+    ptx = triton.compile(source, target=GPUTarget(*SM90), options={"num_warps": 4}).asm["ptx"]
+    assert {"cvt.rn.bf16.f32", "cvt.rn.satfinite.e5m2x2.f32"} <= set(re.findall(r"cvt\.[\w.]+", ptx))
+    stores = set(re.findall(r"\bst\.global\.[\w.]+", ptx))
+    assert "st.global.v4.b32" in stores and not stores & {"st.global.b8", "st.global.b16", "st.global.v2.b8"}
 
 
 def test_the_kernel_gives_a_bf16_layers_gradient_and_bias_gradient_in_one_pass(interpreted):
@@ -141,6 +185,33 @@ def test_the_op_and_its_fake_give_the_same_shapes_and_the_reference_values():
         fakes = torch.ops.mlperf_bert.fp8_cast_transpose(mode.from_tensor(x), mode.from_tensor(torch.tensor(1.0)),
                                                          torch.float8_e4m3fn)
     assert [(t.shape, t.dtype) for t in fakes] == [(t.shape, t.dtype) for t in want]
+
+
+def _weight_and_norm_samples() -> dict[str, tuple]:
+    torch.manual_seed(1)
+    weights = [torch.randn(16, 8) * 0.1 for _ in range(3)]
+    s, dy = torch.randn(17, 8, dtype=torch.bfloat16), torch.randn(17, 8, dtype=torch.bfloat16)
+    gamma = torch.rand(8) + 0.5
+    _, mean, rstd = torch.native_layer_norm(s.float(), [8], gamma, torch.zeros(8), 1e-12)
+    keep = torch.rand(17, 8) > 0.1
+    return {"fp8_weight_cast_transpose": (weights, torch.tensor(900.0), torch.float8_e4m3fn),
+            "fp8_norm_grad_cast_transpose": (dy, s, mean, rstd, gamma, keep, 1 / 0.9, torch.tensor(3e3), E5M2)}
+
+
+@pytest.mark.parametrize("name", ["fp8_weight_cast_transpose", "fp8_norm_grad_cast_transpose"])
+def test_the_weight_and_norm_ops_pass_torchs_op_checks_and_give_their_references_values(name):
+    """torch.library.opcheck (the schema, the fake against the real op, AOT dispatch with dynamic shapes) and the
+    op's values equal its reference's: the stacked weight's copies (W8T the transpose of W8), the LayerNorm
+    backward's seven outputs."""
+    args = _weight_and_norm_samples()[name]
+    op = getattr(torch.ops.mlperf_bert, name).default
+    torch.library.opcheck(op, args)
+    got = op(*args)
+    want = fp8_cast.weight_reference(*args) if name.startswith("fp8_weight") else fp8_cast.norm_grad_reference(*args)
+    assert len(got) == len(want) and all(a.dtype == b.dtype and torch.equal(a.float(), b.float())
+                                         for a, b in zip(got, want))
+    if name.startswith("fp8_weight"):
+        assert got[0].shape == (48, 8) and torch.equal(got[1].t().float(), got[0].float())
 
 
 def test_parts_are_read_in_place_only_where_every_tile_lies_in_one_part():
@@ -209,23 +280,70 @@ def test_the_fp8_mlp_equals_fc1_gelu_and_fc2_apart(dtype):
         assert all(torch.equal(m.amax, b) for m, b in zip(fused, before))
 
 
+@pytest.mark.parametrize("drop_p", [0.0, 0.3])
+def test_the_fp8_mlp_with_the_layers_end_equals_the_mlp_then_dropout_and_layernorm(drop_p):
+    """The MLP function with the encoder layer's end (dropout, the residual sum, LayerNorm in fp32 rounded once,
+    as CUDA's autocast runs `bert.LayerNorm`) gives the same output, input gradient, FC1 and FC2 gradients and
+    histories as the MLP function then those ops, bit for bit, over three steps; the LayerNorm's weight and bias
+    gradients to fp32 summation order. The same seed draws the same dropout mask in both."""
+    torch.manual_seed(4)
+    first, second, norm = nn.Linear(16, 64), nn.Linear(64, 16), nn.LayerNorm(16, eps=1e-12)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.2, 0.2)
+    fused = [DelayedFp8Linear.from_linear(copy.deepcopy(m)) for m in (first, second)] + [copy.deepcopy(norm)]
+    apart = [DelayedFp8Linear.from_linear(copy.deepcopy(m)) for m in (first, second)] + [copy.deepcopy(norm)]
+
+    def after(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        dropped = torch.native_dropout(delayed_fp8_mlp(layers[0], layers[1], x), drop_p, True)[0]
+        return F.layer_norm((x + dropped).float(), (16,), layers[2].weight, layers[2].bias, 1e-12).to(x.dtype)
+
+    for step in range(3):
+        x = (torch.randn(19, 16) * (1 + step)).to(torch.bfloat16)
+        grad = torch.randn(19, 16).to(torch.bfloat16)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(10 + step)
+        y1 = delayed_fp8_mlp(fused[0], fused[1], x1, fused[2], drop_p)
+        torch.manual_seed(10 + step)
+        y2 = after(apart, x2)
+        y1.backward(grad)
+        y2.backward(grad)
+        assert y1.dtype == torch.bfloat16 and torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad), step
+        for a, b in zip(fused[:2], apart[:2]):
+            assert torch.equal(a.weight.grad, b.weight.grad) and torch.equal(a.bias.grad, b.bias.grad), step
+            assert torch.equal(a.amax, b.amax)
+        torch.testing.assert_close(fused[2].weight.grad, apart[2].weight.grad, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused[2].bias.grad, apart[2].bias.grad, rtol=1e-6, atol=1e-6)
+        for a, b in zip(fused, apart):
+            a.zero_grad()
+            b.zero_grad()
+
+
 def test_each_encoder_layer_runs_the_fp8_mlp_unless_a_hook_watches_its_ffn(monkeypatch):
     """Training runs the MLP function in every layer; with a hook on the FFN (the numerics check's) the layer
     runs FC1 + GELU and FC2 apart (the same values: the test above), and the hook sees GELU's output."""
     from mlperf_bert.model import bert
     from mlperf_bert.model.fp8 import Fp8Recipe, convert_to_fp8
 
-    calls: list[int] = []
-    monkeypatch.setattr(bert, "delayed_fp8_mlp", lambda *args: calls.append(1) or delayed_fp8_mlp(*args))
+    calls: list[bool] = []  # per call, whether the layer's end ran in it
+    monkeypatch.setattr(bert, "delayed_fp8_mlp", lambda *args: calls.append(len(args) > 3) or delayed_fp8_mlp(*args))
     torch.manual_seed(0)
     model = convert_to_fp8(bert.BertForPreTraining(NO_DROPOUT), torch.device("cpu"), Fp8Recipe("delayed"))
     batch = random_batch(1, 4, 16)
+    layers = NO_DROPOUT.num_hidden_layers
     model(batch)
-    assert len(calls) == NO_DROPOUT.num_hidden_layers
+    assert calls == [True] * layers  # a training forward: the layer's end in the function too
+    with torch.no_grad():  # an eval forward: the end after the function, no dropout drawn in it
+        model(batch)
+    assert calls == [True] * layers + [False] * layers
+    del calls[:]
     seen: list[torch.Tensor] = []
     model.bert.encoder.layer[1].intermediate.register_forward_hook(lambda m, args, out: seen.append(out))
     model(batch)
-    assert len(calls) == 2 * NO_DROPOUT.num_hidden_layers - 1 and len(seen) == 1
+    assert len(calls) == layers - 1 and len(seen) == 1
+    model.bert.encoder.layer[0].output.LayerNorm.register_forward_hook(lambda m, args, out: seen.append(out))
+    model(batch)  # a hook on the layer's LayerNorm: the end after the function, where the hook sees its output
+    assert calls[layers - 1:] == [False] + [True] * (layers - 2) and len(seen) == 3
 
 
 # ---------------------------------------------------------------- the bf16 layers
