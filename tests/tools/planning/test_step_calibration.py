@@ -287,6 +287,28 @@ def test_an_index_naming_a_file_that_is_not_there_is_one_error_naming_it(tmp_pat
         step_calibration.load(tmp_path)
 
 
+def test_an_inductor_count_of_the_code_as_measured_names_a_timed_setup_and_its_command(tmp_path: Path) -> None:
+    """`inductor_as_measured` gives, for a timed set-up, Inductor's bytes of the code as measured, in bytes; one
+    for a set-up no file times, without its command, or not above zero, is refused in one line."""
+    session = tmp_path / "h200-2027-01-02"
+    session.mkdir()
+    (session / "tp_bf16.json").write_text((SESSION / "tp_bf16.json").read_text())
+    setup = {"PRECISION": "bf16", "ATTENTION_BACKEND": "grouped"}
+    counted = {"config": "config_DGXH200_1x8.sh", "setup": setup, "elementwise_gb": 94.54, "command": "compiled"}
+    index = {"date": "2027-01-02", "device": "H200", "commit": "abc1234",
+             "benchmarks": [{"file": "tp_bf16.json", "config": "config_DGXH200_1x8.sh", "setup": setup,
+                             "command": "x"}], "inductor_as_measured": [counted]}
+    (session / "index.json").write_text(json.dumps(index))
+    found = step_calibration.load(tmp_path)
+    assert found.inductor_as_measured == {SetUp.of("H200", "config_DGXH200_1x8.sh", setup): 94.54e9}
+    for wrong, says in (({"setup": {"PRECISION": "fp16"}}, "which no benchmark or profile times"),
+                        ({"command": ""}, "and the command that counted it"),
+                        ({"elementwise_gb": 0}, r"elementwise_gb \(> 0\)")):
+        (session / "index.json").write_text(json.dumps({**index, "inductor_as_measured": [counted | wrong]}))
+        with pytest.raises(step_calibration.MeasurementError, match=says):
+            step_calibration.load(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------
 # The calibration on the H200 measurements
 
@@ -305,8 +327,9 @@ def test_each_measured_setup_is_predicted_within_15_percent(calibration: plan.Ou
 def test_the_calibration_counts_inductors_code_for_the_measured_setups(calibration: plan.OurCalibration) -> None:
     """The compiled set-ups' element-wise bytes are Inductor's count for the set-up as measured (the config with its
     variables: FP8 tensorwise or bf16, attention per packed row under a block-diagonal mask, which
-    ATTENTION_BACKEND=grouped gives), not the config as it ships (bf16, attention per sequence); the eager set-up
-    has no compiled region and no count."""
+    ATTENTION_BACKEND=grouped gives), not the config as it ships (bf16, attention per sequence), of the code as
+    measured (the index's inductor_as_measured: 2026-11-27's model moved more than today's); the eager set-up has
+    no compiled region and no count."""
     envs = {setup.label: plan.setup_env(setup) for setup in (FP8_STEP, BF16_STEP, EAGER_STEP)}
     reports = plan.dry_runs(envs, envs)  # cached: the calibration's own
     assert "inductor" not in reports[EAGER_STEP.label]
@@ -316,7 +339,9 @@ def test_the_calibration_counts_inductors_code_for_the_measured_setups(calibrati
         assert (report["precision"], report["attention"], report["layers"]) == (precision, "grouped", 24)
         assert report["fp8_recipe"] == recipe or recipe is None
         assert report["graph_breaks"] == [] and report["step"]["unknown_bytes_launches"] == 0
-        assert calibration.traced[setup][0].features.inductor_bytes == report["step"]["elementwise_bytes"]
+        as_measured = calibration.measured.inductor_as_measured[setup]
+        assert calibration.traced[setup][0].features.inductor_bytes == as_measured
+        assert as_measured > report["step"]["elementwise_bytes"]  # today's code moves less than the code timed
     fp8, bf16 = (calibration.traced[s][0].features for s in (FP8_STEP, BF16_STEP))
     assert fp8.inductor_bytes > 1.5 * bf16.inductor_bytes  # the casts, fused into Inductor's kernels
     assert fp8.inductor_bytes < fp8.compiled_bytes / 4  # Inductor's kernels move a fraction of the traced bytes
@@ -422,3 +447,9 @@ def test_an_fp8_set_up_without_compile_mode_is_eager_as_the_trainer_runs_it() ->
     assert not step_calibration.compiles({"PRECISION": "fp8", "COMPILE_MODE": "none"})
     assert step_calibration.compiles({"PRECISION": "bf16", "COMPILE_MODE": "default"})
     assert step_calibration.compiles(exports(REPO / "config_DGXH200_1x8.sh"))
+
+
+def test_an_inductor_count_of_an_eager_setup_is_refused(calibration: plan.OurCalibration) -> None:
+    """An eager step has no compiled region for a count of the code as measured to replace: one line naming it."""
+    with pytest.raises(plan.PlanError, match=r"COMPILE_MODE=none.*whose layers run eager"):
+        plan.trace_setups({EAGER_STEP}, True, {EAGER_STEP: 1e9})

@@ -606,16 +606,24 @@ def measurements() -> step_calibration.Measurements:
         raise PlanError(str(err)) from err
 
 
-def trace_setups(setups: Iterable[step_calibration.SetUp], cache: bool = True
+def trace_setups(setups: Iterable[step_calibration.SetUp], cache: bool = True,
+                 as_measured: Mapping[step_calibration.SetUp, float] | None = None
                  ) -> dict[step_calibration.SetUp, tuple[step_calibration.Traced, MemoryEstimate]]:
-    """Each measured set-up's work (today's code; Inductor's count of a compiled one's step) and memory."""
+    """Each measured set-up's work (today's code; Inductor's count of a compiled one's step, or `as_measured`'s
+    count of the code as measured where it gives one) and memory."""
     envs = {setup.label: setup_env(setup) for setup in setups}
     traced = dry_runs(envs, envs, cache)
     found = {}
     for setup in setups:
         done = traced[setup.label]
         work = StepWork.from_dict(done["work"])
-        features = step_model.features(work.step, work.compiled, inductor_bytes(done))
+        counted = inductor_bytes(done)
+        if as_measured and setup in as_measured:
+            if counted is None:
+                raise PlanError(f"tools/measurements: inductor_as_measured counts {setup.label}, whose layers run "
+                                "eager: give it for compiled set-ups only")
+            counted = as_measured[setup]
+        features = step_model.features(work.step, work.compiled, counted)
         found[setup] = (step_calibration.Traced(features, work.captured), memory_from_dict(done["memory"]))
     return found
 
@@ -634,7 +642,7 @@ def calibrate_ours(cache: bool = True) -> OurCalibration:
     each profile's element-wise range against the fit."""
     m = measurements()
     traced = trace_setups({t.setup for t in m.timed} | {p.setup for p in m.profiles} | {x.setup for x in m.memory},
-                          cache)
+                          cache, m.inductor_as_measured)
     profiles = [(p, traced[p.setup][0]) for p in m.profiles]
     profiled = step_calibration.profile_constants(profiles)
     observations = [step_calibration.Observation(t, traced[t.setup][0]) for t in m.timed]

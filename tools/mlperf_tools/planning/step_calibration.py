@@ -13,10 +13,13 @@ top of it (those `benchmarks/throughput.py --config_var` takes). Three kinds of 
   its element-wise kernels and its device time left unlisted bound the step's element-wise time
   (`ElementwiseRange`), which the fit's must fall within.
 - memory: a measured peak (torch.cuda.max_memory_allocated of a real dry run) of a set-up.
+- inductor_as_measured: for a compiled set-up, Inductor's element-wise bytes per step of the code as it was
+  measured (`python -m mlperf_bert.dryrun.compiled` over that commit's model files, its `command`), where
+  today's code moves other bytes than the steps timed: the fit lays the timed steps against those.
 
 The fit: the work of each measured set-up comes from the dry run's trace of that set-up with
 today's code and, for a compiled set-up, from Inductor's count of its compiled regions' kernels
-(`step_model.features`); the profile gives `gemm_efficiency`, `attention_efficiency` and
+(`step_model.features`), the code as measured where the index gives that count; the profile gives `gemm_efficiency`, `attention_efficiency` and
 `optimizer_bandwidth`, and the step times give the constants in `step_model.FITTED`. The model
 is linear in the inverse of each of those, so they are one least-squares solve of the relative
 errors, with a weak pull (`PULL`) towards each constant's prior: a constant that no measured set-up
@@ -126,6 +129,9 @@ class Measurements:
     timed: list[Timed] = field(default_factory=list)
     profiles: list[Profiled] = field(default_factory=list)
     memory: list[MemoryPeak] = field(default_factory=list)
+    # Inductor's element-wise bytes per step of a compiled set-up's code as measured (the index's
+    # `inductor_as_measured`): what the fit lays its timed steps against, in place of today's count
+    inductor_as_measured: dict[SetUp, float] = field(default_factory=dict)
 
 
 def _read_json(path: Path) -> Any:
@@ -224,6 +230,23 @@ def load(root: Path = MEASUREMENTS, layout_of: Callable[[str], str] = lambda con
         found.profiles += [_profiled(entry, session) for entry in index.get("profiles", [])]
         found.memory += [MemoryPeak(SetUp.of(session.device, m["config"], m.get("setup", {})), m["peak_gib"], session,
                                     m.get("command", "")) for m in index.get("memory", [])]
+        found.inductor_as_measured.update(_as_measured(index, index_path))
+    known = {t.setup for t in found.timed} | {p.setup for p in found.profiles}
+    for setup in found.inductor_as_measured:
+        if setup not in known:
+            raise MeasurementError(f"{root}: inductor_as_measured names {setup.label}, which no benchmark or profile "
+                                   "times: give the set-up of a timed compiled step")
+    return found
+
+
+def _as_measured(index: Mapping[str, Any], path: Path) -> dict[SetUp, float]:
+    found = {}
+    for entry in index.get("inductor_as_measured", []):
+        gb = entry.get("elementwise_gb")
+        if not isinstance(gb, (int, float)) or gb <= 0 or "config" not in entry or not entry.get("command"):
+            raise MeasurementError(f"{path}: each inductor_as_measured entry gives config, setup, elementwise_gb (> 0) "
+                                   f"and the command that counted it; got {entry}")
+        found[SetUp.of(index["device"], entry["config"], entry.get("setup", {}))] = 1e9 * float(gb)
     return found
 
 
