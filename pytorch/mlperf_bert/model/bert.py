@@ -341,7 +341,9 @@ class BertLayer(nn.Module):
     def _end_unobserved(self) -> bool:
         """No hook asks for what the FP8 MLP function's end never makes apart: the dropped FC2 output and the
         LayerNorm's input (with one, the dropout, sum and LayerNorm run after the function, as in eval)."""
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in (self.output.dropout, self.output.LayerNorm))
+        norm = self.output.LayerNorm
+        watched = any(m._forward_hooks or m._forward_pre_hooks for m in (self.output.dropout, norm))
+        return not watched and norm.weight is not None and norm.bias is not None
 
     def _mlp_unobserved(self) -> bool:
         """The FP8 MLP function applies (exact GELU) and no hook asks for what it never makes: FC1's output and

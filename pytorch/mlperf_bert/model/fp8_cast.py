@@ -1,7 +1,9 @@
 """FP8 operands made in one pass each, as custom ops: an FP8 linear layer's output gradient made ready for its
 two backward GEMMs (`mlperf_bert::fp8_grad_cast_transpose`), FC2's input made from FC1's output
-(`mlperf_bert::fp8_gelu_cast_transpose`), and a layer's input made ready for its forward GEMM and its weight
-gradient's (`mlperf_bert::fp8_cast_transpose`).
+(`mlperf_bert::fp8_gelu_cast_transpose`), a layer's input made ready for its forward GEMM and its weight
+gradient's (`mlperf_bert::fp8_cast_transpose`), a layer's weight for its forward GEMM and its input gradient's
+(`mlperf_bert::fp8_weight_cast_transpose`), and the encoder layer's last LayerNorm backward with FC2's output
+gradient made ready in the same pass (`mlperf_bert::fp8_norm_grad_cast_transpose`).
 
 The backward of `fp8_delayed._DelayedFp8Matmul` needs, of its output gradient G [tokens, outputs]
 (and, for the layer that GELU follows, of dGELU(H) * G): G in FP8 row-major for dX = G W, the same
@@ -28,6 +30,14 @@ A training forward casts each FP8 layer's input X (a LayerNorm's output, or the 
 Left to Inductor, the cast is fused into the LayerNorm's kernel and the transposed copy is made in the
 backward, where the partitioner recomputes X8 from the LayerNorm's input (a transposed store that splits the
 LayerNorm's backward in two kernels); an op's output is saved, never recomputed.
+
+A weight is cast once per training forward, by the last training forward's amax (`fp8_delayed`), into W8 and its
+transposed copy, the query, key and value weights read where they are: left to Inductor, its amax, its cast and,
+in the backward, its cast again (recomputed from the fp32 parameter) with the transposed store read it three
+times. The encoder layer ends in LayerNorm(x + dropout(FC2's output)): apart, Inductor's LayerNorm backward
+writes FC2's output gradient for FC2's own pass to read and cast; `norm_grad_cast_transpose` writes it in FP8,
+with the residual's gradient and the LayerNorm's weight and bias gradients, in its one pass (two over each
+row's columns, the second from L2).
 
 A `custom_op` and not a `triton_op`: the op is opaque to torch.compile either way (Inductor would not
 fuse into the user kernel), and as a custom op its CPU implementation is torch's ops, not the kernel.

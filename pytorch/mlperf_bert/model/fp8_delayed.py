@@ -317,6 +317,9 @@ def delayed_fp8_mlp(fc1: "DelayedFp8Linear", fc2: "DelayedFp8Linear", x: torch.T
     the dropout is drawn, the backward fused with FC2's)."""
     flat = x.reshape(-1, x.shape[-1])
     records = torch.is_grad_enabled()
+    if norm is not None and (norm.weight is None or norm.bias is None):
+        raise ValueError("the FP8 MLP function runs the layer's end with a LayerNorm that has a weight and a bias "
+                         "(elementwise_affine=True); without them, call it without `norm` and apply the LayerNorm after")
     gamma, beta, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
     out = _DelayedFp8Mlp.apply(flat, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1.amax, fc2.amax,
                                (fc1.calibrated and records, fc2.calibrated and records),

@@ -92,6 +92,19 @@ def _cast_transpose(x, x1, x2, pre, scale, out, out_t, partials, amax, M, N, M_p
         tl.store(partials + tile_m * N + cols, tl.sum(g, axis=0), mask=cols < N)
 
 
+@triton.jit
+def _column_step(dy, s, gamma, mu, inv, rows, real, start, N, BLOCK_N: tl.constexpr):
+    """A program's rows at BLOCK_N columns from `start`: the columns, the mask, the offsets, and dY, Xhat and
+    dXhat = dY * gamma in fp32."""
+    cols = start + tl.arange(0, BLOCK_N)
+    inside = real[:, None] & (cols[None, :] < N)
+    offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+    d = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
+    xhat = (tl.load(s + offsets, mask=inside, other=0.0).to(tl.float32) - mu[:, None]) * inv[:, None]
+    dxhat = d * tl.load(gamma + cols, mask=cols < N, other=0.0)[None, :]
+    return cols, inside, offsets, d, xhat, dxhat
+
+
 def _norm_grad_cast_transpose(dy, s, mean, rstd, gamma, keep, scale, ds_out, out, out_t, partials, norm_partials,
                               amax, M, N, M_pad, DROP_SCALE, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
                               ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -107,12 +120,7 @@ def _norm_grad_cast_transpose(dy, s, mean, rstd, gamma, keep, scale, ds_out, out
     dot = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum over the row of dXhat * Xhat
     total = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum over the row of dXhat
     for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        inside = real[:, None] & (cols[None, :] < N)
-        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-        d = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
-        xhat = (tl.load(s + offsets, mask=inside, other=0.0).to(tl.float32) - mu[:, None]) * inv[:, None]
-        dxhat = d * tl.load(gamma + cols, mask=cols < N, other=0.0)[None, :]
+        cols, inside, offsets, d, xhat, dxhat = _column_step(dy, s, gamma, mu, inv, rows, real, start, N, BLOCK_N)
         dot += tl.sum(dxhat * xhat, axis=1)
         total += tl.sum(dxhat, axis=1)
         tl.store(norm_partials + (2 * tile_m) * N + cols, tl.sum(d * xhat, axis=0), mask=cols < N)
@@ -121,12 +129,7 @@ def _norm_grad_cast_transpose(dy, s, mean, rstd, gamma, keep, scale, ds_out, out
     total = total / N
     largest = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        inside = real[:, None] & (cols[None, :] < N)
-        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-        d = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
-        xhat = (tl.load(s + offsets, mask=inside, other=0.0).to(tl.float32) - mu[:, None]) * inv[:, None]
-        dxhat = d * tl.load(gamma + cols, mask=cols < N, other=0.0)[None, :]
+        cols, inside, offsets, d, xhat, dxhat = _column_step(dy, s, gamma, mu, inv, rows, real, start, N, BLOCK_N)
         ds = ((dxhat - total[:, None] - xhat * dot[:, None]) * inv[:, None]).to(ROUND, fp_downcast_rounding="rtne")
         tl.store(ds_out + offsets, ds, mask=inside)
         kept = tl.load(keep + offsets, mask=inside, other=0).to(tl.float32)

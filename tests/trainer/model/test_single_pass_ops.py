@@ -319,6 +319,13 @@ def test_the_fp8_mlp_with_the_layers_end_equals_the_mlp_then_dropout_and_layerno
             b.zero_grad()
 
 
+def test_the_fp8_mlp_refuses_a_layers_end_without_the_layernorms_weight_and_bias():
+    """A LayerNorm without weight and bias would leave the function nothing to tell its end by: refused."""
+    fc1, fc2 = (DelayedFp8Linear.from_linear(nn.Linear(*shape)) for shape in ((16, 64), (64, 16)))
+    with pytest.raises(ValueError, match="elementwise_affine=True"):
+        delayed_fp8_mlp(fc1, fc2, torch.randn(4, 16), nn.LayerNorm(16, elementwise_affine=False), 0.1)
+
+
 def test_each_encoder_layer_runs_the_fp8_mlp_unless_a_hook_watches_its_ffn(monkeypatch):
     """Training runs the MLP function in every layer; with a hook on the FFN (the numerics check's) the layer
     runs FC1 + GELU and FC2 apart (the same values: the test above), and the hook sees GELU's output."""
