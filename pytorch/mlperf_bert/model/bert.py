@@ -332,15 +332,16 @@ class BertLayer(nn.Module):
         x = self.attention(x, cu_seqlens, layout)
         fc1, fc2 = self.intermediate.dense, self.output.dense
         if isinstance(fc1, DelayedFp8Linear) and isinstance(fc2, DelayedFp8Linear) and self._mlp_unobserved():
-            if torch.is_grad_enabled() and self._end_unobserved():  # and the layer's end, fused with FC2's backward
+            if torch.is_grad_enabled() and self._end_fusable():  # and the layer's end, fused with FC2's backward
                 dropout = self.output.dropout
                 return delayed_fp8_mlp(fc1, fc2, x, self.output.LayerNorm, dropout.p if dropout.training else 0.0)
             return self.output.after_dense(delayed_fp8_mlp(fc1, fc2, x), x)  # FC1, GELU and FC2 in one FP8 function
         return self.output(self.intermediate(x), x)
 
-    def _end_unobserved(self) -> bool:
-        """No hook asks for what the FP8 MLP function's end never makes apart: the dropped FC2 output and the
-        LayerNorm's input (with one, the dropout, sum and LayerNorm run after the function, as in eval)."""
+    def _end_fusable(self) -> bool:
+        """The layer's end can run in the FP8 MLP function: its LayerNorm has a weight and a bias, and no hook asks
+        for what the function never makes apart, the dropped FC2 output and the LayerNorm's input (otherwise the
+        dropout, sum and LayerNorm run after the function, as in eval)."""
         norm = self.output.LayerNorm
         watched = any(m._forward_hooks or m._forward_pre_hooks for m in (self.output.dropout, norm))
         return not watched and norm.weight is not None and norm.bias is not None

@@ -62,7 +62,8 @@ ALIGN = 16
 TILE_M, TILE_N = 64, 64
 SINGLE_PASS_OPS = (f"{NAMESPACE}.fp8_grad_cast_transpose", f"{NAMESPACE}.fp8_gelu_cast_transpose",
                    f"{NAMESPACE}.fp8_cast_transpose", f"{NAMESPACE}.fp8_weight_cast_transpose",
-                   f"{NAMESPACE}.fp8_norm_grad_cast_transpose", f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
+                   f"{NAMESPACE}.fp8_norm_grad_cast_transpose",
+                   f"{NAMESPACE}.gradient_pass")  # the last: fused_linear.py's
 # `norm_grad_cast_transpose`'s kernel: a program's rows, walked in steps of as many columns.
 NORM_ROWS, NORM_COLUMNS = 16, 128
 

@@ -53,7 +53,8 @@ from .fp8_cast import (cast_transpose, gelu_cast_transpose, grad_cast_transpose,
                        read_in_parts, saturated_cast, stacked_in_place, weight_cast_transpose)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-INPUT, GRAD, WEIGHT = 0, 1, 2  # slots of the amax buffer: the last training step's input, output-gradient and weight amax
+# Slots of the amax buffer: the last training step's input, output-gradient and weight amax.
+INPUT, GRAD, WEIGHT = 0, 1, 2
 SLOTS = 3
 
 

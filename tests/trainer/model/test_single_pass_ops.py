@@ -98,11 +98,12 @@ def test_the_kernel_compiles_for_the_gpu_with_rounded_conversions_and_whole_row_
 
     variants = [  # ACT, SUMS, PARTS, STACKED, FP8, the input's and the output's pointer types, the output's Triton
         # type, the conversion it rounds with
-        (fp8_kernels.DGELU, True, 1, False, True, "bf16", "fp8e5", tl.float8e5, "cvt.rn.satfinite.e5m2x2.f32"),  # FC1's gradient
-        (fp8_kernels.NONE, True, 3, False, True, "bf16", "fp8e5", tl.float8e5, "cvt.rn.satfinite.e5m2x2.f32"),  # QKV gradients
-        (fp8_kernels.GELU, False, 1, False, True, "bf16", "fp8e4nv", tl.float8e4nv, "cvt.rn.satfinite.e4m3x2.f32"),  # FC2's input
-        (fp8_kernels.NONE, False, 3, True, True, "fp32", "fp8e4nv", tl.float8e4nv, "cvt.rn.satfinite.e4m3x2.f32"),  # QKV weights
-        (fp8_kernels.DGELU, True, 1, False, False, "bf16", "bf16", tl.bfloat16, "cvt.rn.bf16.f32")]  # a bf16 FC1's gradient
+        # FC1's gradient, the QKV gradients, FC2's input, the QKV weights, a bf16 FC1's gradient
+        (fp8_kernels.DGELU, True, 1, False, True, "bf16", "fp8e5", tl.float8e5, "cvt.rn.satfinite.e5m2x2.f32"),
+        (fp8_kernels.NONE, True, 3, False, True, "bf16", "fp8e5", tl.float8e5, "cvt.rn.satfinite.e5m2x2.f32"),
+        (fp8_kernels.GELU, False, 1, False, True, "bf16", "fp8e4nv", tl.float8e4nv, "cvt.rn.satfinite.e4m3x2.f32"),
+        (fp8_kernels.NONE, False, 3, True, True, "fp32", "fp8e4nv", tl.float8e4nv, "cvt.rn.satfinite.e4m3x2.f32"),
+        (fp8_kernels.DGELU, True, 1, False, False, "bf16", "bf16", tl.bfloat16, "cvt.rn.bf16.f32")]
     for act, sums, parts, stacked, fp8, given, pointer, out, conversion in variants:
         signature = {"x": f"*{given}", "x1": f"*{given}", "x2": f"*{given}", "pre": f"*{given}", "scale": "*fp32",
                      "out": f"*{pointer}", "out_t": f"*{pointer}", "partials": "*fp32", "amax": "*fp32",

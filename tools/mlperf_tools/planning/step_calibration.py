@@ -19,7 +19,8 @@ top of it (those `benchmarks/throughput.py --config_var` takes). Three kinds of 
 
 The fit: the work of each measured set-up comes from the dry run's trace of that set-up with
 today's code and, for a compiled set-up, from Inductor's count of its compiled regions' kernels
-(`step_model.features`), the code as measured where the index gives that count; the profile gives `gemm_efficiency`, `attention_efficiency` and
+(`step_model.features`), the code as measured where the index gives that count; the profile gives
+`gemm_efficiency`, `attention_efficiency` and
 `optimizer_bandwidth`, and the step times give the constants in `step_model.FITTED`. The model
 is linear in the inverse of each of those, so they are one least-squares solve of the relative
 errors, with a weak pull (`PULL`) towards each constant's prior: a constant that no measured set-up
@@ -261,7 +262,8 @@ def compiles(env: Mapping[str, str]) -> bool:
 
 @dataclass(frozen=True)
 class Traced:
-    """A set-up's work as the dry run traces it with today's code (and Inductor counts its compiled kernels)."""
+    """A set-up's work as the dry run traces it with today's code, and the bytes of its compiled kernels: Inductor's
+    count of today's code, or of the code as measured where the index gives one (`inductor_as_measured`)."""
 
     features: StepFeatures
     captured: bool
